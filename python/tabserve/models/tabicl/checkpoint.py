@@ -1,0 +1,116 @@
+"""Checkpoint I/O: reference ``.ckpt`` files and tabserve's safetensors export.
+
+* Reference files (``torch.save({"config": ..., "state_dict": ...})``, a ZIP container) are read
+  with ``torch.load(weights_only=True)``: plain tensors and containers only, never arbitrary code.
+* ``save_safetensors`` writes one ``.safetensors`` file whose header metadata carries the config as
+  JSON (key ``tabserve.config``); no pickle at all.
+
+Both are returned as ``(TabICLv2Config, state_dict)``; the format is detected from the file's
+first bytes, not its name.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import zipfile
+from pathlib import Path
+from typing import Dict, Mapping, Tuple, Union
+
+import torch
+from torch import Tensor
+
+from .config import ConfigError, TabICLv2Config
+
+#: safetensors metadata key holding the JSON config.
+CONFIG_METADATA_KEY = "tabserve.config"
+#: safetensors metadata key naming the format.
+FORMAT_METADATA_KEY = "tabserve.format"
+FORMAT_NAME = "tabiclv2"
+
+PathLike = Union[str, os.PathLike]
+StateDict = Dict[str, Tensor]
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file that cannot be read or does not hold a TabICLv2 model."""
+
+
+def load_checkpoint(path: PathLike) -> Tuple[TabICLv2Config, StateDict]:
+    """Read a reference ``.ckpt`` or a tabserve ``.safetensors`` file.
+
+    Returns the validated config and the raw state_dict (CPU tensors).
+
+    Raises:
+        FileNotFoundError: no such file.
+        CheckpointError: unreadable (corrupted, truncated, not a checkpoint) or missing entries.
+        ConfigError: the config is missing keys, contradictory, or not TabICLv2.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"checkpoint not found: {path}")
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic.startswith(b"PK"):
+        return _load_reference(path)
+    return _load_safetensors(path)
+
+
+def _load_reference(path: Path) -> Tuple[TabICLv2Config, StateDict]:
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=True)
+    except (RuntimeError, EOFError, OSError, zipfile.BadZipFile, pickle.UnpicklingError, ValueError) as e:
+        raise CheckpointError(f"cannot read checkpoint {path} (corrupted or truncated?): {e}") from e
+    if not isinstance(payload, Mapping) or "config" not in payload or "state_dict" not in payload:
+        found = sorted(payload) if isinstance(payload, Mapping) else type(payload).__name__
+        raise CheckpointError(f"{path} is not a TabICL checkpoint: expected 'config' and 'state_dict', found {found}")
+    return TabICLv2Config.from_reference_dict(payload["config"]), _tensors(payload["state_dict"], path)
+
+
+def _load_safetensors(path: Path) -> Tuple[TabICLv2Config, StateDict]:
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            metadata = f.metadata() or {}
+            state_dict = {key: f.get_tensor(key) for key in f.keys()}
+    except (SafetensorError, OSError, ValueError) as e:
+        raise CheckpointError(
+            f"cannot read {path}: neither a reference .ckpt (ZIP) nor a readable safetensors file "
+            f"(corrupted or truncated?): {e}"
+        ) from e
+    if metadata.get(FORMAT_METADATA_KEY) != FORMAT_NAME or CONFIG_METADATA_KEY not in metadata:
+        raise CheckpointError(f"{path} is a safetensors file without a tabserve TabICLv2 config in its metadata")
+    try:
+        config = json.loads(metadata[CONFIG_METADATA_KEY])
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path}: config metadata is not valid JSON: {e}") from e
+    return TabICLv2Config.from_reference_dict(config), state_dict
+
+
+def _tensors(state_dict: object, path: Path) -> StateDict:
+    if not isinstance(state_dict, Mapping):
+        raise CheckpointError(f"{path}: 'state_dict' is a {type(state_dict).__name__}, not a mapping")
+    bad = [k for k, v in state_dict.items() if not isinstance(v, Tensor) or not v.is_floating_point()]
+    if bad:
+        raise CheckpointError(f"{path}: state_dict entries {bad[:5]} are not floating-point tensors")
+    return dict(state_dict)
+
+
+def save_safetensors(config: TabICLv2Config, state_dict: Mapping[str, Tensor], path: PathLike) -> Path:
+    """Write ``state_dict`` and ``config`` to one safetensors file; returns the path.
+
+    The config is stored as JSON in the header metadata in the reference's key set, so it can be
+    fed back to ``tabicl.TabICL(**config)`` as well.
+    """
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    tensors = {k: v.detach().to("cpu").contiguous() for k, v in state_dict.items()}
+    metadata = {FORMAT_METADATA_KEY: FORMAT_NAME, CONFIG_METADATA_KEY: json.dumps(config.to_reference_dict())}
+    save_file(tensors, str(path), metadata=metadata)
+    return path
+
+
+__all__ = ["CheckpointError", "ConfigError", "load_checkpoint", "save_safetensors"]

@@ -1,0 +1,174 @@
+"""Stage 1: column-wise embedding (distribution-aware, target-aware set transformer).
+
+Every feature group (3 features at cyclic offsets +1, +2, +4) is one set of ``T`` cells. Cells are
+embedded by a linear layer, train cells get a label embedding, and a stack of induced-set-attention
+blocks (ISAB) mixes each set: 128 learned inducing points attend to the train cells only
+(QASSMax, ``n`` = train rows), then every cell attends to the inducing points. Columns, tables and
+test rows never interact.
+
+The reference also pushes 4 placeholder columns (the row stage's CLS slots) through this stage and
+discards them; we skip them, which is exact.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .layers import SKIP_VALUE, AttentionBlock, KeyValue, sentinel_linear
+
+#: Cyclic feature offsets of one group (``col_feature_group="same"``, group size 3).
+GROUP_OFFSETS: Tuple[int, ...] = (1, 2, 4)
+
+
+class InducedSetBlock(nn.Module):
+    """One ISAB block: ``hidden = attn1(inducing, train cells)``; ``out = attn2(cells, hidden)``."""
+
+    def __init__(self, dim: int, num_heads: int, ff_dim: int, num_inds: int, ln_bias: bool):
+        super().__init__()
+        self.ind_vectors = nn.Parameter(torch.empty(num_inds, dim))
+        self.multihead_attn1 = AttentionBlock(dim, num_heads, ff_dim, ln_bias, qassmax=True)
+        self.multihead_attn2 = AttentionBlock(dim, num_heads, ff_dim, ln_bias)
+
+    def summary(self, cells: Tensor, n_train: int) -> KeyValue:
+        """K/V of the induced tokens for cells ``(..., T, E)``; depends on train cells only.
+
+        Returns two tensors ``(..., heads, num_inds, head_dim)``: this is the column cache entry.
+        """
+        hidden = self.multihead_attn1(self.ind_vectors, cells[..., :n_train, :])
+        return self.multihead_attn2.key_value(hidden)
+
+    def forward(self, cells: Tensor, summary: KeyValue) -> Tensor:
+        """Cells ``(..., T, E)`` attend to the induced tokens; sets made only of the sentinel stay."""
+        out = self.multihead_attn2(cells, cached_kv=summary)
+        skipped = (cells == SKIP_VALUE).flatten(-2).all(dim=-1)[..., None, None]
+        return torch.where(skipped, torch.full_like(out, SKIP_VALUE), out)
+
+
+class SetTransformer(nn.Module):
+    """Stack of ISAB blocks (state_dict prefix ``col_embedder.tf_col``)."""
+
+    def __init__(self, num_blocks: int, dim: int, num_heads: int, ff_dim: int, num_inds: int, ln_bias: bool):
+        super().__init__()
+        self.blocks = nn.ModuleList(
+            InducedSetBlock(dim, num_heads, ff_dim, num_inds, ln_bias) for _ in range(num_blocks)
+        )
+
+    def forward(self, cells: Tensor, n_train: int) -> Tuple[Tensor, List[KeyValue]]:
+        """Returns the embedded cells and the per-block K/V summaries (the column cache)."""
+        summaries = []
+        for block in self.blocks:
+            summary = block.summary(cells, n_train)
+            cells = block(cells, summary)
+            summaries.append(summary)
+        return cells, summaries
+
+    def forward_cached(self, cells: Tensor, summaries: Sequence[KeyValue]) -> Tensor:
+        """Test cells only, against cached summaries."""
+        for block, summary in zip(self.blocks, summaries):
+            cells = block(cells, summary)
+        return cells
+
+
+def mixed_radix_bases(num_classes: int, max_classes: int) -> List[int]:
+    """Balanced bases ``[k_0, ..., k_{D-1}]`` (each <= max_classes, product >= num_classes).
+
+    Same walk as the reference: start from ``ceil(K ** (1/D))`` and bump bases left to right once
+    while the product is too small. K = 25 -> [5, 5]; K = 101 -> [5, 5, 5].
+    """
+    if num_classes <= max_classes:
+        return [num_classes]
+    digits = math.ceil(math.log(num_classes) / math.log(max_classes))
+    base = min(math.ceil(num_classes ** (1.0 / digits)), max_classes)
+    bases = [base] * digits
+    product = base**digits
+    for i in range(digits):
+        if product >= num_classes:
+            break
+        if bases[i] < max_classes:
+            product = product // bases[i] * (bases[i] + 1)
+            bases[i] += 1
+    return bases
+
+
+def mixed_radix_digits(labels: Tensor, bases: Sequence[int]) -> List[Tensor]:
+    """Digits of integer labels in the mixed radix ``bases`` (most significant first)."""
+    digits = []
+    for i, base in enumerate(bases):
+        divisor = math.prod(bases[i + 1 :])
+        digits.append((labels.long() // divisor) % base)
+    return digits
+
+
+class ColumnEmbedding(nn.Module):
+    """Column-wise embedding (state_dict prefix ``col_embedder``).
+
+    Input tables ``X (B, T, H)`` with the first ``N`` rows being train rows, labels
+    ``y_train (B, N)``; output cell embeddings ``(B, T, H, E)`` (one token per feature group).
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        num_blocks: int,
+        num_heads: int,
+        ff_dim: int,
+        num_inds: int,
+        ln_bias: bool,
+        max_classes: int,
+        group_size: int = len(GROUP_OFFSETS),
+    ):
+        super().__init__()
+        if group_size != len(GROUP_OFFSETS):
+            raise ValueError(f"only feature groups of size {len(GROUP_OFFSETS)} are supported, got {group_size}")
+        self.max_classes = max_classes
+        self.in_linear = nn.Linear(group_size, dim)
+        self.tf_col = SetTransformer(num_blocks, dim, num_heads, ff_dim, num_inds, ln_bias)
+        self.y_encoder = nn.Linear(max_classes if max_classes > 0 else 1, dim)
+
+    def cells(self, X: Tensor) -> Tensor:
+        """Group features and embed every cell: ``(B, T, H) -> (B, H, T, E)``."""
+        n_features = X.shape[-1]
+        offsets = torch.tensor(GROUP_OFFSETS, device=X.device)
+        index = (torch.arange(n_features, device=X.device)[:, None] + offsets) % n_features
+        grouped = X.transpose(1, 2)[:, index]  # (B, H, 3, T)
+        return sentinel_linear(self.in_linear, grouped.transpose(-1, -2))
+
+    def label_embedding(self, y: Tensor) -> Tensor:
+        """``(B, N)`` labels (class indices or standardised targets) -> ``(B, N, E)``."""
+        if self.max_classes > 0:
+            return F.linear(F.one_hot(y.long(), self.max_classes).float(), self.y_encoder.weight, self.y_encoder.bias)
+        return self.y_encoder(y.unsqueeze(-1))
+
+    def _with_labels(self, cells: Tensor, y: Tensor) -> Tensor:
+        n_train = y.shape[1]
+        labelled = cells[:, :, :n_train] + self.label_embedding(y)[:, None]
+        return torch.cat([labelled, cells[:, :, n_train:]], dim=2)
+
+    def forward(self, X: Tensor, y_train: Tensor) -> Tensor:
+        """Embeddings ``(B, T, H, E)``; more than ``max_classes`` classes use mixed-radix digits."""
+        cells = self.cells(X)
+        n_train = y_train.shape[1]
+        num_classes = int(y_train.max().item()) + 1 if self.max_classes > 0 else 0
+        if num_classes <= self.max_classes:
+            out, _ = self.tf_col(self._with_labels(cells, y_train), n_train)
+        else:
+            bases = mixed_radix_bases(num_classes, self.max_classes)
+            out = torch.zeros_like(cells)
+            for digit in mixed_radix_digits(y_train, bases):
+                out = out + self.tf_col(self._with_labels(cells, digit), n_train)[0]
+            out = out / len(bases)
+        return out.transpose(1, 2)
+
+    def build_cache(self, X_train: Tensor, y_train: Tensor) -> Tuple[Tensor, List[KeyValue]]:
+        """Train-only pass: train embeddings ``(B, N, H, E)`` and the column K/V cache."""
+        out, summaries = self.tf_col(self._with_labels(self.cells(X_train), y_train), y_train.shape[1])
+        return out.transpose(1, 2), summaries
+
+    def forward_cached(self, X_test: Tensor, summaries: Sequence[KeyValue]) -> Tensor:
+        """Test-only pass against the column cache: ``(B, M, H) -> (B, M, H, E)``."""
+        return self.tf_col.forward_cached(self.cells(X_test), summaries).transpose(1, 2)

@@ -1,0 +1,47 @@
+"""Stage 2: row-wise interaction.
+
+Per row, 4 learned CLS tokens followed by the row's column tokens go through pre-LN blocks with
+rotate-half RoPE (positions 0..3 for the CLS tokens, 4.. for the columns). The last block only
+computes the CLS queries; their outputs are layer-normed and concatenated into one
+``num_cls * E`` row vector. Rows never interact.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from .layers import AttentionBlock, RotaryEmbedding
+
+
+class RowEncoder(nn.Module):
+    """Blocks plus the shared RoPE module (state_dict prefix ``row_interactor.tf_row``)."""
+
+    def __init__(self, num_blocks: int, dim: int, num_heads: int, ff_dim: int, ln_bias: bool, rope_base: float):
+        super().__init__()
+        self.blocks = nn.ModuleList(AttentionBlock(dim, num_heads, ff_dim, ln_bias) for _ in range(num_blocks))
+        self.rope = RotaryEmbedding(dim // num_heads, rope_base)
+
+
+class RowInteraction(nn.Module):
+    """Column tokens ``(B, T, H, E)`` -> row representations ``(B, T, num_cls * E)``."""
+
+    def __init__(
+        self, num_blocks: int, dim: int, num_heads: int, ff_dim: int, num_cls: int, ln_bias: bool, rope_base: float
+    ):
+        super().__init__()
+        self.num_cls = num_cls
+        self.tf_row = RowEncoder(num_blocks, dim, num_heads, ff_dim, ln_bias, rope_base)
+        self.cls_tokens = nn.Parameter(torch.empty(num_cls, dim))
+        self.out_ln = nn.LayerNorm(dim, bias=ln_bias)
+
+    def forward(self, embeddings: Tensor) -> Tensor:
+        batch, rows = embeddings.shape[:2]
+        cls = self.cls_tokens.to(embeddings.dtype).expand(batch, rows, *self.cls_tokens.shape)
+        tokens = torch.cat([cls, embeddings], dim=2)
+        rope = self.tf_row.rope
+        *inner, last = self.tf_row.blocks
+        for block in inner:
+            tokens = block(tokens, rope=rope)
+        cls_out = last(tokens[..., : self.num_cls, :], tokens, rope=rope)
+        return self.out_ln(cls_out).flatten(-2)

@@ -1,0 +1,179 @@
+"""Shared building blocks of TabICLv2: pre-LN attention blocks, QASSMax, rotary embedding.
+
+Module and parameter names follow the reference ``tabicl`` 2.2.0 state_dict (``norm1``,
+``linear1``, ``attn.in_proj_weight``, ``attn.ssmax_layer.base_mlp.0.weight`` ...), so a reference
+checkpoint loads with a strict ``load_state_dict``.
+
+All functions accept arbitrary leading batch axes: tokens are ``(..., L, E)``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+#: Value that marks a skipped token in the reference (CLS placeholders, padded features).
+SKIP_VALUE = -100.0
+
+#: A pair of head-split key / value projections, each ``(..., heads, keys, head_dim)``.
+KeyValue = Tuple[Tensor, Tensor]
+
+
+def sentinel_linear(linear: nn.Linear, x: Tensor) -> Tensor:
+    """``linear(x)`` with the reference's sentinel rule.
+
+    Tokens whose inputs all equal ``SKIP_VALUE`` get ``SKIP_VALUE`` in every output dimension
+    (``SkippableLinear`` in the reference). Shapes: ``(..., in) -> (..., out)``.
+    """
+    out = linear(x)
+    skipped = (x == SKIP_VALUE).all(dim=-1, keepdim=True)
+    return torch.where(skipped, torch.full_like(out, SKIP_VALUE), out)
+
+
+class QASSMax(nn.Module):
+    """Query-aware scalable softmax, element-wise variant (``qassmax-mlp-elementwise``).
+
+    Scales head-split queries before the softmax: ``q * base(ln n)[head] * (1 + tanh(mlp(q)))``
+    where ``n`` is the number of keys (train rows). ``base_mlp`` gives one factor per (head, dim);
+    ``query_mlp`` is shared by all heads.
+    """
+
+    def __init__(self, num_heads: int, head_dim: int, hidden: int = 64):
+        super().__init__()
+        self.num_heads = num_heads
+        self.head_dim = head_dim
+        self.base_mlp = nn.Sequential(nn.Linear(1, hidden), nn.GELU(), nn.Linear(hidden, num_heads * head_dim))
+        self.query_mlp = nn.Sequential(nn.Linear(head_dim, hidden), nn.GELU(), nn.Linear(hidden, head_dim))
+
+    def forward(self, q: Tensor, num_keys: int) -> Tensor:
+        """q: ``(batch, heads, queries, head_dim)``; returns the scaled queries, same shape."""
+        log_n = torch.tensor(math.log(max(num_keys, 1)), device=q.device, dtype=q.dtype).reshape(1, 1)
+        base = self.base_mlp(log_n).view(1, self.num_heads, 1, self.head_dim)
+        modulation = 1 + torch.tanh(self.query_mlp(q))
+        return q * (base * modulation)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotate-half (non-interleaved) RoPE, the TabICLv2 flavour.
+
+    ``freqs`` (``head_dim // 2`` values) is a non-trainable parameter, as in the reference
+    state_dict. Positions are the 0-based token indices; they are generated in the input dtype
+    (as the reference does) and the rotation itself is evaluated in fp32.
+    """
+
+    def __init__(self, head_dim: int, base: float):
+        super().__init__()
+        exponents = torch.arange(0, head_dim, 2)[: head_dim // 2].float() / head_dim
+        self.freqs = nn.Parameter(1.0 / (base**exponents), requires_grad=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """x: ``(..., L, head_dim)`` with positions along ``L``; returns the rotated tensor."""
+        positions = torch.arange(x.shape[-2], device=x.device, dtype=x.dtype).to(self.freqs.dtype)
+        angles = positions[:, None] * self.freqs[None, :]
+        cos = torch.cat([angles.cos(), angles.cos()], dim=-1)
+        sin = torch.cat([angles.sin(), angles.sin()], dim=-1)
+        half = x.shape[-1] // 2
+        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+        return (x * cos + rotated * sin).to(x.dtype)
+
+
+class Attention(nn.Module):
+    """Multi-head attention with packed in-projection (``nn.MultiheadAttention`` parameter names).
+
+    Optional QASSMax on the queries (after RoPE) with ``n`` = number of keys. No masks: train /
+    test asymmetry is expressed by which tokens are passed as keys and values.
+    """
+
+    def __init__(self, dim: int, num_heads: int, qassmax: bool):
+        super().__init__()
+        if dim % num_heads:
+            raise ValueError(f"embedding dim {dim} is not divisible by {num_heads} heads")
+        self.num_heads = num_heads
+        self.head_dim = dim // num_heads
+        self.in_proj_weight = nn.Parameter(torch.empty(3 * dim, dim))
+        self.in_proj_bias = nn.Parameter(torch.empty(3 * dim))
+        self.out_proj = nn.Linear(dim, dim)
+        self.ssmax_layer = QASSMax(num_heads, self.head_dim) if qassmax else None
+
+    def _split_heads(self, x: Tensor) -> Tensor:
+        return x.unflatten(-1, (self.num_heads, self.head_dim)).transpose(-3, -2)
+
+    def project_kv(self, kv: Tensor, rope: Optional[RotaryEmbedding] = None) -> KeyValue:
+        """Head-split K and V of (already normalised) tokens ``(..., L, E)``."""
+        dim = kv.shape[-1]
+        k, v = F.linear(kv, self.in_proj_weight[dim:], self.in_proj_bias[dim:]).chunk(2, dim=-1)
+        k, v = self._split_heads(k), self._split_heads(v)
+        if rope is not None:
+            k = rope(k)
+        return k, v
+
+    def forward(self, q: Tensor, kv: KeyValue, rope: Optional[RotaryEmbedding] = None) -> Tensor:
+        """q: normalised query tokens ``(..., Lq, E)``; kv from ``project_kv`` (broadcastable)."""
+        dim = q.shape[-1]
+        query = self._split_heads(F.linear(q, self.in_proj_weight[:dim], self.in_proj_bias[:dim]))
+        if rope is not None:
+            query = rope(query)
+        k, v = kv
+        if self.ssmax_layer is not None:
+            # Before broadcasting: the scale depends only on the query and the number of keys.
+            query = self.ssmax_layer(query, k.shape[-2])
+        batch_shape = torch.broadcast_shapes(query.shape[:-3], k.shape[:-3])
+        query = query.expand(*batch_shape, *query.shape[-3:]).reshape(-1, *query.shape[-3:])
+        k = k.expand(*batch_shape, *k.shape[-3:]).reshape(-1, *k.shape[-3:])
+        v = v.expand(*batch_shape, *v.shape[-3:]).reshape(-1, *v.shape[-3:])
+        out = F.scaled_dot_product_attention(query, k, v)
+        out = out.view(*batch_shape, *out.shape[-3:]).transpose(-3, -2).flatten(-2)
+        return self.out_proj(out)
+
+
+class AttentionBlock(nn.Module):
+    """Pre-LN transformer block: ``x = q + MHA(LN1(q), LN1(kv)); x = x + FFN(LN2(x))``.
+
+    The same ``norm1`` normalises queries and keys/values; the residual is added to the raw query
+    tokens. FFN = ``linear2(gelu(linear1(.)))`` with the exact (erf) GELU.
+    """
+
+    def __init__(self, dim: int, num_heads: int, ff_dim: int, ln_bias: bool, qassmax: bool = False):
+        super().__init__()
+        self.linear1 = nn.Linear(dim, ff_dim)
+        self.linear2 = nn.Linear(ff_dim, dim)
+        self.norm1 = nn.LayerNorm(dim, bias=ln_bias)
+        self.norm2 = nn.LayerNorm(dim, bias=ln_bias)
+        self.attn = Attention(dim, num_heads, qassmax)
+
+    def key_value(self, kv: Tensor, rope: Optional[RotaryEmbedding] = None) -> KeyValue:
+        """K/V projections this block attends to, for raw (un-normalised) tokens ``kv``."""
+        return self.attn.project_kv(self.norm1(kv), rope)
+
+    def forward(
+        self,
+        q: Tensor,
+        kv: Optional[Tensor] = None,
+        *,
+        cached_kv: Optional[KeyValue] = None,
+        kv_rows: Optional[int] = None,
+        rope: Optional[RotaryEmbedding] = None,
+        return_kv: bool = False,
+    ):
+        """Attend from raw query tokens ``q (..., Lq, E)``.
+
+        Keys/values come from ``cached_kv`` if given, else from ``kv`` (raw tokens), else from the
+        first ``kv_rows`` tokens of ``q`` (all of them if None: self-attention). With
+        ``return_kv`` also returns the K/V pair used.
+        """
+        q_normed = self.norm1(q)
+        if cached_kv is not None:
+            keys_values = cached_kv
+        elif kv_rows is not None:
+            keys_values = self.attn.project_kv(q_normed[..., :kv_rows, :], rope)
+        elif kv is None:
+            keys_values = self.attn.project_kv(q_normed, rope)
+        else:
+            keys_values = self.key_value(kv, rope)
+        x = q + self.attn(q_normed, keys_values, rope)
+        x = x + self.linear2(F.gelu(self.linear1(self.norm2(x))))
+        return (x, keys_values) if return_kv else x

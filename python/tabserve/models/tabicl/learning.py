@@ -1,0 +1,129 @@
+"""Stage 3: dataset-wise in-context learning, output heads and the many-class hierarchy.
+
+Row vectors of train rows get a label embedding; 12 pre-LN blocks (QASSMax, ``n`` = train rows)
+let every row attend to the train rows only; LayerNorm + a 2-layer GELU MLP give 10 class logits or
+999 quantiles. Test rows never attend to each other, so they can be processed against cached train
+K/V (the ICL cache) with the same result.
+
+More than ``max_classes`` classes: the reference's class hierarchy. Classes (sorted) are split into
+at most ``max_classes`` contiguous groups, recursively; each tree node runs one ICL pass on its train
+rows, and class probabilities are products of group probabilities along the path.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import List, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .layers import AttentionBlock, KeyValue
+
+#: Softmax temperature used inside the class hierarchy (fixed in the reference).
+HIERARCHY_TEMPERATURE = 0.9
+#: Added to hierarchical probabilities before taking logs for logit output.
+HIERARCHY_LOG_EPS = 1e-6
+
+
+class ICLEncoder(nn.Module):
+    """Stack of ICL blocks (state_dict prefix ``icl_predictor.tf_icl``)."""
+
+    def __init__(self, num_blocks: int, dim: int, num_heads: int, ff_dim: int, ln_bias: bool):
+        super().__init__()
+        self.blocks = nn.ModuleList(
+            AttentionBlock(dim, num_heads, ff_dim, ln_bias, qassmax=True) for _ in range(num_blocks)
+        )
+
+
+def class_groups(num_classes: int, max_classes: int) -> Tensor:
+    """Group index of each of ``num_classes`` sorted classes: contiguous, balanced, <= max groups.
+
+    Sizes are assigned greedily as ``ceil(remaining / groups_left)``: 25 -> [9, 8, 8].
+    """
+    num_groups = min(math.ceil(num_classes / max_classes), max_classes)
+    sizes = []
+    remaining = num_classes
+    for groups_left in range(num_groups, 0, -1):
+        sizes.append(math.ceil(remaining / groups_left))
+        remaining -= sizes[-1]
+    return torch.repeat_interleave(torch.arange(num_groups), torch.tensor(sizes))
+
+
+class InContextLearner(nn.Module):
+    """ICL transformer + head (state_dict prefix ``icl_predictor``).
+
+    ``out_dim`` is ``max_classes`` (classification) or the number of quantiles (regression,
+    ``max_classes == 0``).
+    """
+
+    def __init__(
+        self, num_blocks: int, dim: int, num_heads: int, ff_dim: int, ln_bias: bool, max_classes: int, out_dim: int
+    ):
+        super().__init__()
+        self.max_classes = max_classes
+        self.tf_icl = ICLEncoder(num_blocks, dim, num_heads, ff_dim, ln_bias)
+        self.ln = nn.LayerNorm(dim, bias=ln_bias)
+        self.y_encoder = nn.Linear(max_classes if max_classes > 0 else 1, dim)
+        self.decoder = nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, out_dim))
+
+    def label_embedding(self, y: Tensor) -> Tensor:
+        """``(B, N)`` labels -> ``(B, N, D)``."""
+        if self.max_classes > 0:
+            return F.linear(F.one_hot(y.long(), self.max_classes).float(), self.y_encoder.weight, self.y_encoder.bias)
+        return self.y_encoder(y.unsqueeze(-1))
+
+    def build_cache(self, R_train: Tensor, y_train: Tensor) -> List[KeyValue]:
+        """K/V of the labelled train rows at every block: ``(B, heads, N, head_dim)`` pairs."""
+        x = R_train + self.label_embedding(y_train)
+        blocks = self.tf_icl.blocks
+        cache = []
+        for i, block in enumerate(blocks):
+            if i + 1 < len(blocks):
+                x, kv = block(x, kv_rows=x.shape[-2], return_kv=True)
+            else:  # the last block's train outputs are never used
+                kv = block.key_value(x)
+            cache.append(kv)
+        return cache
+
+    def forward_cached(self, R_test: Tensor, cache: Sequence[KeyValue]) -> Tensor:
+        """Raw head outputs ``(B, M, out_dim)`` of test rows against the ICL cache."""
+        x = R_test
+        for block, kv in zip(self.tf_icl.blocks, cache):
+            x = block(x, cached_kv=kv)
+        return self.decoder(self.ln(x))
+
+    def forward(self, R: Tensor, y_train: Tensor) -> Tensor:
+        """Raw head outputs ``(B, M, out_dim)`` for the test rows of ``R (B, N + M, D)``."""
+        n_train = y_train.shape[1]
+        return self.forward_cached(R[:, n_train:], self.build_cache(R[:, :n_train], y_train))
+
+    def _node_probs(self, R_train: Tensor, labels: Tensor, R_test: Tensor, num_labels: int) -> Tensor:
+        logits = self(torch.cat([R_train, R_test])[None], labels[None])[0, :, :num_labels]
+        return torch.softmax(logits / HIERARCHY_TEMPERATURE, dim=-1)
+
+    def _hierarchy(self, R_train: Tensor, y: Tensor, R_test: Tensor, classes: Tensor, num_classes: int) -> Tensor:
+        """Probabilities ``(M, num_classes)`` from the subtree whose sorted classes are ``classes``."""
+        out = torch.zeros(R_test.shape[0], num_classes, device=R_test.device)
+        local = torch.searchsorted(classes, y)
+        if len(classes) <= self.max_classes:
+            out[:, classes] = self._node_probs(R_train, local, R_test, len(classes))
+            return out
+        groups = class_groups(len(classes), self.max_classes).to(y.device)
+        node_labels = groups[local]
+        group_probs = self._node_probs(R_train, node_labels, R_test, int(groups[-1]) + 1)
+        for g in range(int(groups[-1]) + 1):
+            rows = node_labels == g
+            child = self._hierarchy(R_train[rows], y[rows], R_test, classes[groups == g], num_classes)
+            out += child * group_probs[:, g : g + 1]
+        return out
+
+    def hierarchical_probs(self, R: Tensor, y_train: Tensor) -> Tensor:
+        """Class probabilities ``(B, M, K)`` through the class hierarchy, one table at a time."""
+        n_train = y_train.shape[1]
+        out = []
+        for R_table, y_table in zip(R, y_train.long()):
+            classes = torch.unique(y_table)
+            out.append(self._hierarchy(R_table[:n_train], y_table, R_table[n_train:], classes, len(classes)))
+        return torch.stack(out)

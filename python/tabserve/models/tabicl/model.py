@@ -1,0 +1,283 @@
+"""``TabICLv2``: the TabICLv2 network (column embedding -> row interaction -> in-context learning).
+
+State_dict-compatible with ``tabicl.TabICL`` 2.2.0 for v2 checkpoints (classifier: 10 logits;
+regressor: 999 quantiles, bias-free LayerNorms). Inputs are already-preprocessed tables: ``X`` is
+``(B, N + M, H)`` float with the ``N`` train rows first, ``y_train`` is ``(B, N)``: class indices
+``0..K-1`` stored as floats (classification) or standardised targets (regression). Tables in a
+batch are independent (the estimators batch ensemble members this way).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Union
+
+import torch
+from torch import Tensor, nn
+
+from .checkpoint import CheckpointError, PathLike, load_checkpoint, save_safetensors
+from .config import TabICLv2Config
+from .embedding import ColumnEmbedding
+from .interaction import RowInteraction
+from .layers import KeyValue
+from .learning import HIERARCHY_LOG_EPS, InContextLearner
+from .quantiles import quantile_stats
+
+
+@dataclass
+class TabICLv2Cache:
+    """Train-side K/V of a batch of tables, built by :meth:`TabICLv2.build_cache`.
+
+    ``col``: per ISAB block, K and V of the induced tokens, ``(B, H, heads, num_inds, head_dim)``
+    (independent of the number of train rows). ``icl``: per ICL block, K and V of the train rows,
+    ``(B, heads, N, head_dim)``.
+    """
+
+    col: List[KeyValue]
+    icl: List[KeyValue]
+    n_train: int
+    n_features: int
+    num_classes: int  # 0 for regression
+
+    @property
+    def batch_size(self) -> int:
+        return self.icl[0][0].shape[0]
+
+    def _map(self, fn) -> "TabICLv2Cache":
+        return dataclasses.replace(
+            self, col=[(fn(k), fn(v)) for k, v in self.col], icl=[(fn(k), fn(v)) for k, v in self.icl]
+        )
+
+    def to(self, device=None, dtype=None) -> "TabICLv2Cache":
+        """Copy to another device and/or floating dtype."""
+        return self._map(lambda t: t.to(device=device, dtype=dtype))
+
+    def select(self, tables: slice) -> "TabICLv2Cache":
+        """The cache of a slice of the batch (views, no copy)."""
+        return self._map(lambda t: t[tables])
+
+    @staticmethod
+    def concat(caches: Sequence["TabICLv2Cache"]) -> "TabICLv2Cache":
+        """Concatenate caches of the same train table along the batch axis."""
+        first = caches[0]
+        stack = lambda parts: [tuple(torch.cat(kv, dim=0) for kv in zip(*layer)) for layer in zip(*parts)]
+        return dataclasses.replace(first, col=stack([c.col for c in caches]), icl=stack([c.icl for c in caches]))
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for kv in self.col + self.icl for t in kv)
+
+
+class TabICLv2(nn.Module):
+    """TabICLv2 inference module. Build with :meth:`from_checkpoint`.
+
+    Submodules (state_dict prefixes as in the reference): ``col_embedder``, ``row_interactor``,
+    ``icl_predictor``. CPU and CUDA; no masks, no dropout; runs under ``torch.no_grad``.
+    """
+
+    def __init__(self, config: TabICLv2Config):
+        super().__init__()
+        self.config = config
+        ln_bias = not config.bias_free_ln
+        e, ff = config.embed_dim, config.ff_factor
+        self.col_embedder = ColumnEmbedding(
+            e, config.col_num_blocks, config.col_nhead, e * ff, config.col_num_inds, ln_bias,
+            config.max_classes, config.col_feature_group_size,
+        )
+        self.row_interactor = RowInteraction(
+            config.row_num_blocks, e, config.row_nhead, e * ff, config.row_num_cls, ln_bias, config.row_rope_base
+        )
+        d = config.icl_dim
+        self.icl_predictor = InContextLearner(
+            config.icl_num_blocks, d, config.icl_nhead, d * ff, ln_bias, config.max_classes, config.out_dim
+        )
+        self.eval()
+
+    # ------------------------------------------------------------------ checkpoints
+    @classmethod
+    def from_checkpoint(cls, path: PathLike, device: Union[str, torch.device, None] = None) -> "TabICLv2":
+        """Load a reference ``.ckpt`` (``weights_only=True``) or a tabserve ``.safetensors`` file.
+
+        Raises:
+            FileNotFoundError, CheckpointError (unreadable / wrong tensors), ConfigError
+            (missing, contradictory or non-v2 config).
+        """
+        config, state_dict = load_checkpoint(path)
+        model = cls(config)
+        model.load_reference_state_dict(state_dict, source=str(path))
+        return model.to(device) if device is not None else model
+
+    def load_reference_state_dict(self, state_dict: Dict[str, Tensor], source: str = "state_dict") -> None:
+        """Strictly load a reference state_dict; mismatches name the config keys to check."""
+        own = self.state_dict()
+        missing = sorted(set(own) - set(state_dict))
+        unexpected = sorted(set(state_dict) - set(own))
+        shapes = sorted(k for k in set(own) & set(state_dict) if own[k].shape != state_dict[k].shape)
+        if missing or unexpected or shapes:
+            details = "; ".join(
+                f"{name}: {keys[:4]}{' ...' if len(keys) > 4 else ''}"
+                for name, keys in (("missing", missing), ("unexpected", unexpected), ("shape mismatch", shapes))
+                if keys
+            )
+            raise CheckpointError(
+                f"{source}: weights contradict the config {self.config} ({details}); check bias_free_ln, "
+                "max_classes, num_quantiles and the block / head counts"
+            )
+        self.load_state_dict({k: v.to(own[k].dtype) for k, v in state_dict.items()})
+
+    def save_safetensors(self, path: PathLike) -> Path:
+        """Export weights + config to one safetensors file (config as JSON metadata)."""
+        return save_safetensors(self.config, self.state_dict(), path)
+
+    # ------------------------------------------------------------------ input checks
+    @property
+    def is_regressor(self) -> bool:
+        return self.config.is_regression
+
+    def _device_dtype(self):
+        p = self.icl_predictor.ln.weight
+        return p.device, p.dtype
+
+    def _check_table(self, X: Tensor, name: str = "X") -> Tensor:
+        if not isinstance(X, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(X).__name__}")
+        if not X.is_floating_point():
+            raise TypeError(f"{name} must be a floating-point tensor, got {X.dtype}")
+        if X.dim() != 3:
+            raise ValueError(f"{name} must be (tables, rows, features), got shape {tuple(X.shape)}")
+        if X.shape[2] == 0 or X.shape[0] == 0:
+            raise ValueError(f"{name} has no features or no tables: shape {tuple(X.shape)}")
+        device, dtype = self._device_dtype()
+        if X.device != device:
+            raise ValueError(f"{name} is on {X.device} but the model is on {device}")
+        if not torch.isfinite(X).all():
+            raise ValueError(f"{name} contains NaN or infinite values; impute / clean the table first")
+        return X.to(dtype)
+
+    def _check_labels(self, X: Tensor, y_train: Tensor) -> int:
+        """Validate ``y_train``; returns the number of classes K (0 for regression)."""
+        if not isinstance(y_train, Tensor):
+            raise TypeError(f"y_train must be a torch.Tensor, got {type(y_train).__name__}")
+        if y_train.dim() != 2 or y_train.shape[0] != X.shape[0]:
+            raise ValueError(f"y_train must be (tables, train rows) = ({X.shape[0]}, N), got {tuple(y_train.shape)}")
+        if y_train.shape[1] == 0:
+            raise ValueError("y_train has zero train rows; at least one labelled row is required")
+        if y_train.shape[1] > X.shape[1]:
+            raise ValueError(f"{y_train.shape[1]} train labels for only {X.shape[1]} rows")
+        if y_train.device != X.device:
+            raise ValueError(f"y_train is on {y_train.device} but X is on {X.device}")
+        if not torch.isfinite(y_train).all():
+            raise ValueError("y_train contains NaN or infinite values")
+        if self.is_regressor:
+            return 0
+        if y_train.is_complex() or (y_train != y_train.round()).any() or (y_train < 0).any():
+            raise ValueError("classification labels must be non-negative integers 0..K-1")
+        labels = y_train.long()
+        present = torch.zeros(labels.shape[0], int(labels.max()) + 1, dtype=torch.bool, device=labels.device)
+        present.scatter_(1, labels, True)
+        counts = present.sum(dim=1)
+        num_classes = int(counts[0])
+        if (counts != num_classes).any():
+            raise ValueError(f"all tables must have the same number of classes, got {counts.tolist()}")
+        if int(labels.max()) >= num_classes:
+            raise ValueError(f"labels of every table must be exactly 0..K-1 (K={num_classes}); re-encode them")
+        return num_classes
+
+    # ------------------------------------------------------------------ forward
+    def _representations(self, X: Tensor, y_train: Tensor) -> Tensor:
+        return self.row_interactor(self.col_embedder(X, y_train))
+
+    def _classify(self, raw: Tensor, num_classes: int, return_logits: bool, temperature: float) -> Tensor:
+        logits = raw[..., :num_classes]
+        return logits if return_logits else torch.softmax(logits / temperature, dim=-1)
+
+    @torch.no_grad()
+    def forward(
+        self, X: Tensor, y_train: Tensor, return_logits: bool = True, softmax_temperature: float = 0.9
+    ) -> Tensor:
+        """Predictions for the test rows ``X[:, N:]``.
+
+        Classification: ``(B, M, K)`` logits (or ``softmax(logits / T)`` probabilities with
+        ``return_logits=False``); K > max_classes goes through mixed-radix column embedding and the
+        class hierarchy (logits are then ``T * log(p + 1e-6)``). Regression: raw quantiles
+        ``(B, M, num_quantiles)`` (unsorted, as the network outputs them).
+
+        Raises:
+            TypeError: non-tensor or non-float X / y_train. ValueError: bad shapes, NaN/inf, zero
+            train rows, device mismatch, labels that are not 0..K-1 in every table.
+        """
+        X = self._check_table(X)
+        num_classes = self._check_labels(X, y_train)
+        y_train = y_train.to(X.dtype)
+        R = self._representations(X, y_train)
+        if num_classes > self.config.max_classes:
+            probs = self.icl_predictor.hierarchical_probs(R, y_train)
+            return softmax_temperature * torch.log(probs + HIERARCHY_LOG_EPS) if return_logits else probs
+        raw = self.icl_predictor(R, y_train)
+        return raw if self.is_regressor else self._classify(raw, num_classes, return_logits, softmax_temperature)
+
+    def _require_regressor(self) -> None:
+        if not self.is_regressor:
+            raise ValueError("quantile statistics need a regression checkpoint (max_classes == 0)")
+
+    @torch.no_grad()
+    def predict_stats(
+        self,
+        X: Tensor,
+        y_train: Tensor,
+        output_type: Union[str, Sequence[str]] = "mean",
+        alphas: Optional[Sequence[float]] = None,
+    ) -> Union[Tensor, Dict[str, Tensor]]:
+        """Regression statistics of the test rows (see :func:`quantiles.quantile_stats`)."""
+        self._require_regressor()
+        return quantile_stats(self(X, y_train), output_type, alphas)
+
+    # ------------------------------------------------------------------ KV cache
+    @torch.no_grad()
+    def build_cache(self, X_train: Tensor, y_train: Tensor) -> TabICLv2Cache:
+        """Run the train rows once and keep the column-stage and ICL K/V.
+
+        Raises:
+            ValueError: as :meth:`forward`; also for more than ``max_classes`` classes (the
+            mixed-radix / hierarchical path runs several passes and cannot be cached).
+        """
+        X_train = self._check_table(X_train, "X_train")
+        num_classes = self._check_labels(X_train, y_train)
+        if y_train.shape[1] != X_train.shape[1]:
+            raise ValueError(f"X_train has {X_train.shape[1]} rows but y_train has {y_train.shape[1]} labels")
+        if num_classes > self.config.max_classes:
+            raise ValueError(
+                f"the KV cache does not support {num_classes} classes (> max_classes={self.config.max_classes})"
+            )
+        y_train = y_train.to(X_train.dtype)
+        embeddings, col = self.col_embedder.build_cache(X_train, y_train)
+        icl = self.icl_predictor.build_cache(self.row_interactor(embeddings), y_train)
+        return TabICLv2Cache(col, icl, y_train.shape[1], X_train.shape[2], num_classes)
+
+    @torch.no_grad()
+    def forward_with_cache(
+        self, X_test: Tensor, cache: TabICLv2Cache, return_logits: bool = True, softmax_temperature: float = 0.9
+    ) -> Tensor:
+        """Same output as :meth:`forward` on ``[X_train; X_test]``, from test rows ``(B, M, H)`` only."""
+        X_test = self._check_table(X_test, "X_test")
+        if X_test.shape[0] != cache.batch_size or X_test.shape[2] != cache.n_features:
+            raise ValueError(
+                f"X_test {tuple(X_test.shape)} does not match the cache ({cache.batch_size} tables, "
+                f"{cache.n_features} features)"
+            )
+        R = self.row_interactor(self.col_embedder.forward_cached(X_test, cache.col))
+        raw = self.icl_predictor.forward_cached(R, cache.icl)
+        return raw if self.is_regressor else self._classify(raw, cache.num_classes, return_logits, softmax_temperature)
+
+    @torch.no_grad()
+    def predict_stats_with_cache(
+        self,
+        X_test: Tensor,
+        cache: TabICLv2Cache,
+        output_type: Union[str, Sequence[str]] = "mean",
+        alphas: Optional[Sequence[float]] = None,
+    ) -> Union[Tensor, Dict[str, Tensor]]:
+        """Regression statistics from test rows only (cached train side)."""
+        self._require_regressor()
+        return quantile_stats(self.forward_with_cache(X_test, cache), output_type, alphas)
