@@ -1,0 +1,87 @@
+// Torch-free string hashing shared by the CPU and CUDA kernels.
+//
+// A label is a byte range [begin, end). It is read as little-endian 64-bit words w_k holding the
+// bytes [8k, 8k + 8), zero-padded past the end. The hash is position-keyed and additive:
+//
+//     H(column, label) = finish( sum_k mix(w_k + (k + 1) * kWordKey) + length * kLengthKey
+//                                + column * kColumnKey )
+//
+// so any set of threads may hash disjoint words and add their partial sums in any order (a warp
+// reduction on the GPU, a plain loop on the CPU) and get the same value bit for bit. The length
+// term separates labels that differ only by trailing NUL bytes. The hash only chooses slots: every
+// match is confirmed by comparing bytes, so a collision can cost a probe but never a wrong code.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#if defined(__CUDACC__)
+#define TABSERVE_HOST_DEVICE __host__ __device__ __forceinline__
+#else
+#define TABSERVE_HOST_DEVICE inline
+#endif
+
+namespace tabserve {
+namespace core {
+
+constexpr uint64_t kWordKey = 0x9E3779B97F4A7C15ull;
+constexpr uint64_t kLengthKey = 0xC2B2AE3D27D4EB4Full;
+constexpr uint64_t kColumnKey = 0x165667B19E3779F9ull;
+constexpr int kWordBytes = 8;
+
+// The murmur3 64-bit finaliser: a bijection that spreads every input bit over the whole word.
+TABSERVE_HOST_DEVICE uint64_t mix64(uint64_t x) {
+  x ^= x >> 33;
+  x *= 0xFF51AFD7ED558CCDull;
+  x ^= x >> 33;
+  x *= 0xC4CEB9FE1A85EC53ull;
+  x ^= x >> 33;
+  return x;
+}
+
+// Contribution of word k (value w) to the sum.
+TABSERVE_HOST_DEVICE uint64_t word_term(uint64_t w, int64_t k) {
+  return mix64(w + static_cast<uint64_t>(k + 1) * kWordKey);
+}
+
+// Turns the sum of word terms into the label's hash, keeping the low `hash_bits` bits
+// (64 in production; tests pass fewer bits to force collisions).
+TABSERVE_HOST_DEVICE uint64_t finish_hash(uint64_t word_sum, int64_t length, int64_t column,
+                                          int64_t hash_bits) {
+  uint64_t h = mix64(word_sum + static_cast<uint64_t>(length) * kLengthKey +
+                     static_cast<uint64_t>(column) * kColumnKey);
+  return hash_bits >= 64 ? h : (h & ((uint64_t{1} << hash_bits) - 1));
+}
+
+// Number of words a label of `length` bytes occupies.
+TABSERVE_HOST_DEVICE int64_t word_count(int64_t length) {
+  return (length + kWordBytes - 1) / kWordBytes;
+}
+
+// Word k of a label, zero-padded, read without touching bytes outside the label (host path).
+inline uint64_t load_word_host(const uint8_t* label, int64_t length, int64_t k) {
+  uint64_t w = 0;
+  int64_t first = k * kWordBytes;
+  int64_t n = length - first < kWordBytes ? length - first : kWordBytes;
+  std::memcpy(&w, label + first, static_cast<size_t>(n));  // little-endian hosts only
+  return w;
+}
+
+// Hash of one label, sequentially (host path; the CUDA kernels split the same sum over lanes).
+inline uint64_t hash_label_host(const uint8_t* label, int64_t length, int64_t column,
+                                int64_t hash_bits) {
+  uint64_t sum = 0;
+  int64_t words = word_count(length);
+  for (int64_t k = 0; k < words; ++k) sum += word_term(load_word_host(label, length, k), k);
+  return finish_hash(sum, length, column, hash_bits);
+}
+
+// Smallest power of two >= 2 * labels, at least 16: a load factor of at most one half.
+inline int64_t table_capacity(int64_t labels) {
+  int64_t capacity = 16;
+  while (capacity < 2 * labels) capacity *= 2;
+  return capacity;
+}
+
+}  // namespace core
+}  // namespace tabserve

@@ -1,0 +1,373 @@
+// CUDA kernels of the string-lookup operators (schemas and contracts: ../string_lookup.cpp).
+//
+// One warp owns one label: its lanes hash disjoint 8-byte words and add the position-keyed terms
+// with a warp reduction (the same value as the host's sequential sum, string_hash.h), then probe
+// the table in lockstep and compare candidate bytes word by word. Nothing here synchronises with
+// the host except the optional offset checks, which are skipped while a CUDA graph is captured,
+// and all memory comes from the caching allocator on the current stream.
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAStream.h>
+#include <c10/cuda/CUDAGraphsC10Utils.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include <vector>
+
+#include "../../core/string_hash.h"
+#include "../string_lookup.h"
+
+namespace tabserve {
+namespace ops {
+namespace {
+
+using core::finish_hash;
+using core::word_count;
+using core::word_term;
+
+constexpr int kWarp = 32;
+constexpr int kThreadsPerBlock = 256;
+constexpr int kWarpsPerBlock = kThreadsPerBlock / kWarp;
+constexpr unsigned kFullMask = 0xffffffffu;
+constexpr int kMaxColumnsPerLaunch = 32;  // keeps QueryBatch well inside the kernel-parameter limit
+
+struct DeviceStrings {
+  const uint8_t* data;
+  int64_t data_size;
+  const int64_t* offsets;
+  const bool* valid;  // nullptr: all valid
+  int64_t rows;
+
+  // Ranges are clamped into the data (see core::StringsView): malformed input cannot fault.
+  __device__ int64_t begin(int64_t row) const {
+    return min(max(offsets[row], int64_t{0}), data_size);
+  }
+  __device__ int64_t end(int64_t row) const {
+    return min(max(offsets[row + 1], begin(row)), data_size);
+  }
+  __device__ bool is_valid(int64_t row) const { return valid == nullptr || valid[row]; }
+};
+
+DeviceStrings device_strings(const at::Tensor& data, const at::Tensor& offsets,
+                             const std::optional<at::Tensor>& valid) {
+  return {data.data_ptr<uint8_t>(), data.numel(), offsets.data_ptr<int64_t>(),
+          valid.has_value() ? valid->data_ptr<bool>() : nullptr, offsets.numel() - 1};
+}
+
+// Word k of a label (bytes [8k, 8k + 8), zero-padded), from at most two aligned 8-byte loads.
+// Each aligned word read holds at least one byte of the label, so it never crosses into a page
+// or an allocation block that the label does not touch.
+__device__ __forceinline__ uint64_t load_word(const uint8_t* label, int64_t length, int64_t k) {
+  const uintptr_t address = reinterpret_cast<uintptr_t>(label) + k * core::kWordBytes;
+  const int64_t remaining = length - k * core::kWordBytes;
+  const unsigned misalignment = static_cast<unsigned>(address & 7u);
+  const uint64_t* aligned = reinterpret_cast<const uint64_t*>(address - misalignment);
+  uint64_t word = __ldg(aligned) >> (8u * misalignment);
+  if (misalignment != 0 && remaining > 8 - static_cast<int64_t>(misalignment)) {
+    word |= __ldg(aligned + 1) << (64u - 8u * misalignment);
+  }
+  if (remaining < 8) word &= (uint64_t{1} << (8 * remaining)) - 1;
+  return word;
+}
+
+__device__ uint64_t warp_hash(const uint8_t* label, int64_t length, int64_t column,
+                              int64_t hash_bits, int lane) {
+  uint64_t sum = 0;
+  const int64_t words = word_count(length);
+  for (int64_t k = lane; k < words; k += kWarp) sum += word_term(load_word(label, length, k), k);
+  for (int step = kWarp / 2; step > 0; step /= 2) sum += __shfl_xor_sync(kFullMask, sum, step);
+  return finish_hash(sum, length, column, hash_bits);
+}
+
+__device__ bool warp_same_bytes(const uint8_t* a, const uint8_t* b, int64_t length, int lane) {
+  bool same = true;
+  const int64_t words = word_count(length);
+  for (int64_t k = lane; k < words && same; k += kWarp) {
+    same = load_word(a, length, k) == load_word(b, length, k);
+  }
+  return __all_sync(kFullMask, same);
+}
+
+__device__ bool thread_same_bytes(const uint8_t* a, const uint8_t* b, int64_t length) {
+  const int64_t words = word_count(length);
+  for (int64_t k = 0; k < words; ++k) {
+    if (load_word(a, length, k) != load_word(b, length, k)) return false;
+  }
+  return true;
+}
+
+// Column c of a packed vocabulary row: segments[c] <= row < segments[c + 1].
+__device__ int64_t column_of(const int64_t* segments, int64_t columns, int64_t row) {
+  int64_t lo = 0, hi = columns;  // invariant: segments[lo] <= row < segments[hi]
+  while (hi - lo > 1) {
+    const int64_t mid = (lo + hi) / 2;
+    if (segments[mid] <= row) lo = mid; else hi = mid;
+  }
+  return lo;
+}
+
+__global__ void hash_rows_kernel(DeviceStrings vocabulary, const int64_t* segments,
+                                 int64_t columns, int64_t hash_bits, int64_t* hashes) {
+  const int lane = threadIdx.x % kWarp;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * kWarpsPerBlock;
+  for (int64_t row = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / kWarp;
+       row < vocabulary.rows; row += warps) {
+    const int64_t begin = vocabulary.begin(row);
+    const uint64_t h = warp_hash(vocabulary.data + begin, vocabulary.end(row) - begin,
+                                 column_of(segments, columns, row), hash_bits, lane);
+    if (lane == 0) hashes[row] = static_cast<int64_t>(h);
+  }
+}
+
+// One thread per row. Slots go from empty to taken and never back, so equal labels follow the
+// same probe sequence to the same slot; atomicMax then keeps the last of them.
+__global__ void insert_rows_kernel(DeviceStrings vocabulary, const int64_t* segments,
+                                   int64_t columns, const int64_t* hashes, int64_t* slot_row,
+                                   int64_t capacity) {
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (row >= vocabulary.rows || !vocabulary.is_valid(row)) return;
+  const int64_t column = column_of(segments, columns, row);
+  const int64_t first = segments[column];
+  const int64_t last = segments[column + 1];
+  const uint64_t h = static_cast<uint64_t>(hashes[row]);
+  const int64_t begin = vocabulary.begin(row);
+  const int64_t length = vocabulary.end(row) - begin;
+  const uint64_t mask = static_cast<uint64_t>(capacity - 1);
+  for (uint64_t p = h & mask;; p = (p + 1) & mask) {
+    auto* slot = reinterpret_cast<unsigned long long*>(slot_row + p);
+    const auto held = static_cast<int64_t>(
+        atomicCAS(slot, static_cast<unsigned long long>(-1LL), static_cast<unsigned long long>(row)));
+    if (held < 0) return;
+    if (static_cast<uint64_t>(hashes[held]) == h && held >= first && held < last) {
+      const int64_t held_begin = vocabulary.begin(held);
+      if (vocabulary.end(held) - held_begin == length &&
+          thread_same_bytes(vocabulary.data + held_begin, vocabulary.data + begin, length)) {
+        atomicMax(reinterpret_cast<long long*>(slot_row + p), static_cast<long long>(row));
+        return;
+      }
+    }
+  }
+}
+
+__global__ void fill_slot_hash_kernel(const int64_t* slot_row, const int64_t* hashes,
+                                      int64_t* slot_hash, int64_t capacity) {
+  const int64_t p = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (p < capacity) slot_hash[p] = slot_row[p] >= 0 ? hashes[slot_row[p]] : 0;
+}
+
+// Up to kMaxColumnsPerLaunch query columns, passed by value so that a captured graph holds them.
+struct QueryBatch {
+  const uint8_t* data[kMaxColumnsPerLaunch];
+  int64_t data_size[kMaxColumnsPerLaunch];
+  const int64_t* offsets[kMaxColumnsPerLaunch];
+  const bool* valid[kMaxColumnsPerLaunch];
+  int64_t row_start[kMaxColumnsPerLaunch + 1];  // query rows of column c: [row_start[c], +1)
+  int64_t first_column;                          // vocabulary column of query column 0
+  int count;
+};
+
+__global__ void lookup_kernel(DeviceStrings vocabulary, const int64_t* segments,
+                              const int64_t* slot_hash, const int64_t* slot_row,
+                              int64_t capacity, QueryBatch batch, int64_t hash_bits,
+                              int64_t* codes) {
+  const int lane = threadIdx.x % kWarp;
+  const int64_t total = batch.row_start[batch.count];
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * kWarpsPerBlock;
+  const uint64_t mask = static_cast<uint64_t>(capacity - 1);
+  for (int64_t g = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / kWarp;
+       g < total; g += warps) {
+    int c = 0;
+    while (g >= batch.row_start[c + 1]) ++c;
+    const int64_t r = g - batch.row_start[c];
+    int64_t code = -1;
+    if (batch.valid[c] == nullptr || batch.valid[c][r]) {
+      const DeviceStrings query{batch.data[c], batch.data_size[c], batch.offsets[c], nullptr,
+                                0};
+      const int64_t begin = query.begin(r);
+      const int64_t length = query.end(r) - begin;
+      const uint8_t* label = query.data + begin;
+      const int64_t column = batch.first_column + c;
+      const uint64_t h = warp_hash(label, length, column, hash_bits, lane);
+      const int64_t first = segments[column];
+      const int64_t last = segments[column + 1];
+      uint64_t p = h & mask;
+      for (int64_t probe = 0; probe < capacity; ++probe, p = (p + 1) & mask) {
+        const int64_t row = slot_row[p];
+        if (row < 0) break;
+        if (static_cast<uint64_t>(slot_hash[p]) != h || row < first || row >= last ||
+            row >= vocabulary.rows) {
+          continue;
+        }
+        const int64_t row_begin = vocabulary.begin(row);
+        if (vocabulary.end(row) - row_begin == length &&
+            warp_same_bytes(vocabulary.data + row_begin, label, length, lane)) {
+          code = row - first;
+          break;
+        }
+      }
+    }
+    if (lane == 0) codes[g] = code;
+  }
+}
+
+int blocks_for(int64_t items, int64_t per_block) {
+  const int64_t blocks = (items + per_block - 1) / per_block;
+  return static_cast<int>(std::min<int64_t>(std::max<int64_t>(blocks, 1), 1 << 16));
+}
+
+bool capturing() {
+  return c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None;
+}
+
+std::optional<at::Tensor> contiguous(const std::optional<at::Tensor>& t) {
+  return t.has_value() ? std::optional<at::Tensor>(t->contiguous()) : std::nullopt;
+}
+
+std::tuple<at::Tensor, at::Tensor> string_index_build_cuda(
+    const at::Tensor& vocabulary_data, const at::Tensor& vocabulary_offsets,
+    const std::optional<at::Tensor>& vocabulary_valid, const at::Tensor& vocabulary_segments,
+    int64_t hash_bits) {
+  const at::Device device = vocabulary_data.device();
+  check_strings("vocabulary", vocabulary_data, vocabulary_offsets, vocabulary_valid, device);
+  const int64_t rows = vocabulary_offsets.numel() - 1;
+  check_hash_bits(hash_bits);
+  const bool check_values = !capturing();
+  check_segments(vocabulary_segments, rows, device, check_values);
+  if (check_values) {
+    check_offset_values("vocabulary", vocabulary_offsets, vocabulary_data.numel());
+  }
+  const c10::cuda::CUDAGuard guard(device);
+  const auto stream = c10::cuda::getCurrentCUDAStream();
+
+  const at::Tensor data = vocabulary_data.contiguous();
+  const at::Tensor offsets = vocabulary_offsets.contiguous();
+  const auto valid = contiguous(vocabulary_valid);
+  const at::Tensor segments = vocabulary_segments.contiguous();
+  const int64_t columns = segments.numel() - 1;
+  const DeviceStrings vocabulary = device_strings(data, offsets, valid);
+
+  const int64_t capacity = core::table_capacity(rows);
+  at::Tensor hashes = at::empty({rows}, offsets.options());
+  at::Tensor slot_row = at::full({capacity}, -1, offsets.options());
+  at::Tensor slot_hash = at::empty({capacity}, offsets.options());
+  if (rows > 0) {
+    hash_rows_kernel<<<blocks_for(rows, kWarpsPerBlock), kThreadsPerBlock, 0, stream>>>(
+        vocabulary, segments.data_ptr<int64_t>(), columns, hash_bits,
+        hashes.data_ptr<int64_t>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    const int insert_blocks = static_cast<int>((rows + kThreadsPerBlock - 1) / kThreadsPerBlock);
+    insert_rows_kernel<<<insert_blocks, kThreadsPerBlock, 0, stream>>>(
+        vocabulary, segments.data_ptr<int64_t>(), columns, hashes.data_ptr<int64_t>(),
+        slot_row.data_ptr<int64_t>(), capacity);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+  const int fill_blocks = static_cast<int>((capacity + kThreadsPerBlock - 1) / kThreadsPerBlock);
+  fill_slot_hash_kernel<<<fill_blocks, kThreadsPerBlock, 0, stream>>>(
+      slot_row.data_ptr<int64_t>(), hashes.data_ptr<int64_t>(), slot_hash.data_ptr<int64_t>(),
+      capacity);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return {slot_hash, slot_row};
+}
+
+at::Tensor lookup_columns_cuda(const at::Tensor& vocabulary_data,
+                               const at::Tensor& vocabulary_offsets,
+                               const at::Tensor& vocabulary_segments,
+                               const at::Tensor& slot_hash, const at::Tensor& slot_row,
+                               at::TensorList query_data, at::TensorList query_offsets,
+                               const std::vector<std::optional<at::Tensor>>& query_valid,
+                               int64_t first_column, int64_t hash_bits, bool check_offsets) {
+  const at::Device device = vocabulary_data.device();
+  check_strings("vocabulary", vocabulary_data, vocabulary_offsets, std::nullopt, device);
+  const bool check_values = check_offsets && !capturing();
+  check_segments(vocabulary_segments, vocabulary_offsets.numel() - 1, device, check_values);
+  check_table(slot_hash, slot_row, device);
+  check_hash_bits(hash_bits);
+  const c10::cuda::CUDAGuard guard(device);
+  const auto stream = c10::cuda::getCurrentCUDAStream();
+
+  const at::Tensor data = vocabulary_data.contiguous();
+  const at::Tensor offsets = vocabulary_offsets.contiguous();
+  const at::Tensor segments = vocabulary_segments.contiguous();
+  const at::Tensor hashes = slot_hash.contiguous();
+  const at::Tensor rows = slot_row.contiguous();
+  const DeviceStrings vocabulary = device_strings(data, offsets, std::nullopt);
+
+  // Contiguous copies of the query tensors stay alive until every launch is queued.
+  std::vector<at::Tensor> keep;
+  int64_t total = 0;
+  for (size_t i = 0; i < query_data.size(); ++i) {
+    check_strings("query", query_data[i], query_offsets[i], query_valid[i], device);
+    if (check_values) check_offset_values("query", query_offsets[i], query_data[i].numel());
+    total += query_offsets[i].numel() - 1;
+  }
+  at::Tensor codes = at::empty({total}, offsets.options());
+  int64_t written = 0;
+  for (size_t start = 0; start < query_data.size(); start += kMaxColumnsPerLaunch) {
+    QueryBatch batch{};
+    batch.count = static_cast<int>(
+        std::min<size_t>(kMaxColumnsPerLaunch, query_data.size() - start));
+    batch.first_column = first_column + static_cast<int64_t>(start);
+    batch.row_start[0] = 0;
+    for (int c = 0; c < batch.count; ++c) {
+      keep.push_back(query_data[start + c].contiguous());
+      batch.data[c] = keep.back().data_ptr<uint8_t>();
+      batch.data_size[c] = keep.back().numel();
+      keep.push_back(query_offsets[start + c].contiguous());
+      batch.offsets[c] = keep.back().data_ptr<int64_t>();
+      batch.row_start[c + 1] = batch.row_start[c] + keep.back().numel() - 1;
+      batch.valid[c] = nullptr;
+      if (query_valid[start + c].has_value()) {
+        keep.push_back(query_valid[start + c]->contiguous());
+        batch.valid[c] = keep.back().data_ptr<bool>();
+      }
+    }
+    const int64_t batch_rows = batch.row_start[batch.count];
+    if (batch_rows > 0) {
+      lookup_kernel<<<blocks_for(batch_rows, kWarpsPerBlock), kThreadsPerBlock, 0, stream>>>(
+          vocabulary, segments.data_ptr<int64_t>(), hashes.data_ptr<int64_t>(),
+          rows.data_ptr<int64_t>(), rows.numel(), batch, hash_bits,
+          codes.data_ptr<int64_t>() + written);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
+    written += batch_rows;
+  }
+  return codes;
+}
+
+at::Tensor string_lookup_cuda(const at::Tensor& vocabulary_data,
+                              const at::Tensor& vocabulary_offsets,
+                              const at::Tensor& vocabulary_segments, const at::Tensor& slot_hash,
+                              const at::Tensor& slot_row, const at::Tensor& query_data,
+                              const at::Tensor& query_offsets,
+                              const std::optional<at::Tensor>& query_valid, int64_t column,
+                              int64_t hash_bits, bool check_offsets) {
+  check_column(vocabulary_segments, column);
+  return lookup_columns_cuda(vocabulary_data, vocabulary_offsets, vocabulary_segments, slot_hash,
+                             slot_row, {query_data}, {query_offsets}, {query_valid}, column,
+                             hash_bits, check_offsets);
+}
+
+at::Tensor string_lookup_multi_cuda(const at::Tensor& vocabulary_data,
+                                    const at::Tensor& vocabulary_offsets,
+                                    const at::Tensor& vocabulary_segments,
+                                    const at::Tensor& slot_hash, const at::Tensor& slot_row,
+                                    at::TensorList query_data, at::TensorList query_offsets,
+                                    const c10::List<std::optional<at::Tensor>>& query_valid,
+                                    int64_t hash_bits, bool check_offsets) {
+  check_query_columns(vocabulary_segments, query_data, query_offsets, query_valid.size());
+  std::vector<std::optional<at::Tensor>> valid(query_valid.begin(), query_valid.end());
+  return lookup_columns_cuda(vocabulary_data, vocabulary_offsets, vocabulary_segments, slot_hash,
+                             slot_row, query_data, query_offsets, valid, 0, hash_bits,
+                             check_offsets);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(tabserve, CUDA, m) {
+  m.impl("string_index_build", &string_index_build_cuda);
+  m.impl("string_lookup", &string_lookup_cuda);
+  m.impl("string_lookup_multi", &string_lookup_multi_cuda);
+}
+
+}  // namespace ops
+}  // namespace tabserve

@@ -1,0 +1,65 @@
+"""Builds the tabserve operator library (`tabserve._C`) with torch.utils.cpp_extension.
+
+CPU kernels are always built. CUDA kernels (csrc/ops/cuda/*.cu) are built when nvcc and a CUDA
+build of torch are present, for the architectures in TORCH_CUDA_ARCH_LIST (default: torch's
+choice). TABSERVE_CPU_ONLY=1 forces a CPU-only build.
+"""
+
+import glob
+import os
+import shutil
+
+
+def _find_cuda_home():
+    """torch guesses CUDA_HOME as the parent of the nvcc on PATH, which is wrong when that nvcc is
+    a link or a wrapper script (/usr/local/bin/nvcc): prefer a toolkit folder that has libcudart."""
+    nvcc = shutil.which("nvcc")
+    candidates = ["/usr/local/cuda"]
+    if nvcc:
+        candidates.insert(0, os.path.dirname(os.path.dirname(os.path.realpath(nvcc))))
+    for home in candidates:
+        if glob.glob(os.path.join(home, "lib*", "libcudart.so*")) or glob.glob(
+            os.path.join(home, "targets", "*", "lib", "libcudart.so*")
+        ):
+            return home
+    return None
+
+
+if "CUDA_HOME" not in os.environ and "CUDA_PATH" not in os.environ and _find_cuda_home():
+    os.environ["CUDA_HOME"] = _find_cuda_home()
+
+import torch  # noqa: E402
+from setuptools import find_packages, setup  # noqa: E402
+from torch.utils.cpp_extension import (  # noqa: E402
+    CUDA_HOME,
+    BuildExtension,
+    CppExtension,
+    CUDAExtension,
+)
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _with_cuda() -> bool:
+    if os.environ.get("TABSERVE_CPU_ONLY", "0") == "1":
+        return False
+    return torch.version.cuda is not None and CUDA_HOME is not None
+
+
+def _extension():
+    sources = sorted(glob.glob("csrc/ops/*.cpp")) + ["csrc/python_module.cpp"]
+    cxx = ["-O3", "-std=c++20", "-fdiagnostics-color=always"]
+    if not _with_cuda():
+        return CppExtension("tabserve._C", sources, extra_compile_args={"cxx": cxx},
+                            py_limited_api=False)
+    sources += sorted(glob.glob("csrc/ops/cuda/*.cu"))
+    nvcc = ["-O3", "-std=c++20", "--expt-relaxed-constexpr", "-lineinfo"]
+    return CUDAExtension("tabserve._C", sources, extra_compile_args={"cxx": cxx, "nvcc": nvcc})
+
+
+setup(
+    package_dir={"": "python"},
+    packages=find_packages("python"),
+    ext_modules=[_extension()],
+    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+)
