@@ -57,7 +57,19 @@ def load_checkpoint(path: PathLike) -> Tuple[TabICLv2Config, StateDict]:
     return _load_safetensors(path)
 
 
+def _verify_zip(path: Path) -> None:
+    """Check every ZIP entry's CRC32: ``torch.load`` does not, so flipped weight bytes would load."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            bad = archive.testzip()
+    except (zipfile.BadZipFile, OSError, EOFError, ValueError) as e:
+        raise CheckpointError(f"cannot read checkpoint {path} (corrupted or truncated?): {e}") from e
+    if bad is not None:
+        raise CheckpointError(f"cannot read checkpoint {path} (corrupted or truncated?): CRC mismatch in {bad}")
+
+
 def _load_reference(path: Path) -> Tuple[TabICLv2Config, StateDict]:
+    _verify_zip(path)
     try:
         payload = torch.load(path, map_location="cpu", weights_only=True)
     except (RuntimeError, EOFError, OSError, zipfile.BadZipFile, pickle.UnpicklingError, ValueError) as e:
@@ -86,7 +98,7 @@ def _load_safetensors(path: Path) -> Tuple[TabICLv2Config, StateDict]:
         config = json.loads(metadata[CONFIG_METADATA_KEY])
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{path}: config metadata is not valid JSON: {e}") from e
-    return TabICLv2Config.from_reference_dict(config), state_dict
+    return TabICLv2Config.from_reference_dict(config), _tensors(state_dict, path)
 
 
 def _tensors(state_dict: object, path: Path) -> StateDict:
@@ -95,6 +107,9 @@ def _tensors(state_dict: object, path: Path) -> StateDict:
     bad = [k for k, v in state_dict.items() if not isinstance(v, Tensor) or not v.is_floating_point()]
     if bad:
         raise CheckpointError(f"{path}: state_dict entries {bad[:5]} are not floating-point tensors")
+    broken = [k for k, v in state_dict.items() if not torch.isfinite(v).all()]
+    if broken:
+        raise CheckpointError(f"{path}: state_dict entries {broken[:5]} contain NaN or infinite weights")
     return dict(state_dict)
 
 

@@ -1,0 +1,218 @@
+"""Model-level parity of tabserve's TabICLv2 with the reference ``tabicl`` 2.2.0 (fp32, CPU).
+
+Every case loads the same reference-format checkpoint into both implementations and compares the
+raw outputs (logits / quantiles) and the KV-cached paths. Tolerance: 1e-5 absolute.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import pytest
+import torch
+
+from tabicl_helpers import (
+    fp32_inference_config,
+    our_model,
+    random_table,
+    reference_model,
+    requires_cuda,
+)
+
+ATOL = 1e-5
+
+# (size, tables, train rows, test rows, features, classes); classes 0 = regression.
+CLASSIFIER_CASES = [
+    ("full", 2, 40, 9, 5, 2),
+    ("full", 1, 1, 1, 1, 1),
+    ("full", 3, 64, 16, 100, 10),
+    ("full", 1, 2000, 500, 3, 3),
+    ("full", 2, 60, 7, 8, 11),
+    ("full", 1, 120, 20, 6, 25),
+    ("tiny", 2, 30, 4, 2, 2),
+    ("tiny", 4, 200, 50, 17, 7),
+    ("tiny", 1, 300, 30, 40, 10),
+    ("tiny", 2, 150, 12, 9, 11),
+    ("tiny", 1, 400, 25, 4, 25),
+    ("tiny", 1, 1, 500, 3, 1),
+]
+REGRESSOR_CASES = [
+    ("full", 2, 50, 10, 4, 0),
+    ("full", 1, 1, 3, 1, 0),
+    ("full", 1, 700, 100, 100, 0),
+    ("tiny", 3, 100, 20, 12, 0),
+    ("tiny", 1, 2000, 200, 2, 0),
+]
+
+
+def _case_id(case):
+    size, b, n, m, h, k = case
+    return f"{size}-B{b}-N{n}-M{m}-H{h}-K{k}"
+
+
+def _seed(case):
+    return zlib.crc32(_case_id(case).encode())
+
+
+def _task(n_classes):
+    return "reg" if n_classes == 0 else "clf"
+
+
+def _reference(case, **kwargs):
+    size, b, n, m, h, k = case
+    X, y = random_table(_seed(case), b, n, m, h, k)
+    with torch.no_grad():
+        out = reference_model(_task(k), size)(X, y, inference_config=fp32_inference_config(), **kwargs)
+    return X, y, out
+
+
+@pytest.mark.parametrize("case", CLASSIFIER_CASES + REGRESSOR_CASES, ids=_case_id)
+def test_forward_matches_reference(case):
+    X, y, expected = _reference(case)
+    got = our_model(_task(case[-1]), case[0])(X, y)
+    assert got.shape == expected.shape
+    torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("case", [CLASSIFIER_CASES[0], CLASSIFIER_CASES[4], CLASSIFIER_CASES[9]], ids=_case_id)
+def test_probabilities_match_reference(case):
+    X, y, expected = _reference(case, return_logits=False, softmax_temperature=0.7)
+    got = our_model("clf", case[0])(X, y, return_logits=False, softmax_temperature=0.7)
+    torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("case", [REGRESSOR_CASES[0], REGRESSOR_CASES[3]], ids=_case_id)
+def test_regression_statistics_match_reference(case):
+    size, b, n, m, h, _ = case
+    X, y = random_table(7, b, n, m, h)
+    kinds = ["mean", "variance", "median", "quantiles", "raw_quantiles"]
+    alphas = [0.0005, 0.01, 0.25, 0.5, 0.8, 0.9995]
+    with torch.no_grad():
+        expected = reference_model("reg", size).predict_stats(
+            X, y, output_type=kinds, alphas=alphas, inference_config=fp32_inference_config()
+        )
+    got = our_model("reg", size).predict_stats(X, y, output_type=kinds, alphas=alphas)
+    assert set(got) == set(kinds)
+    for kind in kinds:
+        torch.testing.assert_close(got[kind], expected[kind], atol=ATOL, rtol=0, msg=kind)
+    default = our_model("reg", size).predict_stats(X, y, output_type="quantiles")
+    assert default.shape == (b, m, 9)
+
+
+CACHE_CASES = [CLASSIFIER_CASES[0], CLASSIFIER_CASES[2], CLASSIFIER_CASES[7], REGRESSOR_CASES[0], REGRESSOR_CASES[3]]
+
+
+@pytest.mark.parametrize("case", CACHE_CASES, ids=_case_id)
+def test_kv_cache_matches_uncached_and_reference_cache(case):
+    size, b, n, m, h, k = case
+    X, y = random_table(11, b, n, m, h, k)
+    ref = reference_model(_task(k), size)
+    config = fp32_inference_config()
+    with torch.no_grad():
+        ref.forward_with_cache(X_train=X[:, :n], y_train=y, store_cache=True, inference_config=config)
+        ref_cached = ref.forward_with_cache(X_test=X[:, n:], use_cache=True, store_cache=False, inference_config=config)
+        ref.clear_cache()
+    ours = our_model(_task(k), size)
+    cache = ours.build_cache(X[:, :n], y)
+    cached = ours.forward_with_cache(X[:, n:], cache)
+    torch.testing.assert_close(cached, ours(X, y), atol=ATOL, rtol=0)
+    torch.testing.assert_close(cached, ref_cached, atol=ATOL, rtol=0)
+    # Batches of the cache serve batches of tables.
+    torch.testing.assert_close(ours.forward_with_cache(X[-1:, n:], cache.select(slice(b - 1, b))), cached[-1:])
+    if k == 0:
+        stats = ours.predict_stats_with_cache(X[:, n:], cache, output_type=["mean", "median"])
+        direct = ours.predict_stats(X, y, output_type=["mean", "median"])
+        torch.testing.assert_close(stats["mean"], direct["mean"], atol=ATOL, rtol=0)
+
+
+def test_cache_shapes_and_concat():
+    ours = our_model("clf", "tiny")
+    X, y = random_table(3, 2, 20, 5, 6, 3)
+    cache = ours.build_cache(X[:, :20], y)
+    cfg = ours.config
+    assert len(cache.col) == cfg.col_num_blocks and len(cache.icl) == cfg.icl_num_blocks
+    assert cache.col[0][0].shape == (2, 6, cfg.col_nhead, cfg.col_num_inds, cfg.embed_dim // cfg.col_nhead)
+    assert cache.icl[0][0].shape == (2, cfg.icl_nhead, 20, cfg.icl_dim // cfg.icl_nhead)
+    joined = type(cache).concat([cache.select(slice(0, 1)), cache.select(slice(1, 2))])
+    torch.testing.assert_close(ours.forward_with_cache(X[:, 20:], joined), ours.forward_with_cache(X[:, 20:], cache))
+    assert cache.nbytes() > 0
+
+
+def test_test_rows_are_independent():
+    ours = our_model("clf", "tiny")
+    X, y = random_table(5, 1, 30, 6, 4, 3)
+    base = ours(X, y)
+    X2 = X.clone()
+    X2[0, 30] += 10.0
+    moved = ours(X2, y)
+    torch.testing.assert_close(moved[:, 1:], base[:, 1:], atol=1e-6, rtol=0)
+    assert not torch.allclose(moved[:, 0], base[:, 0])
+
+
+# ----------------------------------------------------------------------------- bad input
+@pytest.mark.parametrize(
+    "mutate, error, match",
+    [
+        (lambda X, y: (X.masked_fill(torch.rand_like(X) < 0.1, float("nan")), y), ValueError, "NaN or infinite"),
+        (lambda X, y: (X.masked_fill(torch.rand_like(X) < 0.1, float("inf")), y), ValueError, "NaN or infinite"),
+        (lambda X, y: (X, y[:, :0]), ValueError, "zero train rows"),
+        (lambda X, y: (X.long(), y), TypeError, "floating-point"),
+        (lambda X, y: (X.numpy(), y), TypeError, "torch.Tensor"),
+        (lambda X, y: (X[0], y), ValueError, "tables, rows, features"),
+        (lambda X, y: (X, y[:1]), ValueError, "y_train must be"),
+        (lambda X, y: (X, y + 0.5), ValueError, "non-negative integers"),
+        (lambda X, y: (X, torch.where(y == 1, 5.0, y)), ValueError, "exactly 0..K-1"),
+        (lambda X, y: (X, torch.cat([y[:1], torch.zeros_like(y[1:])])), ValueError, "same number of classes"),
+        (lambda X, y: (X, y.masked_fill(y == 0, float("nan"))), ValueError, "NaN"),
+        (lambda X, y: (X[:, :5], y), ValueError, "train labels for only"),
+    ],
+    ids=["nan", "inf", "no-train-rows", "int-dtype", "numpy", "2d", "batch", "fractional", "gap", "classes", "nan-y",
+         "too-many-labels"],
+)
+def test_bad_input_raises(mutate, error, match):
+    X, y = random_table(1, 2, 12, 3, 4, 3)
+    with pytest.raises(error, match=match):
+        our_model("clf", "tiny")(*mutate(X, y))
+
+
+def test_bad_cache_use_raises():
+    ours = our_model("clf", "tiny")
+    X, y = random_table(2, 1, 30, 4, 5, 12)
+    with pytest.raises(ValueError, match="does not support 12 classes"):
+        ours.build_cache(X[:, :30], y)
+    X, y = random_table(2, 1, 30, 4, 5, 3)
+    cache = ours.build_cache(X[:, :30], y)
+    with pytest.raises(ValueError, match="does not match the cache"):
+        ours.forward_with_cache(X[:, 30:, :4], cache)
+    with pytest.raises(ValueError, match="regression checkpoint"):
+        ours.predict_stats(X, y)
+    with pytest.raises(ValueError, match="unknown output_type"):
+        our_model("reg", "tiny").predict_stats(*random_table(2, 1, 10, 2, 3), output_type="mode")
+
+
+# ----------------------------------------------------------------------------- CUDA
+@pytest.mark.cuda
+@requires_cuda
+@pytest.mark.parametrize("case", [CLASSIFIER_CASES[2], CLASSIFIER_CASES[3], CLASSIFIER_CASES[5], REGRESSOR_CASES[2]],
+                         ids=_case_id)
+def test_cuda_matches_reference(case):
+    size, b, n, m, h, k = case
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    X, y = random_table(_seed(case), b, n, m, h, k)
+    ref = reference_model(_task(k), size).cuda()
+    try:
+        with torch.no_grad():
+            expected = ref(X.cuda(), y.cuda(), inference_config=fp32_inference_config("cuda"))
+    finally:
+        ref.cpu()
+    ours = our_model(_task(k), size).cuda()
+    try:
+        got = ours(X.cuda(), y.cuda())
+        torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
+        if 0 < k <= 10 or k == 0:
+            cache = ours.build_cache(X[:, :n].cuda(), y.cuda())
+            torch.testing.assert_close(ours.forward_with_cache(X[:, n:].cuda(), cache), got, atol=ATOL, rtol=0)
+        torch.testing.assert_close(got.cpu(), ours.cpu()(X, y), atol=1e-4, rtol=0)
+    finally:
+        ours.cpu()
