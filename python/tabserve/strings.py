@@ -81,7 +81,8 @@ class StringColumn:
 
         The data buffer is shared without a copy; int64 offsets too (large types), honouring the
         array's slice offset. int32 offsets are widened and the validity bitmap is unpacked to
-        bools (both copies). Chunked arrays are combined first.
+        bools (both copies); ``valid`` is always a tensor, all True without nulls. Chunked arrays
+        are combined first.
 
         Raises TypeError for other Arrow types.
         """
@@ -107,9 +108,12 @@ class StringColumn:
             offsets = torch.zeros(1, dtype=torch.int64)
         offsets = offsets.to(torch.int64)
         data = _buffer_tensor(data_buffer, torch.uint8, 0, None)
-        valid = None
+        # Always a mask, also without nulls, so batches with and without nulls have one layout
+        # (a compiled function would otherwise recompile when `valid` switches to None).
         if validity is not None and array.null_count > 0:
             valid = torch.from_numpy(np.asarray(array.is_valid(), dtype=np.bool_).copy())
+        else:
+            valid = torch.ones(rows, dtype=torch.bool)
         return cls._trusted(data, offsets, valid)
 
     # -- access ----------------------------------------------------------------------------
@@ -191,11 +195,11 @@ class StringIndex:
     """
 
     def __init__(self, vocabulary: StringColumn, *, _hash_bits: int = ops.FULL_HASH_BITS):
+        if not isinstance(vocabulary, StringColumn):
+            raise TypeError(f"vocabulary must be a StringColumn, got {type(vocabulary).__name__}")
         self._init(vocabulary, _segments(len(vocabulary), vocabulary.device), _hash_bits)
 
     def _init(self, vocabulary: StringColumn, segments: Tensor, hash_bits: int) -> None:
-        if not isinstance(vocabulary, StringColumn):
-            raise TypeError(f"vocabulary must be a StringColumn, got {type(vocabulary).__name__}")
         self.vocabulary = vocabulary
         self.segments = segments
         self.hash_bits = hash_bits
