@@ -271,7 +271,7 @@ class Table:
             block = frame.iloc[:, [positions[n] for n in numerical_names]].to_numpy(
                 dtype=_numpy_dtype(numerical_dtype), na_value=np.nan
             )
-            numerical = torch.from_numpy(np.ascontiguousarray(block))
+            numerical = torch.from_numpy(np.require(block, requirements=["C", "W"]))
         else:
             numerical = torch.empty((len(frame), 0), dtype=numerical_dtype)
         table = cls._trusted(numerical, columns, tuple(numerical_names), tuple(categorical_names))
@@ -311,7 +311,7 @@ class Table:
                     "numerical; drop or convert it"
                 )
         if blocks:
-            numerical = torch.from_numpy(np.ascontiguousarray(np.stack(blocks, axis=1)))
+            numerical = torch.from_numpy(np.require(np.stack(blocks, axis=1), requirements=["C", "W"]))
         else:
             numerical = torch.empty((table.num_rows, 0), dtype=numerical_dtype)
         result = cls._trusted(numerical, columns, tuple(numerical_names), tuple(categorical_names))
@@ -367,6 +367,21 @@ pytree.register_pytree_node(
     lambda children, context: Table._trusted(children[0], children[1:], *context),
     serialized_type_name="tabserve.Table",
 )
+
+
+def mark_dynamic(table: Table) -> Table:
+    """Marks every size in ``table`` (rows, vocabulary sizes, label bytes) as dynamic for
+    torch.compile, without Dynamo's specialisation of sizes 0 and 1, and returns the table.
+
+    Unmarked, a compiled function compiles a static graph for the first batch, one dynamic graph
+    at the second and one more for any later batch with a size of 0 or 1 (a single-category or
+    all-null column, a one-row batch). Marked batches share one graph from the first call. Call
+    it on each batch, outside the compiled function (the marks live on the tensors).
+    """
+    for leaf in pytree.tree_leaves(table):
+        if isinstance(leaf, Tensor) and leaf.dim() > 0:
+            torch._dynamo.decorators.mark_unbacked(leaf, 0)
+    return table
 
 
 # ---------------------------------------------------------------------------------------------
@@ -478,7 +493,12 @@ def _numpy_dtype(dtype: torch.dtype):
 
 
 def _own(tensor: Tensor, device: torch.device) -> Tensor:
-    """``tensor`` on ``device`` in storage of its own at offset 0 (a copy only when needed)."""
+    """``tensor`` on ``device`` in storage of its own at offset 0 (a copy only when needed).
+
+    Empty tensors are recreated: numpy can hand them over with stride 0, and Dynamo guards on
+    strides."""
+    if tensor.numel() == 0:
+        return torch.empty(tensor.shape, dtype=tensor.dtype, device=device)
     owns = (
         tensor.storage_offset() == 0
         and tensor.is_contiguous()
