@@ -1,0 +1,319 @@
+"""The timing, memory and reporting helper shared by every tabserve benchmark CLI.
+
+A benchmark builds a zero-argument callable per (workload, method) cell and hands it to
+:func:`measure`, which returns a :class:`Measurement`; rows of measurements go to
+:func:`write_json` and :func:`print_table`.
+
+Timing:
+    CUDA: after warm-up, every repeat is bracketed by CUDA events on the current stream; one
+    synchronisation at the end reads them all. CPU: ``time.perf_counter`` around each call.
+    Repeats continue until ``max_repeats`` or until ``budget_s`` seconds are spent, but never
+    fewer than ``min_repeats``. Reported: median and the 20th / 80th percentiles, in ms.
+
+Peak extra memory (one extra call, separate from the timed ones):
+    CUDA: ``torch.cuda.max_memory_allocated()`` above ``memory_allocated()`` at the start, after
+    ``reset_peak_memory_stats()`` (the call's output counts: it is memory the call allocates).
+    CPU: the peak of two probes, both reported. ``tracemalloc`` sees allocations made through
+    Python's allocator (Python objects, numpy) but not torch's or Arrow's; resident set size
+    sampled every ~0.2 ms from /proc/self/statm, after ``malloc_trim(0)`` hands freed heap
+    memory back, sees everything but misses allocations shorter than the sampling period and
+    pages that allocators other than glibc's keep from earlier calls. The table shows the larger
+    one and says which it was (``memory_method``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import platform
+import statistics
+import subprocess
+import threading
+import time
+import tracemalloc
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+import torch
+
+MiB = 1024 * 1024
+
+
+@dataclass
+class Measurement:
+    """Time (ms) and peak extra memory (bytes) of one benchmark cell."""
+
+    median_ms: float
+    p20_ms: float
+    p80_ms: float
+    repeats: int
+    peak_extra_bytes: Optional[int]
+    memory_method: str
+    first_call_ms: float
+    memory_probes: dict = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Linear-interpolated percentile, ``q`` in [0, 100]."""
+    ordered = sorted(values)
+    if len(ordered) == 1:
+        return ordered[0]
+    rank = (len(ordered) - 1) * q / 100.0
+    low = int(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+def measure(
+    fn: Callable[[], object],
+    device: torch.device | str,
+    *,
+    warmup: int = 2,
+    min_repeats: int = 5,
+    max_repeats: int = 50,
+    budget_s: float = 0.5,
+    memory: bool = True,
+    slow_s: float = 1.0,
+) -> Measurement:
+    """Times ``fn()`` on ``device`` (see the module docstring) and measures its peak extra memory.
+
+    The first warm-up call is timed on its own (``first_call_ms``: compilation, lazy set-up).
+    When it took longer than ``slow_s`` and a second call still does, the remaining warm-up is
+    skipped and at most 3 repeats are taken, so slow baselines do not dominate a sweep.
+    Raises whatever ``fn`` raises.
+    """
+    device = torch.device(device)
+    on_cuda = device.type == "cuda"
+    start = time.perf_counter()
+    fn()
+    _sync(device)
+    first_call_ms = (time.perf_counter() - start) * 1e3
+    for _ in range(max(warmup - 1, 0)):
+        start = time.perf_counter()
+        fn()
+        _sync(device)
+        if time.perf_counter() - start > slow_s:
+            min_repeats = max_repeats = min(min_repeats, 3)
+            break
+    times = _time_cuda(fn, min_repeats, max_repeats, budget_s) if on_cuda else _time_cpu(
+        fn, min_repeats, max_repeats, budget_s
+    )
+    if not memory:
+        peak, method, probes = None, "not measured", {}
+    elif on_cuda:
+        peak, method, probes = _cuda_peak(fn, device), "cuda allocator", {}
+    else:
+        peak, method, probes = _cpu_peak(fn)
+    return Measurement(
+        median_ms=statistics.median(times),
+        p20_ms=percentile(times, 20),
+        p80_ms=percentile(times, 80),
+        repeats=len(times),
+        peak_extra_bytes=peak,
+        memory_method=method,
+        first_call_ms=first_call_ms,
+        memory_probes=probes,
+    )
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _time_cpu(fn, min_repeats: int, max_repeats: int, budget_s: float) -> list[float]:
+    times: list[float] = []
+    deadline = time.perf_counter() + budget_s
+    while len(times) < max_repeats and (len(times) < min_repeats or time.perf_counter() < deadline):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    return times
+
+
+def _time_cuda(fn, min_repeats: int, max_repeats: int, budget_s: float) -> list[float]:
+    # Events are read after one final synchronisation, so the timed calls queue back to back as
+    # they would in serving; the host-side deadline only decides how many to queue.
+    pairs = []
+    deadline = time.perf_counter() + budget_s
+    while len(pairs) < max_repeats and (len(pairs) < min_repeats or time.perf_counter() < deadline):
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        fn()
+        end.record()
+        pairs.append((begin, end))
+        if len(pairs) % 8 == 0:  # bound how far the host runs ahead of the device
+            end.synchronize()
+    torch.cuda.synchronize()
+    return [begin.elapsed_time(end) for begin, end in pairs]
+
+
+def _cuda_peak(fn, device: torch.device) -> int:
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    out = fn()
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - base
+    del out
+    return int(peak)
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+class _RssSampler(threading.Thread):
+    """Samples the resident set size until stopped; ``peak`` is the largest sample."""
+
+    def __init__(self, period_s: float = 2e-4):
+        super().__init__(daemon=True)
+        self.period_s = period_s
+        self.peak = _rss_bytes()
+        self._stop_event = threading.Event()
+
+    def run(self) -> None:
+        while not self._stop_event.is_set():
+            self.peak = max(self.peak, _rss_bytes())
+            time.sleep(self.period_s)
+
+    def stop(self) -> int:
+        self._stop_event.set()
+        self.join()
+        self.peak = max(self.peak, _rss_bytes())
+        return self.peak
+
+
+def _malloc_trim() -> None:
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: RSS then also counts retained free memory
+        pass
+
+
+def _cpu_peak(fn) -> tuple[Optional[int], str, dict]:
+    probes: dict = {}
+    if os.path.exists("/proc/self/statm"):
+        _malloc_trim()
+        base = _rss_bytes()
+        sampler = _RssSampler()
+        sampler.start()
+        out = fn()
+        probes["rss"] = max(sampler.stop() - base, 0)
+        del out
+    tracing = tracemalloc.is_tracing()
+    if not tracing:
+        tracemalloc.start()
+    tracemalloc.reset_peak()
+    base = tracemalloc.get_traced_memory()[0]
+    out = fn()
+    probes["tracemalloc"] = max(tracemalloc.get_traced_memory()[1] - base, 0)
+    del out
+    if not tracing:
+        tracemalloc.stop()
+    method = max(probes, key=probes.get)
+    return probes[method], method, probes
+
+
+# ---------------------------------------------------------------------------------------------
+# Environment and reporting
+
+
+def environment() -> dict:
+    """Versions and hardware of this run, recorded in every JSON result."""
+    env = {
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpu": _cpu_name(),
+        "cpu_count": os.cpu_count(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "git_commit": _git_commit(),
+    }
+    for module in ("numpy", "pyarrow", "pandas", "tabserve"):
+        try:
+            env[module] = __import__(module).__version__
+        except Exception as error:  # a missing optional package is recorded, not fatal
+            env[module] = f"unavailable ({type(error).__name__})"
+    return env
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _git_commit() -> Optional[str]:
+    try:
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=Path(__file__).resolve().parent,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def write_json(path: str | os.PathLike, payload: dict) -> None:
+    """Writes ``payload`` (plus ``environment``) as indented JSON, creating parent folders."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    payload = {"environment": environment(), **payload}
+    path.write_text(json.dumps(payload, indent=1, default=str) + "\n")
+
+
+def format_ms(value: Optional[float]) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.3f}" if value < 10 else f"{value:.1f}" if value < 1000 else f"{value:.0f}"
+
+
+def format_mib(value: Optional[int]) -> str:
+    return "-" if value is None else f"{value / MiB:.1f}"
+
+
+def print_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[object]]) -> None:
+    """Prints a fixed-width table: with rich when it is installed, else plain text. Columns whose
+    name starts with '>' are right-aligned (the '>' is dropped)."""
+    names = [c.lstrip(">") for c in columns]
+    right = [c.startswith(">") for c in columns]
+    cells = [[str(v) for v in row] for row in rows]
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:
+        Console = None
+    if Console is not None:
+        table = Table(title=title, box=None, pad_edge=False, header_style="bold")
+        for name, is_right in zip(names, right):
+            table.add_column(name, justify="right" if is_right else "left", no_wrap=True)
+        for row in cells:
+            table.add_row(*row)
+        Console(width=max(100, _plain_width(names, cells))).print(table)
+        return
+    print(title)
+    widths = [max([len(n)] + [len(r[i]) for r in cells]) for i, n in enumerate(names)]
+    for row in [names, ["-" * w for w in widths], *cells]:
+        print(
+            "  ".join(v.rjust(w) if r else v.ljust(w) for v, w, r in zip(row, widths, right))
+        )
+
+
+def _plain_width(names, cells) -> int:
+    widths = [max([len(n)] + [len(r[i]) for r in cells]) for i, n in enumerate(names)]
+    return sum(widths) + 2 * len(widths)
