@@ -1,0 +1,96 @@
+#!/usr/bin/env bash
+# One entry point for a fresh machine: sets everything up (idempotently), then runs a job.
+#
+#   bash scripts/run.sh bench [ARGS...]   the main job (benchmark; ARGS go to the benchmark)
+#   bash scripts/run.sh test  [ARGS...]   every test: pytest (ARGS go to pytest) + ctest
+#   bash scripts/run.sh setup             set-up only
+#
+# Set-up: Debian packages when GoogleTest or CMake are missing; a Python with torch (the system
+# python3 when it already imports torch, as on the GPU machine, else a virtual environment .venv
+# with torch 2.14.1 from the local wheel); the Python dependencies that are missing; and the
+# extension, rebuilt only when a C++/CUDA source or the build files changed. Environment:
+#   TORCH_CUDA_ARCH_LIST  CUDA architectures to build (default 9.0: H100/H200)
+#   TABSERVE_CPU_ONLY=1   build without the CUDA kernels
+#   TABSERVE_PYTHON       use this Python interpreter instead
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+export TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}"
+export PYTHONUNBUFFERED=1
+log() { printf '[tabserve] %s\n' "$*" >&2; }
+
+ensure_debian_packages() {
+  local missing=()
+  [ -f /usr/include/gtest/gtest.h ] || missing+=(libgtest-dev)
+  command -v cmake >/dev/null || missing+=(cmake)
+  command -v ninja >/dev/null || missing+=(ninja-build)
+  [ ${#missing[@]} -eq 0 ] && return 0
+  if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+    log "installing Debian packages: ${missing[*]}"
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
+  else
+    log "missing ${missing[*]} and cannot apt-get: C++ tests may not build"
+  fi
+}
+
+choose_python() {
+  if [ -n "${TABSERVE_PYTHON:-}" ]; then PY=$TABSERVE_PYTHON; return; fi
+  if [ -x .venv/bin/python ]; then PY=$ROOT/.venv/bin/python; return; fi
+  if python3 -c 'import torch' 2>/dev/null; then PY=$(command -v python3); return; fi
+  log "creating .venv with torch 2.14.1 (local wheel)"
+  python3 -m venv .venv
+  PY=$ROOT/.venv/bin/python
+  "$PY" -m pip install -q --upgrade pip setuptools wheel
+  "$PY" -m pip install -q torch==2.14.1
+}
+
+ensure_python_packages() {
+  # module name -> pip requirement
+  local pairs=(numpy:numpy pandas:pandas pyarrow:pyarrow sklearn:scikit-learn pytest:pytest
+               safetensors:safetensors rich:rich matplotlib:matplotlib ninja:ninja
+               setuptools:setuptools tabicl:tabicl==2.2.0)
+  local wanted=()
+  for pair in "${pairs[@]}"; do
+    "$PY" -c "import ${pair%%:*}" 2>/dev/null || wanted+=("${pair#*:}")
+  done
+  [ ${#wanted[@]} -eq 0 ] && return 0
+  log "installing Python packages: ${wanted[*]}"
+  # --no-deps for tabicl would miss its needs; the cap in /etc/xdg/pip (if any) keeps torch local
+  "$PY" -m pip install -q "${wanted[@]}" || log "could not install ${wanted[*]} (offline?): tests needing them skip"
+}
+
+build_extension() {
+  local stamp=build/.extension-stamp
+  local newest
+  newest=$(find csrc setup.py pyproject.toml -type f -newer "$stamp" 2>/dev/null | head -n 1 || true)
+  if [ -f "$stamp" ] && [ -z "$newest" ] && "$PY" -c 'import tabserve' 2>/dev/null; then return 0; fi
+  log "building the extension (TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST)"
+  MAX_JOBS="${MAX_JOBS:-$(nproc)}" "$PY" -m pip install -q --no-build-isolation --no-deps -e . \
+    || { log "extension build failed"; exit 1; }
+  mkdir -p build && touch "$stamp"
+}
+
+setup() {
+  ensure_debian_packages
+  choose_python
+  ensure_python_packages
+  build_extension
+}
+
+run_tests() {
+  log "pytest"
+  "$PY" -m pytest -q -p no:cacheprovider "$@" test/python
+  log "ctest"
+  cmake -S . -B build/cmake -G Ninja -DPython3_EXECUTABLE="$PY" >/dev/null
+  cmake --build build/cmake >/dev/null
+  ctest --test-dir build/cmake --output-on-failure
+}
+
+job=${1:-}
+shift || true
+case "$job" in
+  setup) setup ;;
+  test) setup; run_tests "$@" ;;
+  bench) setup; "$PY" benchmarks/string_lookup.py --quick "$@" ;;
+  *) echo "usage: bash scripts/run.sh {bench|test|setup} [ARGS...]" >&2; exit 2 ;;
+esac

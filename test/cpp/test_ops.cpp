@@ -1,0 +1,77 @@
+// GoogleTest: the string-lookup operators called through the PyTorch dispatcher, as LibTorch
+// users (and TorchScript) see them, on CPU.
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <gtest/gtest.h>
+
+#include <string>
+#include <tuple>
+#include <vector>
+
+namespace {
+
+struct Column {
+  at::Tensor data, offsets, valid;
+};
+
+Column make_column(const std::vector<std::string>& labels, const std::vector<bool>& valid) {
+  std::string bytes;
+  std::vector<int64_t> offsets{0};
+  for (const auto& s : labels) {
+    bytes += s;
+    offsets.push_back(static_cast<int64_t>(bytes.size()));
+  }
+  Column c;
+  c.data = at::empty({static_cast<int64_t>(bytes.size())}, at::kByte);
+  std::copy(bytes.begin(), bytes.end(), c.data.data_ptr<uint8_t>());
+  c.offsets = at::tensor(offsets, at::kLong);
+  c.valid = at::empty({static_cast<int64_t>(valid.size())}, at::kBool);
+  for (size_t i = 0; i < valid.size(); ++i) c.valid.data_ptr<bool>()[i] = valid[i];
+  return c;
+}
+
+}  // namespace
+
+TEST(DispatcherOps, BuildAndLookup) {
+  auto build = c10::Dispatcher::singleton()
+                   .findSchemaOrThrow("tabserve::string_index_build", "")
+                   .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
+                                                            const std::optional<at::Tensor>&,
+                                                            const at::Tensor&, int64_t)>();
+  auto lookup = c10::Dispatcher::singleton()
+                    .findSchemaOrThrow("tabserve::string_lookup", "")
+                    .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                      const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                      const at::Tensor&, const std::optional<at::Tensor>&,
+                                      int64_t, int64_t, bool)>();
+  const Column vocabulary = make_column({"red", "", "blue", "red", "null"},
+                                        {true, true, true, true, false});
+  const at::Tensor segments = at::tensor(std::vector<int64_t>{0, 5}, at::kLong);
+  auto [slot_hash, slot_row] =
+      build.call(vocabulary.data, vocabulary.offsets, vocabulary.valid, segments, 64);
+  const Column query = make_column({"red", "blue", "", "null", "green", "red"},
+                                   {true, true, true, true, true, false});
+  const at::Tensor codes = lookup.call(vocabulary.data, vocabulary.offsets, segments, slot_hash,
+                                       slot_row, query.data, query.offsets, query.valid, 0, 64,
+                                       true);
+  const std::vector<int64_t> expected{3, 2, 1, -1, -1, -1};
+  ASSERT_EQ(codes.numel(), 6);
+  for (int64_t i = 0; i < 6; ++i) EXPECT_EQ(codes.data_ptr<int64_t>()[i], expected[i]) << i;
+}
+
+TEST(DispatcherOps, DecreasingOffsetsRaiseNamingTheArgument) {
+  auto build = c10::Dispatcher::singleton()
+                   .findSchemaOrThrow("tabserve::string_index_build", "")
+                   .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
+                                                            const std::optional<at::Tensor>&,
+                                                            const at::Tensor&, int64_t)>();
+  const at::Tensor data = at::zeros({4}, at::kByte);
+  const at::Tensor offsets = at::tensor(std::vector<int64_t>{0, 3, 1}, at::kLong);
+  const at::Tensor segments = at::tensor(std::vector<int64_t>{0, 2}, at::kLong);
+  try {
+    build.call(data, offsets, std::nullopt, segments, 64);
+    FAIL() << "expected an error";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("vocabulary_offsets[2]"), std::string::npos) << e.what();
+  }
+}
