@@ -186,9 +186,12 @@ class AlignCategories(nn.Module):
             current = self._buffers[name]
             if isinstance(incoming, Tensor) and incoming.shape != current.shape:
                 self._buffers[name] = current.new_empty(incoming.shape)
+        missing_before = len(missing_keys)
         super()._load_from_state_dict(
             state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
         )
+        if len(missing_keys) != missing_before:  # an incomplete state: load_state_dict reports it
+            return
         expected = 1 + len(self.column_names or ())
         if self.vocabulary_segments.shape[0] != expected:
             error_msgs.append(

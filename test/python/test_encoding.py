@@ -1,0 +1,122 @@
+"""TabICLEncoder against tabicl 2.2.0's TransformToNumerical (the reference's categorical step)."""
+
+import io
+import warnings
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+from tabserve.encoding import TabICLEncoder, encode_categoricals, tabicl_columns
+
+TransformToNumerical = pytest.importorskip("tabicl._sklearn.preprocessing").TransformToNumerical
+
+HAS_CUDA = torch.cuda.is_available()
+_skip_no_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+
+
+def cuda(test):
+    return pytest.mark.cuda(_skip_no_cuda(test))
+
+
+def tabicl_frame(rows: int, seed: int, unseen: bool = False) -> pd.DataFrame:
+    """Every dtype family tabicl's selector distinguishes, with missing values of each kind."""
+    rng = np.random.default_rng(seed)
+    pick = lambda values: [values[i] for i in rng.integers(0, len(values), rows)]  # noqa: E731
+    extra = ["new", "日本"] if unseen else []
+    return pd.DataFrame(
+        {
+            "str": pd.Series(pick(["a", "b", "é", None, "long " * 80] + extra), dtype="str"),
+            "obj": pd.Series(pick(["x", np.nan, "y", None, "ß"] + extra), dtype=object),
+            "cat": pd.Categorical(pick(["u", None, "v", "w"] + extra), categories=["w", "v", "u", *extra, "unused"]),
+            "flag": pick([True, False]),  # numpy bool: tabicl drops it
+            "boolean": pd.array(pick([True, None, False]), dtype="boolean"),
+            "cat_int": pd.Categorical(pick([3, 1, None, 7] + ([9] if unseen else []))),
+            "cat_float": pd.Categorical(pick([3.5, 1.0, None])),
+            "obj_int": pd.Series(pick([1, 2, None, 5] + ([6] if unseen else [])), dtype=object),
+            "obj_bool": pd.Series(pick([True, False, None]), dtype=object),
+            "obj_none_only": pd.Series([None] * rows, dtype=object),
+            "i": rng.integers(0, 5, rows),
+            "f": np.where(rng.random(rows) < 0.2, np.nan, rng.random(rows)),
+            "nullable_int": pd.array(pick([1, None, 3]), dtype="Int64"),
+            "all_nan": np.full(rows, np.nan),
+            "when": pd.to_datetime(["2020-01-01"] * rows),  # dropped
+        }
+    )
+
+
+def reference(train: pd.DataFrame, frames) -> list:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        transform = TransformToNumerical().fit(train)
+        return [transform.transform(frame) for frame in frames]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_matches_tabicl_transform_to_numerical(seed):
+    train, test = tabicl_frame(80, seed), tabicl_frame(50, seed + 100, unseen=True)
+    expected = reference(train, [train, test])
+    encoder = TabICLEncoder().fit(train)
+    assert encoder.categorical_names == tabicl_columns(train)[0]
+    assert "flag" not in encoder.categorical_names + encoder.numerical_names
+    for frame, want in zip((train, test), expected):
+        got = encoder.transform(frame)
+        assert got.dtype == torch.float64 and got.shape == want.shape
+        np.testing.assert_array_equal(got.numpy(), want)
+
+
+def test_none_in_object_columns_is_a_category_like_scikit_learn():
+    train = pd.DataFrame({"o": pd.Series(["b", None, "a", np.nan], dtype=object)})
+    test = pd.DataFrame({"o": pd.Series([None, np.nan, "a", "c"], dtype=object)})
+    (want,) = reference(train, [test])
+    assert want.ravel().tolist() == [2, -1, 0, -1]
+    np.testing.assert_array_equal(TabICLEncoder().fit(train).transform(test).numpy(), want)
+
+
+def test_pd_na_in_string_dtype_is_missing():
+    # tabicl 2.2.0 raises here (sklearn cannot sort pd.NA); tabserve treats it as missing.
+    frame = pd.DataFrame({"s": pd.array(["b", None, "a"], dtype="string")})
+    assert TabICLEncoder().fit(frame).transform(frame).ravel().tolist() == [1, -1, 0]
+
+
+def test_compiled_matches_eager_and_state_round_trips():
+    train = tabicl_frame(80, 0)
+    encoder = TabICLEncoder().fit(train)
+    compiled = torch.compile(encoder, fullgraph=True, backend="aot_eager")
+    buffer = io.BytesIO()
+    torch.save(encoder.state_dict(), buffer)
+    buffer.seek(0)
+    loaded = TabICLEncoder()
+    loaded.load_state_dict(torch.load(buffer, weights_only=True))
+    for seed in range(3):
+        table = encoder.to_table(tabicl_frame(30 + 10 * seed, seed + 7, unseen=True))
+        expected = encoder(table)
+        assert torch.equal(compiled(table), expected)
+        assert torch.equal(loaded(table), expected)
+
+
+def test_encode_categoricals_and_errors():
+    train, test = tabicl_frame(40, 1), tabicl_frame(20, 2, unseen=True)
+    train_x, test_x, encoder = encode_categoricals(train, test, dtype=torch.float32)
+    want_train, want_test = reference(train, [train, test])
+    np.testing.assert_array_equal(train_x.numpy(), want_train.astype(np.float32))
+    np.testing.assert_array_equal(test_x.numpy(), want_test.astype(np.float32))
+    with pytest.raises(KeyError, match="lacks the fitted columns"):
+        encoder.transform(test.drop(columns=["obj"]))
+    with pytest.raises(TypeError, match="pandas DataFrame"):
+        TabICLEncoder().fit(np.zeros((2, 2)))
+    wrong = encoder.to_table(test)
+    wrong.numerical_names = ("i", "f", "other", "x")
+    with pytest.raises(ValueError, match="numerical columns"):
+        encoder(wrong)
+
+
+@cuda
+def test_matches_tabicl_on_cuda():
+    train, test = tabicl_frame(80, 3), tabicl_frame(50, 4, unseen=True)
+    (want,) = reference(train, [test])
+    encoder = TabICLEncoder().fit(train).to("cuda")
+    got = encoder.transform(test)
+    assert got.device.type == "cuda"
+    np.testing.assert_array_equal(got.cpu().numpy(), want)
