@@ -10,9 +10,23 @@ from .config import ConfigError, TabICLv2Config
 from .model import TabICLv2, TabICLv2Cache
 from .quantiles import quantile_stats
 
+_ESTIMATORS = ("TabICLClassifier", "TabICLRegressor")
+
+
+def __getattr__(name):
+    # The estimators need scikit-learn; the network itself does not.
+    if name in _ESTIMATORS:
+        from . import estimators
+
+        return getattr(estimators, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 __all__ = [
     "CheckpointError",
     "ConfigError",
+    "TabICLClassifier",
+    "TabICLRegressor",
     "TabICLv2",
     "TabICLv2Cache",
     "TabICLv2Config",

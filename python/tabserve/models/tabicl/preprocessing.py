@@ -104,6 +104,8 @@ class TableEncoder:
             raise ValueError(f"X must be 2-D (rows, features), got shape {values.shape}")
         if np.isinf(values).any():
             raise ValueError("X contains infinite values; NaN (missing) is supported, inf is not")
+        if not values.flags.writeable:
+            values = values.copy()
         return torch.from_numpy(values).to(self.device)
 
     def transform(self, X) -> Tensor:

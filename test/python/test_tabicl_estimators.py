@@ -1,0 +1,246 @@
+"""Estimator-level parity with the reference ``tabicl.TabICLClassifier`` / ``TabICLRegressor``.
+
+Same checkpoint, same ``random_state``; the reference runs in fp32 on CPU (AMP and FA3 off).
+Probabilities must agree within 1e-5; regression statistics within 1e-5 target standard deviations
+(the reference maps statistics back to target units in float32). Tables are subsampled to keep the
+suite fast on a 2-core CPU.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from sklearn import datasets
+from sklearn.base import clone
+from sklearn.exceptions import NotFittedError
+
+from tabicl_helpers import reference_checkpoint, requires_cuda
+from tabserve.models.tabicl import TabICLClassifier, TabICLRegressor
+
+tabicl = pytest.importorskip("tabicl")
+ATOL = 1e-5
+REFERENCE_OPTIONS = dict(device="cpu", use_amp=False, use_fa3=False, allow_auto_download=False)
+
+
+def _split(X, y, rows: int, seed: int = 0):
+    order = np.random.RandomState(seed).permutation(len(y))[:rows]
+    n_train = int(len(order) * 0.75)
+    take = (lambda a: a.iloc[order]) if hasattr(X, "iloc") else (lambda a: a[order])
+    X, y = take(X), np.asarray(y)[order]
+    return X[:n_train] if not hasattr(X, "iloc") else X.iloc[:n_train], y[:n_train], (
+        X[n_train:] if not hasattr(X, "iloc") else X.iloc[n_train:])
+
+
+def _classifiers(size, **params):
+    path = reference_checkpoint("clf", size)
+    return (tabicl.TabICLClassifier(model_path=str(path), **REFERENCE_OPTIONS, **params),
+            TabICLClassifier(model_path=path, device="cpu", **params))
+
+
+def _assert_same_classifier(size, X, y, rows=160, **params):
+    X_train, y_train, X_test = _split(X, y, rows)
+    ref, ours = _classifiers(size, **params)
+    expected = ref.fit(X_train, y_train).predict_proba(X_test)
+    got = ours.fit(X_train, y_train).predict_proba(X_test)
+    np.testing.assert_allclose(got, expected, atol=ATOL, rtol=0)
+    np.testing.assert_array_equal(ours.classes_, ref.classes_)
+    assert (ours.predict(X_test) == ref.predict(X_test)).mean() >= 0.99
+    return ours
+
+
+DATASETS = {
+    "iris": datasets.load_iris,
+    "wine": datasets.load_wine,
+    "breast_cancer": datasets.load_breast_cancer,
+    "digits": datasets.load_digits,
+}
+
+
+@pytest.mark.parametrize("n_estimators", [1, 8])
+@pytest.mark.parametrize("name", sorted(DATASETS))
+def test_classifier_matches_reference_on_sklearn_datasets(name, n_estimators):
+    X, y = DATASETS[name](return_X_y=True)
+    _assert_same_classifier("tiny", X, y, n_estimators=n_estimators)
+
+
+@pytest.mark.parametrize("name, n_estimators", [("iris", 1), ("breast_cancer", 8)])
+def test_classifier_matches_reference_full_size(name, n_estimators):
+    X, y = DATASETS[name](return_X_y=True)
+    _assert_same_classifier("full", X, y, rows=120, n_estimators=n_estimators)
+
+
+def test_classifier_options_match_reference():
+    X, y = datasets.load_wine(return_X_y=True)
+    _assert_same_classifier("tiny", X, y, n_estimators=5, average_logits=False, softmax_temperature=0.5,
+                            norm_methods=["power"], feat_shuffle_method="shift", class_shuffle_method="none")
+    _assert_same_classifier("tiny", X, y, n_estimators=6, feat_shuffle_method="random", random_state=7,
+                            batch_size=4)
+
+
+def test_many_classes_match_reference():
+    rs = np.random.RandomState(1)
+    X = rs.randn(260, 6)
+    y = np.repeat(np.arange(13), 20)
+    X[:, 0] += y * 0.5
+    _assert_same_classifier("tiny", X, y, rows=260, n_estimators=2)
+
+
+def _mixed_frame(rows: int = 180, seed: int = 0) -> tuple:
+    rs = np.random.RandomState(seed)
+    colour = rs.choice(["red", "green", "blue", None], rows, p=[0.4, 0.3, 0.2, 0.1])
+    city = pd.Series(rs.choice(["paris", "oslo", "rome"], rows)).astype("category")
+    flag = pd.array(rs.choice([True, False, None], rows), dtype="boolean")
+    size = rs.randn(rows) * 10 + 50
+    size[rs.rand(rows) < 0.15] = np.nan
+    weight = rs.rand(rows)
+    frame = pd.DataFrame({"size": size, "colour": colour, "weight": weight, "city": city, "flag": flag,
+                          "name": pd.array([f"n{i % 7}" for i in range(rows)], dtype="string")})
+    y = (np.nan_to_num(size, nan=50) > 50).astype(int) + (colour == "red")
+    return frame, y
+
+
+@pytest.mark.parametrize("n_estimators", [1, 8])
+def test_dataframe_with_categories_and_missing_values(n_estimators):
+    frame, y = _mixed_frame()
+    frame.loc[frame.index[-5:], "colour"] = "purple"  # unseen at fit -> code -1, as the reference
+    X_train, y_train, X_test = frame.iloc[:130], y[:130], frame.iloc[130:]
+    ref, ours = _classifiers("tiny", n_estimators=n_estimators)
+    expected = ref.fit(X_train, y_train).predict_proba(X_test)
+    got = ours.fit(X_train, y_train).predict_proba(X_test)
+    np.testing.assert_allclose(got, expected, atol=ATOL, rtol=0)
+    assert list(ours.feature_names_in_) == list(frame.columns)
+
+
+def _assert_same_regressor(size, X, y, rows=160, kinds=("mean", "median", "variance", "quantiles"), **params):
+    X_train, y_train, X_test = _split(X, y, rows)
+    path = reference_checkpoint("reg", size)
+    ref = tabicl.TabICLRegressor(model_path=str(path), **REFERENCE_OPTIONS, **params).fit(X_train, y_train)
+    ours = TabICLRegressor(model_path=path, device="cpu", **params).fit(X_train, y_train)
+    expected = ref.predict(X_test, output_type=list(kinds))
+    got = ours.predict(X_test, output_type=list(kinds))
+    for kind in kinds:
+        np.testing.assert_allclose(got[kind], expected[kind], atol=ATOL * np.std(y_train), rtol=0, err_msg=kind)
+    return ours, X_test
+
+
+@pytest.mark.parametrize("size, n_estimators", [("tiny", 1), ("tiny", 8), ("full", 1), ("full", 8)])
+def test_regressor_matches_reference_on_diabetes(size, n_estimators):
+    X, y = datasets.load_diabetes(return_X_y=True)
+    ours, X_test = _assert_same_regressor(size, X, y, rows=120 if size == "full" else 200, n_estimators=n_estimators)
+    assert ours.predict(X_test).shape == (len(X_test),)
+    assert ours.predict(X_test, output_type="raw_quantiles").shape[0] == len(X_test)
+
+
+def test_regressor_dataframe_matches_reference():
+    frame, _ = _mixed_frame(seed=2)
+    y = np.nan_to_num(frame["size"].to_numpy(), nan=3.0) * 2 + frame["weight"].to_numpy()
+    _assert_same_regressor("tiny", frame, y, rows=150, n_estimators=4)
+
+
+def test_kv_cache_matches_uncached_and_reference():
+    X, y = datasets.load_breast_cancer(return_X_y=True)
+    X_train, y_train, X_test = _split(X, y, 120)
+    ref, ours = _classifiers("tiny", kv_cache=True)
+    plain = TabICLClassifier(model_path=ours.model_path, device="cpu").fit(X_train, y_train).predict_proba(X_test)
+    cached = ours.fit(X_train, y_train).predict_proba(X_test)
+    np.testing.assert_allclose(cached, plain, atol=ATOL, rtol=0)
+    np.testing.assert_allclose(cached, ref.fit(X_train, y_train).predict_proba(X_test), atol=ATOL, rtol=0)
+    X, y = datasets.load_diabetes(return_X_y=True)
+    X_train, y_train, X_test = _split(X, y, 120)
+    path = reference_checkpoint("reg", "tiny")
+    cached = TabICLRegressor(model_path=path, kv_cache=True, device="cpu").fit(X_train, y_train).predict(X_test)
+    plain = TabICLRegressor(model_path=path, device="cpu").fit(X_train, y_train).predict(X_test)
+    np.testing.assert_allclose(cached, plain, atol=ATOL * np.std(y_train), rtol=0)
+
+
+def test_sklearn_conventions():
+    clf = TabICLClassifier(n_estimators=3, model_path="x.ckpt", random_state=1)
+    assert clf.get_params()["n_estimators"] == 3
+    assert clone(clf).set_params(n_estimators=5).n_estimators == 5
+    with pytest.raises(NotFittedError):
+        clf.predict(np.zeros((2, 3)))
+    X, y = datasets.load_iris(return_X_y=True)
+    fitted = TabICLClassifier(n_estimators=2, model_path=reference_checkpoint("clf", "tiny"), device="cpu")
+    fitted.fit(X[::3], y[::3])
+    assert fitted.n_features_in_ == 4 and fitted.n_classes_ == 3
+    assert fitted.score(X[1::3], y[1::3]) >= 0.0
+
+
+# ----------------------------------------------------------------------------- bad input
+@pytest.fixture(scope="module")
+def fitted_classifier():
+    X, y = datasets.load_iris(return_X_y=True)
+    return TabICLClassifier(n_estimators=2, model_path=reference_checkpoint("clf", "tiny"), device="cpu").fit(
+        X[::2], y[::2])
+
+
+def test_nan_features_are_imputed_like_the_reference():
+    X, y = datasets.load_wine(return_X_y=True)
+    X = X.copy()
+    X[np.random.RandomState(0).rand(*X.shape) < 0.1] = np.nan
+    X[:, 3] = np.nan  # an all-missing column
+    _assert_same_classifier("tiny", X, y, n_estimators=2)
+
+
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        (lambda X, y: (np.where(X > 6, np.inf, X), y), "infinite"),
+        (lambda X, y: (X, np.zeros_like(y)), "at least 2 classes"),
+        (lambda X, y: (X[:0], y[:0]), "zero rows"),
+        (lambda X, y: (X, y[:-1]), "one label per row"),
+        (lambda X, y: (X.astype(str).astype(object) + "x", y), "must be numeric"),
+        (lambda X, y: (X, np.where(y == 0, np.nan, y)), "NaN labels"),
+    ],
+    ids=["inf", "single-class", "zero-rows", "length", "strings-in-numpy", "nan-labels"],
+)
+def test_bad_fit_input_raises(make, match):
+    X, y = datasets.load_iris(return_X_y=True)
+    X, y = make(X[::3], y[::3])
+    with pytest.raises(ValueError, match=match):
+        TabICLClassifier(n_estimators=1, model_path=reference_checkpoint("clf", "tiny"), device="cpu").fit(X, y)
+
+
+def test_bad_predict_input_raises(fitted_classifier):
+    X, _ = datasets.load_iris(return_X_y=True)
+    with pytest.raises(ValueError, match="fitted with 4"):
+        fitted_classifier.predict_proba(X[:, :3])
+    with pytest.raises(ValueError, match="infinite"):
+        fitted_classifier.predict_proba(np.full((2, 4), np.inf))
+    with pytest.raises(ValueError, match="one-dimensional"):
+        fitted_classifier.predict_proba(X[0])
+    with pytest.raises(ValueError, match="must be numeric"):
+        fitted_classifier.predict_proba(np.array([["a", "b", "c", "d"]], dtype=object))
+
+
+def test_bad_configuration_raises(tmp_path):
+    X, y = datasets.load_iris(return_X_y=True)
+    with pytest.raises(ValueError, match="model_path is required"):
+        TabICLClassifier().fit(X, y)
+    with pytest.raises(ValueError, match="regression checkpoint"):
+        TabICLClassifier(model_path=reference_checkpoint("reg", "tiny"), device="cpu").fit(X, y)
+    with pytest.raises(ValueError, match="kv_cache is not supported"):
+        TabICLClassifier(model_path=reference_checkpoint("clf", "tiny"), kv_cache=True, device="cpu").fit(
+            np.arange(24.0)[:, None], np.arange(24) % 12)
+    with pytest.raises(ValueError, match="numeric"):
+        TabICLRegressor(model_path=reference_checkpoint("reg", "tiny"), device="cpu").fit(X, np.array(["a", "b", "c"])[y])
+    truncated = tmp_path / "broken.ckpt"
+    truncated.write_bytes(reference_checkpoint("clf", "tiny").read_bytes()[:1000])
+    with pytest.raises(ValueError, match="corrupted or truncated"):
+        TabICLClassifier(model_path=truncated, device="cpu").fit(X, y)
+
+
+@pytest.mark.cuda
+@requires_cuda
+def test_cuda_estimators_match_reference():
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    X, y = datasets.load_breast_cancer(return_X_y=True)
+    X_train, y_train, X_test = _split(X, y, 400)
+    path = reference_checkpoint("clf", "full")
+    ref = tabicl.TabICLClassifier(model_path=str(path), device="cuda", use_amp=False, use_fa3=False,
+                                  allow_auto_download=False).fit(X_train, y_train)
+    ours = TabICLClassifier(model_path=path, device="cuda").fit(X_train, y_train)
+    np.testing.assert_allclose(ours.predict_proba(X_test), ref.predict_proba(X_test), atol=ATOL, rtol=0)
