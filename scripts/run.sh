@@ -55,8 +55,9 @@ ensure_python_packages() {
   done
   [ ${#wanted[@]} -eq 0 ] && return 0
   log "installing Python packages: ${wanted[*]}"
-  # --no-deps for tabicl would miss its needs; the cap in /etc/xdg/pip (if any) keeps torch local
-  "$PY" -m pip install -q "${wanted[@]}" || log "could not install ${wanted[*]} (offline?): tests needing them skip"
+  # Offline machines (the GPU machine) fail fast here; tests needing a missing package skip.
+  "$PY" -m pip install -q --retries 0 --timeout 10 "${wanted[@]}" \
+    || log "could not install ${wanted[*]} (offline?): tests needing them skip"
 }
 
 build_extension() {
