@@ -128,7 +128,7 @@ def _assert_same_regressor(size, X, y, rows=160, kinds=("mean", "median", "varia
 @pytest.mark.parametrize("size, n_estimators", [("tiny", 1), ("tiny", 8), ("full", 1), ("full", 8)])
 def test_regressor_matches_reference_on_diabetes(size, n_estimators):
     X, y = datasets.load_diabetes(return_X_y=True)
-    ours, X_test = _assert_same_regressor(size, X, y, rows=120 if size == "full" else 200, n_estimators=n_estimators)
+    ours, X_test = _assert_same_regressor(size, X, y, rows=80 if size == "full" else 200, n_estimators=n_estimators)
     assert ours.predict(X_test).shape == (len(X_test),)
     assert ours.predict(X_test, output_type="raw_quantiles").shape[0] == len(X_test)
 
