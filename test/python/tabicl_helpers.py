@@ -29,23 +29,51 @@ except ImportError:
     sys.modules["tabserve"] = _pkg
 
 tabicl = pytest.importorskip("tabicl")
-from tabicl import InferenceConfig  # noqa: E402
-from tabicl._model.tabicl import TabICL  # noqa: E402
+from tabicl import InferenceConfig
+from tabicl._model.tabicl import TabICL
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 #: Full keyword set written by the reference training code into a checkpoint's config.
-REFERENCE_CONFIG_KEYS = (
-    "max_classes num_quantiles embed_dim col_num_blocks col_nhead col_num_inds col_affine col_feature_group "
-    "col_feature_group_size col_target_aware col_ssmax row_num_blocks row_nhead row_num_cls row_rope_base "
-    "row_rope_interleaved icl_num_blocks icl_nhead icl_ssmax ff_factor dropout activation norm_first "
-    "bias_free_ln zero_init recompute"
-).split()
+REFERENCE_CONFIG_KEYS = [
+    "max_classes",
+    "num_quantiles",
+    "embed_dim",
+    "col_num_blocks",
+    "col_nhead",
+    "col_num_inds",
+    "col_affine",
+    "col_feature_group",
+    "col_feature_group_size",
+    "col_target_aware",
+    "col_ssmax",
+    "row_num_blocks",
+    "row_nhead",
+    "row_num_cls",
+    "row_rope_base",
+    "row_rope_interleaved",
+    "icl_num_blocks",
+    "icl_nhead",
+    "icl_ssmax",
+    "ff_factor",
+    "dropout",
+    "activation",
+    "norm_first",
+    "bias_free_ln",
+    "zero_init",
+    "recompute",
+]
 
 #: Model sizes: the released v2 architecture, and a small one for broad, fast sweeps.
 SIZES = {
     "full": {},
-    "tiny": dict(embed_dim=32, col_num_inds=16, col_num_blocks=2, row_num_blocks=2, icl_num_blocks=2),
+    "tiny": {
+        "embed_dim": 32,
+        "col_num_inds": 16,
+        "col_num_blocks": 2,
+        "row_num_blocks": 2,
+        "icl_num_blocks": 2,
+    },
 }
 
 _TMP = Path(tempfile.mkdtemp(prefix="tabserve-tabicl-"))
@@ -74,10 +102,13 @@ def build_reference_model(task: str = "clf", size: str = "full", seed: int = 0) 
 
 def checkpoint_payload(model: TabICL) -> dict:
     """What the reference training code saves: ``config`` (all constructor kwargs) + ``state_dict``."""
-    return {"config": {k: getattr(model, k, False) for k in REFERENCE_CONFIG_KEYS}, "state_dict": model.state_dict()}
+    return {
+        "config": {k: getattr(model, k, False) for k in REFERENCE_CONFIG_KEYS},
+        "state_dict": model.state_dict(),
+    }
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def reference_checkpoint(task: str = "clf", size: str = "full", seed: int = 0) -> Path:
     """Path of a reference-format checkpoint (written once per process)."""
     path = _TMP / f"tabicl-{task}-{size}-{seed}.ckpt"
@@ -85,16 +116,18 @@ def reference_checkpoint(task: str = "clf", size: str = "full", seed: int = 0) -
     return path
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def reference_model(task: str = "clf", size: str = "full", seed: int = 0) -> TabICL:
     """The reference module loaded from :func:`reference_checkpoint` the way its wrappers do."""
-    payload = torch.load(reference_checkpoint(task, size, seed), map_location="cpu", weights_only=True)
+    payload = torch.load(
+        reference_checkpoint(task, size, seed), map_location="cpu", weights_only=True
+    )
     model = TabICL(**payload["config"])
     model.load_state_dict(payload["state_dict"])
     return model.eval()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def our_model(task: str = "clf", size: str = "full", seed: int = 0):
     from tabserve.models.tabicl import TabICLv2
 
@@ -109,11 +142,17 @@ def fp32_inference_config(device: str = "cpu") -> InferenceConfig:
     return config
 
 
-def random_table(seed: int, tables: int, n_train: int, n_test: int, n_features: int, n_classes: int = 0):
+def random_table(
+    seed: int, tables: int, n_train: int, n_test: int, n_features: int, n_classes: int = 0
+):
     """Seeded ``X (B, N + M, H)`` and ``y_train (B, N)``: labels 0..K-1 (every class present when
     N >= K) or standard-normal targets when ``n_classes == 0``."""
     g = torch.Generator().manual_seed(seed)
-    X = torch.randn(tables, n_train + n_test, n_features, generator=g) * torch.rand(n_features, generator=g) * 3
+    X = (
+        torch.randn(tables, n_train + n_test, n_features, generator=g)
+        * torch.rand(n_features, generator=g)
+        * 3
+    )
     if n_classes == 0:
         return X, torch.randn(tables, n_train, generator=g)
     y = torch.stack([torch.randperm(n_train, generator=g) % n_classes for _ in range(tables)])

@@ -6,7 +6,6 @@ import json
 
 import pytest
 import torch
-
 from tabicl_helpers import (
     REFERENCE_CONFIG_KEYS,
     build_reference_model,
@@ -77,8 +76,17 @@ def test_from_checkpoint_device_argument():
         (lambda c: c.pop("row_rope_interleaved"), r"lacks \['row_rope_interleaved'\]"),
         (lambda c: c.pop("max_classes"), "lacks"),
         (lambda c: c.update(row_rope_interleaved=True), "not a TabICLv2 checkpoint"),
-        (lambda c: c.update(col_affine=True, col_feature_group=False, col_target_aware=False, col_ssmax="none",
-                            icl_ssmax="none", row_rope_interleaved=True), "v1"),
+        (
+            lambda c: c.update(
+                col_affine=True,
+                col_feature_group=False,
+                col_target_aware=False,
+                col_ssmax="none",
+                icl_ssmax="none",
+                row_rope_interleaved=True,
+            ),
+            "v1",
+        ),
         (lambda c: c.update(col_ssmax="ssmax"), "not a TabICLv2"),
         (lambda c: c.update(surprise=1), "unknown checkpoint config keys"),
         (lambda c: c.update(embed_dim="128"), "must be a number"),

@@ -15,13 +15,17 @@ import torch
 from sklearn import datasets
 from sklearn.base import clone
 from sklearn.exceptions import NotFittedError
-
 from tabicl_helpers import reference_checkpoint, requires_cuda
 from tabserve.models.tabicl import TabICLClassifier, TabICLRegressor
 
 tabicl = pytest.importorskip("tabicl")
 ATOL = 1e-5
-REFERENCE_OPTIONS = dict(device="cpu", use_amp=False, use_fa3=False, allow_auto_download=False)
+REFERENCE_OPTIONS = {
+    "device": "cpu",
+    "use_amp": False,
+    "use_fa3": False,
+    "allow_auto_download": False,
+}
 
 
 def _split(X, y, rows: int, seed: int = 0):
@@ -29,14 +33,19 @@ def _split(X, y, rows: int, seed: int = 0):
     n_train = int(len(order) * 0.75)
     take = (lambda a: a.iloc[order]) if hasattr(X, "iloc") else (lambda a: a[order])
     X, y = take(X), np.asarray(y)[order]
-    return X[:n_train] if not hasattr(X, "iloc") else X.iloc[:n_train], y[:n_train], (
-        X[n_train:] if not hasattr(X, "iloc") else X.iloc[n_train:])
+    return (
+        X[:n_train] if not hasattr(X, "iloc") else X.iloc[:n_train],
+        y[:n_train],
+        (X[n_train:] if not hasattr(X, "iloc") else X.iloc[n_train:]),
+    )
 
 
 def _classifiers(size, **params):
     path = reference_checkpoint("clf", size)
-    return (tabicl.TabICLClassifier(model_path=str(path), **REFERENCE_OPTIONS, **params),
-            TabICLClassifier(model_path=path, device="cpu", **params))
+    return (
+        tabicl.TabICLClassifier(model_path=str(path), **REFERENCE_OPTIONS, **params),
+        TabICLClassifier(model_path=path, device="cpu", **params),
+    )
 
 
 def _assert_same_classifier(size, X, y, rows=160, **params):
@@ -73,10 +82,20 @@ def test_classifier_matches_reference_full_size(name, n_estimators):
 
 def test_classifier_options_match_reference():
     X, y = datasets.load_wine(return_X_y=True)
-    _assert_same_classifier("tiny", X, y, n_estimators=5, average_logits=False, softmax_temperature=0.5,
-                            norm_methods=["power"], feat_shuffle_method="shift", class_shuffle_method="none")
-    _assert_same_classifier("tiny", X, y, n_estimators=6, feat_shuffle_method="random", random_state=7,
-                            batch_size=4)
+    _assert_same_classifier(
+        "tiny",
+        X,
+        y,
+        n_estimators=5,
+        average_logits=False,
+        softmax_temperature=0.5,
+        norm_methods=["power"],
+        feat_shuffle_method="shift",
+        class_shuffle_method="none",
+    )
+    _assert_same_classifier(
+        "tiny", X, y, n_estimators=6, feat_shuffle_method="random", random_state=7, batch_size=4
+    )
 
 
 def test_many_classes_match_reference():
@@ -95,8 +114,16 @@ def _mixed_frame(rows: int = 180, seed: int = 0) -> tuple:
     size = rs.randn(rows) * 10 + 50
     size[rs.rand(rows) < 0.15] = np.nan
     weight = rs.rand(rows)
-    frame = pd.DataFrame({"size": size, "colour": colour, "weight": weight, "city": city, "flag": flag,
-                          "name": pd.array([f"n{i % 7}" for i in range(rows)], dtype="string")})
+    frame = pd.DataFrame(
+        {
+            "size": size,
+            "colour": colour,
+            "weight": weight,
+            "city": city,
+            "flag": flag,
+            "name": pd.array([f"n{i % 7}" for i in range(rows)], dtype="string"),
+        }
+    )
     y = (np.nan_to_num(size, nan=50) > 50).astype(int) + (colour == "red")
     return frame, y
 
@@ -113,22 +140,30 @@ def test_dataframe_with_categories_and_missing_values(n_estimators):
     assert list(ours.feature_names_in_) == list(frame.columns)
 
 
-def _assert_same_regressor(size, X, y, rows=160, kinds=("mean", "median", "variance", "quantiles"), **params):
+def _assert_same_regressor(
+    size, X, y, rows=160, kinds=("mean", "median", "variance", "quantiles"), **params
+):
     X_train, y_train, X_test = _split(X, y, rows)
     path = reference_checkpoint("reg", size)
-    ref = tabicl.TabICLRegressor(model_path=str(path), **REFERENCE_OPTIONS, **params).fit(X_train, y_train)
+    ref = tabicl.TabICLRegressor(model_path=str(path), **REFERENCE_OPTIONS, **params).fit(
+        X_train, y_train
+    )
     ours = TabICLRegressor(model_path=path, device="cpu", **params).fit(X_train, y_train)
     expected = ref.predict(X_test, output_type=list(kinds))
     got = ours.predict(X_test, output_type=list(kinds))
     for kind in kinds:
-        np.testing.assert_allclose(got[kind], expected[kind], atol=ATOL * np.std(y_train), rtol=0, err_msg=kind)
+        np.testing.assert_allclose(
+            got[kind], expected[kind], atol=ATOL * np.std(y_train), rtol=0, err_msg=kind
+        )
     return ours, X_test
 
 
 @pytest.mark.parametrize("size, n_estimators", [("tiny", 1), ("tiny", 8), ("full", 1), ("full", 8)])
 def test_regressor_matches_reference_on_diabetes(size, n_estimators):
     X, y = datasets.load_diabetes(return_X_y=True)
-    ours, X_test = _assert_same_regressor(size, X, y, rows=80 if size == "full" else 200, n_estimators=n_estimators)
+    ours, X_test = _assert_same_regressor(
+        size, X, y, rows=80 if size == "full" else 200, n_estimators=n_estimators
+    )
     assert ours.predict(X_test).shape == (len(X_test),)
     assert ours.predict(X_test, output_type="raw_quantiles").shape[0] == len(X_test)
 
@@ -143,14 +178,24 @@ def test_kv_cache_matches_uncached_and_reference():
     X, y = datasets.load_breast_cancer(return_X_y=True)
     X_train, y_train, X_test = _split(X, y, 120)
     ref, ours = _classifiers("tiny", kv_cache=True)
-    plain = TabICLClassifier(model_path=ours.model_path, device="cpu").fit(X_train, y_train).predict_proba(X_test)
+    plain = (
+        TabICLClassifier(model_path=ours.model_path, device="cpu")
+        .fit(X_train, y_train)
+        .predict_proba(X_test)
+    )
     cached = ours.fit(X_train, y_train).predict_proba(X_test)
     np.testing.assert_allclose(cached, plain, atol=ATOL, rtol=0)
-    np.testing.assert_allclose(cached, ref.fit(X_train, y_train).predict_proba(X_test), atol=ATOL, rtol=0)
+    np.testing.assert_allclose(
+        cached, ref.fit(X_train, y_train).predict_proba(X_test), atol=ATOL, rtol=0
+    )
     X, y = datasets.load_diabetes(return_X_y=True)
     X_train, y_train, X_test = _split(X, y, 120)
     path = reference_checkpoint("reg", "tiny")
-    cached = TabICLRegressor(model_path=path, kv_cache=True, device="cpu").fit(X_train, y_train).predict(X_test)
+    cached = (
+        TabICLRegressor(model_path=path, kv_cache=True, device="cpu")
+        .fit(X_train, y_train)
+        .predict(X_test)
+    )
     plain = TabICLRegressor(model_path=path, device="cpu").fit(X_train, y_train).predict(X_test)
     np.testing.assert_allclose(cached, plain, atol=ATOL * np.std(y_train), rtol=0)
 
@@ -162,7 +207,9 @@ def test_sklearn_conventions():
     with pytest.raises(NotFittedError):
         clf.predict(np.zeros((2, 3)))
     X, y = datasets.load_iris(return_X_y=True)
-    fitted = TabICLClassifier(n_estimators=2, model_path=reference_checkpoint("clf", "tiny"), device="cpu")
+    fitted = TabICLClassifier(
+        n_estimators=2, model_path=reference_checkpoint("clf", "tiny"), device="cpu"
+    )
     fitted.fit(X[::3], y[::3])
     assert fitted.n_features_in_ == 4 and fitted.n_classes_ == 3
     assert fitted.score(X[1::3], y[1::3]) >= 0.0
@@ -172,8 +219,9 @@ def test_sklearn_conventions():
 @pytest.fixture(scope="module")
 def fitted_classifier():
     X, y = datasets.load_iris(return_X_y=True)
-    return TabICLClassifier(n_estimators=2, model_path=reference_checkpoint("clf", "tiny"), device="cpu").fit(
-        X[::2], y[::2])
+    return TabICLClassifier(
+        n_estimators=2, model_path=reference_checkpoint("clf", "tiny"), device="cpu"
+    ).fit(X[::2], y[::2])
 
 
 def test_nan_features_are_imputed_like_the_reference():
@@ -200,7 +248,9 @@ def test_bad_fit_input_raises(make, match):
     X, y = datasets.load_iris(return_X_y=True)
     X, y = make(X[::3], y[::3])
     with pytest.raises(ValueError, match=match):
-        TabICLClassifier(n_estimators=1, model_path=reference_checkpoint("clf", "tiny"), device="cpu").fit(X, y)
+        TabICLClassifier(
+            n_estimators=1, model_path=reference_checkpoint("clf", "tiny"), device="cpu"
+        ).fit(X, y)
 
 
 def test_bad_predict_input_raises(fitted_classifier):
@@ -222,10 +272,13 @@ def test_bad_configuration_raises(tmp_path):
     with pytest.raises(ValueError, match="regression checkpoint"):
         TabICLClassifier(model_path=reference_checkpoint("reg", "tiny"), device="cpu").fit(X, y)
     with pytest.raises(ValueError, match="kv_cache is not supported"):
-        TabICLClassifier(model_path=reference_checkpoint("clf", "tiny"), kv_cache=True, device="cpu").fit(
-            np.arange(24.0)[:, None], np.arange(24) % 12)
+        TabICLClassifier(
+            model_path=reference_checkpoint("clf", "tiny"), kv_cache=True, device="cpu"
+        ).fit(np.arange(24.0)[:, None], np.arange(24) % 12)
     with pytest.raises(ValueError, match="numeric"):
-        TabICLRegressor(model_path=reference_checkpoint("reg", "tiny"), device="cpu").fit(X, np.array(["a", "b", "c"])[y])
+        TabICLRegressor(model_path=reference_checkpoint("reg", "tiny"), device="cpu").fit(
+            X, np.array(["a", "b", "c"])[y]
+        )
     truncated = tmp_path / "broken.ckpt"
     truncated.write_bytes(reference_checkpoint("clf", "tiny").read_bytes()[:1000])
     with pytest.raises(ValueError, match="corrupted or truncated"):
@@ -240,7 +293,10 @@ def test_cuda_estimators_match_reference():
     X, y = datasets.load_breast_cancer(return_X_y=True)
     X_train, y_train, X_test = _split(X, y, 400)
     path = reference_checkpoint("clf", "full")
-    ref = tabicl.TabICLClassifier(model_path=str(path), device="cuda", use_amp=False, use_fa3=False,
-                                  allow_auto_download=False).fit(X_train, y_train)
+    ref = tabicl.TabICLClassifier(
+        model_path=str(path), device="cuda", use_amp=False, use_fa3=False, allow_auto_download=False
+    ).fit(X_train, y_train)
     ours = TabICLClassifier(model_path=path, device="cuda").fit(X_train, y_train)
-    np.testing.assert_allclose(ours.predict_proba(X_test), ref.predict_proba(X_test), atol=ATOL, rtol=0)
+    np.testing.assert_allclose(
+        ours.predict_proba(X_test), ref.predict_proba(X_test), atol=ATOL, rtol=0
+    )

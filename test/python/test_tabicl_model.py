@@ -10,7 +10,6 @@ import zlib
 
 import pytest
 import torch
-
 from tabicl_helpers import (
     fp32_inference_config,
     our_model,
@@ -62,7 +61,9 @@ def _reference(case, **kwargs):
     size, b, n, m, h, k = case
     X, y = random_table(_seed(case), b, n, m, h, k)
     with torch.no_grad():
-        out = reference_model(_task(k), size)(X, y, inference_config=fp32_inference_config(), **kwargs)
+        out = reference_model(_task(k), size)(
+            X, y, inference_config=fp32_inference_config(), **kwargs
+        )
     return X, y, out
 
 
@@ -74,7 +75,9 @@ def test_forward_matches_reference(case):
     torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
 
 
-@pytest.mark.parametrize("case", [CLASSIFIER_CASES[0], CLASSIFIER_CASES[4], CLASSIFIER_CASES[9]], ids=_case_id)
+@pytest.mark.parametrize(
+    "case", [CLASSIFIER_CASES[0], CLASSIFIER_CASES[4], CLASSIFIER_CASES[9]], ids=_case_id
+)
 def test_probabilities_match_reference(case):
     X, y, expected = _reference(case, return_logits=False, softmax_temperature=0.7)
     got = our_model("clf", case[0])(X, y, return_logits=False, softmax_temperature=0.7)
@@ -99,7 +102,13 @@ def test_regression_statistics_match_reference(case):
     assert default.shape == (b, m, 9)
 
 
-CACHE_CASES = [CLASSIFIER_CASES[0], CLASSIFIER_CASES[2], CLASSIFIER_CASES[7], REGRESSOR_CASES[0], REGRESSOR_CASES[3]]
+CACHE_CASES = [
+    CLASSIFIER_CASES[0],
+    CLASSIFIER_CASES[2],
+    CLASSIFIER_CASES[7],
+    REGRESSOR_CASES[0],
+    REGRESSOR_CASES[3],
+]
 
 
 @pytest.mark.parametrize("case", CACHE_CASES, ids=_case_id)
@@ -109,8 +118,12 @@ def test_kv_cache_matches_uncached_and_reference_cache(case):
     ref = reference_model(_task(k), size)
     config = fp32_inference_config()
     with torch.no_grad():
-        ref.forward_with_cache(X_train=X[:, :n], y_train=y, store_cache=True, inference_config=config)
-        ref_cached = ref.forward_with_cache(X_test=X[:, n:], use_cache=True, store_cache=False, inference_config=config)
+        ref.forward_with_cache(
+            X_train=X[:, :n], y_train=y, store_cache=True, inference_config=config
+        )
+        ref_cached = ref.forward_with_cache(
+            X_test=X[:, n:], use_cache=True, store_cache=False, inference_config=config
+        )
         ref.clear_cache()
     ours = our_model(_task(k), size)
     cache = ours.build_cache(X[:, :n], y)
@@ -118,7 +131,9 @@ def test_kv_cache_matches_uncached_and_reference_cache(case):
     torch.testing.assert_close(cached, ours(X, y), atol=ATOL, rtol=0)
     torch.testing.assert_close(cached, ref_cached, atol=ATOL, rtol=0)
     # Batches of the cache serve batches of tables.
-    torch.testing.assert_close(ours.forward_with_cache(X[-1:, n:], cache.select(slice(b - 1, b))), cached[-1:])
+    torch.testing.assert_close(
+        ours.forward_with_cache(X[-1:, n:], cache.select(slice(b - 1, b))), cached[-1:]
+    )
     if k == 0:
         stats = ours.predict_stats_with_cache(X[:, n:], cache, output_type=["mean", "median"])
         direct = ours.predict_stats(X, y, output_type=["mean", "median"])
@@ -131,10 +146,18 @@ def test_cache_shapes_and_concat():
     cache = ours.build_cache(X[:, :20], y)
     cfg = ours.config
     assert len(cache.col) == cfg.col_num_blocks and len(cache.icl) == cfg.icl_num_blocks
-    assert cache.col[0][0].shape == (2, 6, cfg.col_nhead, cfg.col_num_inds, cfg.embed_dim // cfg.col_nhead)
+    assert cache.col[0][0].shape == (
+        2,
+        6,
+        cfg.col_nhead,
+        cfg.col_num_inds,
+        cfg.embed_dim // cfg.col_nhead,
+    )
     assert cache.icl[0][0].shape == (2, cfg.icl_nhead, 20, cfg.icl_dim // cfg.icl_nhead)
     joined = type(cache).concat([cache.select(slice(0, 1)), cache.select(slice(1, 2))])
-    torch.testing.assert_close(ours.forward_with_cache(X[:, 20:], joined), ours.forward_with_cache(X[:, 20:], cache))
+    torch.testing.assert_close(
+        ours.forward_with_cache(X[:, 20:], joined), ours.forward_with_cache(X[:, 20:], cache)
+    )
     assert cache.nbytes() > 0
 
 
@@ -153,8 +176,16 @@ def test_test_rows_are_independent():
 @pytest.mark.parametrize(
     "mutate, error, match",
     [
-        (lambda X, y: (X.masked_fill(torch.rand_like(X) < 0.1, float("nan")), y), ValueError, "NaN or infinite"),
-        (lambda X, y: (X.masked_fill(torch.rand_like(X) < 0.1, float("inf")), y), ValueError, "NaN or infinite"),
+        (
+            lambda X, y: (X.masked_fill(torch.rand_like(X) < 0.1, float("nan")), y),
+            ValueError,
+            "NaN or infinite",
+        ),
+        (
+            lambda X, y: (X.masked_fill(torch.rand_like(X) < 0.1, float("inf")), y),
+            ValueError,
+            "NaN or infinite",
+        ),
         (lambda X, y: (X, y[:, :0]), ValueError, "zero train rows"),
         (lambda X, y: (X.long(), y), TypeError, "floating-point"),
         (lambda X, y: (X.numpy(), y), TypeError, "torch.Tensor"),
@@ -162,12 +193,28 @@ def test_test_rows_are_independent():
         (lambda X, y: (X, y[:1]), ValueError, "y_train must be"),
         (lambda X, y: (X, y + 0.5), ValueError, "non-negative integers"),
         (lambda X, y: (X, torch.where(y == 1, 5.0, y)), ValueError, "exactly 0..K-1"),
-        (lambda X, y: (X, torch.cat([y[:1], torch.zeros_like(y[1:])])), ValueError, "same number of classes"),
+        (
+            lambda X, y: (X, torch.cat([y[:1], torch.zeros_like(y[1:])])),
+            ValueError,
+            "same number of classes",
+        ),
         (lambda X, y: (X, y.masked_fill(y == 0, float("nan"))), ValueError, "NaN"),
         (lambda X, y: (X[:, :5], y), ValueError, "train labels for only"),
     ],
-    ids=["nan", "inf", "no-train-rows", "int-dtype", "numpy", "2d", "batch", "fractional", "gap", "classes", "nan-y",
-         "too-many-labels"],
+    ids=[
+        "nan",
+        "inf",
+        "no-train-rows",
+        "int-dtype",
+        "numpy",
+        "2d",
+        "batch",
+        "fractional",
+        "gap",
+        "classes",
+        "nan-y",
+        "too-many-labels",
+    ],
 )
 def test_bad_input_raises(mutate, error, match):
     X, y = random_table(1, 2, 12, 3, 4, 3)
@@ -193,8 +240,11 @@ def test_bad_cache_use_raises():
 # ----------------------------------------------------------------------------- CUDA
 @pytest.mark.cuda
 @requires_cuda
-@pytest.mark.parametrize("case", [CLASSIFIER_CASES[2], CLASSIFIER_CASES[3], CLASSIFIER_CASES[5], REGRESSOR_CASES[2]],
-                         ids=_case_id)
+@pytest.mark.parametrize(
+    "case",
+    [CLASSIFIER_CASES[2], CLASSIFIER_CASES[3], CLASSIFIER_CASES[5], REGRESSOR_CASES[2]],
+    ids=_case_id,
+)
 def test_cuda_matches_reference(case):
     size, b, n, m, h, k = case
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -212,7 +262,9 @@ def test_cuda_matches_reference(case):
         torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
         if 0 < k <= 10 or k == 0:
             cache = ours.build_cache(X[:, :n].cuda(), y.cuda())
-            torch.testing.assert_close(ours.forward_with_cache(X[:, n:].cuda(), cache), got, atol=ATOL, rtol=0)
+            torch.testing.assert_close(
+                ours.forward_with_cache(X[:, n:].cuda(), cache), got, atol=ATOL, rtol=0
+            )
         torch.testing.assert_close(got.cpu(), ours.cpu()(X, y), atol=1e-4, rtol=0)
     finally:
         ours.cpu()

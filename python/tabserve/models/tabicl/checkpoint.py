@@ -15,8 +15,8 @@ import json
 import os
 import pickle
 import zipfile
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Dict, Mapping, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -29,15 +29,15 @@ CONFIG_METADATA_KEY = "tabserve.config"
 FORMAT_METADATA_KEY = "tabserve.format"
 FORMAT_NAME = "tabiclv2"
 
-PathLike = Union[str, os.PathLike]
-StateDict = Dict[str, Tensor]
+PathLike = str | os.PathLike
+StateDict = dict[str, Tensor]
 
 
 class CheckpointError(ValueError):
     """A checkpoint file that cannot be read or does not hold a TabICLv2 model."""
 
 
-def load_checkpoint(path: PathLike) -> Tuple[TabICLv2Config, StateDict]:
+def load_checkpoint(path: PathLike) -> tuple[TabICLv2Config, StateDict]:
     """Read a reference ``.ckpt`` or a tabserve ``.safetensors`` file.
 
     Returns the validated config and the raw state_dict (CPU tensors).
@@ -63,37 +63,56 @@ def _verify_zip(path: Path) -> None:
         with zipfile.ZipFile(path) as archive:
             bad = archive.testzip()
     except (zipfile.BadZipFile, OSError, EOFError, ValueError) as e:
-        raise CheckpointError(f"cannot read checkpoint {path} (corrupted or truncated?): {e}") from e
+        raise CheckpointError(
+            f"cannot read checkpoint {path} (corrupted or truncated?): {e}"
+        ) from e
     if bad is not None:
-        raise CheckpointError(f"cannot read checkpoint {path} (corrupted or truncated?): CRC mismatch in {bad}")
+        raise CheckpointError(
+            f"cannot read checkpoint {path} (corrupted or truncated?): CRC mismatch in {bad}"
+        )
 
 
-def _load_reference(path: Path) -> Tuple[TabICLv2Config, StateDict]:
+def _load_reference(path: Path) -> tuple[TabICLv2Config, StateDict]:
     _verify_zip(path)
     try:
         payload = torch.load(path, map_location="cpu", weights_only=True)
-    except (RuntimeError, EOFError, OSError, zipfile.BadZipFile, pickle.UnpicklingError, ValueError) as e:
-        raise CheckpointError(f"cannot read checkpoint {path} (corrupted or truncated?): {e}") from e
+    except (
+        RuntimeError,
+        EOFError,
+        OSError,
+        zipfile.BadZipFile,
+        pickle.UnpicklingError,
+        ValueError,
+    ) as e:
+        raise CheckpointError(
+            f"cannot read checkpoint {path} (corrupted or truncated?): {e}"
+        ) from e
     if not isinstance(payload, Mapping) or "config" not in payload or "state_dict" not in payload:
         found = sorted(payload) if isinstance(payload, Mapping) else type(payload).__name__
-        raise CheckpointError(f"{path} is not a TabICL checkpoint: expected 'config' and 'state_dict', found {found}")
-    return TabICLv2Config.from_reference_dict(payload["config"]), _tensors(payload["state_dict"], path)
+        raise CheckpointError(
+            f"{path} is not a TabICL checkpoint: expected 'config' and 'state_dict', found {found}"
+        )
+    return TabICLv2Config.from_reference_dict(payload["config"]), _tensors(
+        payload["state_dict"], path
+    )
 
 
-def _load_safetensors(path: Path) -> Tuple[TabICLv2Config, StateDict]:
+def _load_safetensors(path: Path) -> tuple[TabICLv2Config, StateDict]:
     from safetensors import SafetensorError, safe_open
 
     try:
         with safe_open(str(path), framework="pt", device="cpu") as f:
             metadata = f.metadata() or {}
-            state_dict = {key: f.get_tensor(key) for key in f.keys()}
+            state_dict = {key: f.get_tensor(key) for key in f.keys()}  # noqa: SIM118 (not a dict)
     except (SafetensorError, OSError, ValueError) as e:
         raise CheckpointError(
             f"cannot read {path}: neither a reference .ckpt (ZIP) nor a readable safetensors file "
             f"(corrupted or truncated?): {e}"
         ) from e
     if metadata.get(FORMAT_METADATA_KEY) != FORMAT_NAME or CONFIG_METADATA_KEY not in metadata:
-        raise CheckpointError(f"{path} is a safetensors file without a tabserve TabICLv2 config in its metadata")
+        raise CheckpointError(
+            f"{path} is a safetensors file without a tabserve TabICLv2 config in its metadata"
+        )
     try:
         config = json.loads(metadata[CONFIG_METADATA_KEY])
     except json.JSONDecodeError as e:
@@ -103,17 +122,27 @@ def _load_safetensors(path: Path) -> Tuple[TabICLv2Config, StateDict]:
 
 def _tensors(state_dict: object, path: Path) -> StateDict:
     if not isinstance(state_dict, Mapping):
-        raise CheckpointError(f"{path}: 'state_dict' is a {type(state_dict).__name__}, not a mapping")
-    bad = [k for k, v in state_dict.items() if not isinstance(v, Tensor) or not v.is_floating_point()]
+        raise CheckpointError(
+            f"{path}: 'state_dict' is a {type(state_dict).__name__}, not a mapping"
+        )
+    bad = [
+        k for k, v in state_dict.items() if not isinstance(v, Tensor) or not v.is_floating_point()
+    ]
     if bad:
-        raise CheckpointError(f"{path}: state_dict entries {bad[:5]} are not floating-point tensors")
+        raise CheckpointError(
+            f"{path}: state_dict entries {bad[:5]} are not floating-point tensors"
+        )
     broken = [k for k, v in state_dict.items() if not torch.isfinite(v).all()]
     if broken:
-        raise CheckpointError(f"{path}: state_dict entries {broken[:5]} contain NaN or infinite weights")
+        raise CheckpointError(
+            f"{path}: state_dict entries {broken[:5]} contain NaN or infinite weights"
+        )
     return dict(state_dict)
 
 
-def save_safetensors(config: TabICLv2Config, state_dict: Mapping[str, Tensor], path: PathLike) -> Path:
+def save_safetensors(
+    config: TabICLv2Config, state_dict: Mapping[str, Tensor], path: PathLike
+) -> Path:
     """Write ``state_dict`` and ``config`` to one safetensors file; returns the path.
 
     The config is stored as JSON in the header metadata in the reference's key set, so it can be
@@ -123,7 +152,10 @@ def save_safetensors(config: TabICLv2Config, state_dict: Mapping[str, Tensor], p
 
     path = Path(path)
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in state_dict.items()}
-    metadata = {FORMAT_METADATA_KEY: FORMAT_NAME, CONFIG_METADATA_KEY: json.dumps(config.to_reference_dict())}
+    metadata = {
+        FORMAT_METADATA_KEY: FORMAT_NAME,
+        CONFIG_METADATA_KEY: json.dumps(config.to_reference_dict()),
+    }
     save_file(tensors, str(path), metadata=metadata)
     return path
 

@@ -8,8 +8,9 @@ default (the 2.2.0 default of ``row_rope_interleaved`` is the v1 flavour).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Dict, Mapping
+from typing import Any
 
 
 class ConfigError(ValueError):
@@ -66,7 +67,7 @@ class TabICLv2Config:
     def out_dim(self) -> int:
         return self.num_quantiles if self.is_regression else self.max_classes
 
-    def to_reference_dict(self) -> Dict[str, Any]:
+    def to_reference_dict(self) -> dict[str, Any]:
         """The full keyword set of ``tabicl.TabICL`` for this model (as a v2 checkpoint stores it)."""
         out = dataclasses.asdict(self)
         out.update({key: values[0] for key, values in V2_FIXED.items()})
@@ -74,7 +75,7 @@ class TabICLv2Config:
         return out
 
     @classmethod
-    def from_reference_dict(cls, config: Mapping[str, Any]) -> "TabICLv2Config":
+    def from_reference_dict(cls, config: Mapping[str, Any]) -> TabICLv2Config:
         """Validate a checkpoint ``config`` dict.
 
         Raises:
@@ -88,17 +89,21 @@ class TabICLv2Config:
         known = set(size_keys) | set(V2_FIXED) | set(TRAINING_ONLY)
         unknown = sorted(set(config) - known)
         if unknown:
-            raise ConfigError(f"unknown checkpoint config keys {unknown}; this is not a TabICL 2.x config")
+            raise ConfigError(
+                f"unknown checkpoint config keys {unknown}; this is not a TabICL 2.x config"
+            )
         missing = sorted((set(size_keys) | set(V2_FIXED)) - set(config))
         if missing:
             raise ConfigError(
                 f"checkpoint config lacks {missing}; refusing to guess (the reference constructor defaults "
                 "differ between TabICLv1 and v2, e.g. row_rope_interleaved)"
             )
-        not_v2 = {k: config[k] for k, ok in V2_FIXED.items() if not any(_same(config[k], v) for v in ok)}
+        not_v2 = {
+            k: config[k] for k, ok in V2_FIXED.items() if not any(_same(config[k], v) for v in ok)
+        }
         if not_v2:
             raise ConfigError(
-                f"not a TabICLv2 checkpoint: {not_v2} (v2 has {({k: V2_FIXED[k][0] for k in not_v2})}); "
+                f"not a TabICLv2 checkpoint: {not_v2} (v2 has { ({k: V2_FIXED[k][0] for k in not_v2}) }); "
                 "TabICLv1 / v1.1 checkpoints are not supported by tabserve"
             )
         values = {}
@@ -109,18 +114,27 @@ class TabICLv2Config:
         return result
 
     def _check_sizes(self) -> None:
-        positive = [f.name for f in dataclasses.fields(self) if f.name not in ("max_classes", "bias_free_ln")]
+        positive = [
+            f.name
+            for f in dataclasses.fields(self)
+            if f.name not in ("max_classes", "bias_free_ln")
+        ]
         bad = [k for k in positive if not getattr(self, k) > 0]
         if bad or self.max_classes < 0:
             raise ConfigError(f"config values must be positive: {bad or ['max_classes']}")
-        for dim, heads in ((self.embed_dim, self.col_nhead), (self.embed_dim, self.row_nhead),
-                           (self.icl_dim, self.icl_nhead)):
+        for dim, heads in (
+            (self.embed_dim, self.col_nhead),
+            (self.embed_dim, self.row_nhead),
+            (self.icl_dim, self.icl_nhead),
+        ):
             if dim % heads:
                 raise ConfigError(f"dimension {dim} is not divisible by {heads} heads")
         if (self.embed_dim // self.row_nhead) % 2:
             raise ConfigError("row head dimension must be even for RoPE")
         if self.col_feature_group_size != 3:
-            raise ConfigError(f"col_feature_group_size must be 3 for TabICLv2, got {self.col_feature_group_size}")
+            raise ConfigError(
+                f"col_feature_group_size must be 3 for TabICLv2, got {self.col_feature_group_size}"
+            )
 
 
 def _same(value: Any, expected: Any) -> bool:

@@ -13,7 +13,7 @@ discards them; we skip them, which is exact.
 from __future__ import annotations
 
 import math
-from typing import List, Optional, Sequence, Tuple
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from .layers import SKIP_VALUE, AttentionBlock, KeyValue, sentinel_linear
 
 #: Cyclic feature offsets of one group (``col_feature_group="same"``, group size 3).
-GROUP_OFFSETS: Tuple[int, ...] = (1, 2, 4)
+GROUP_OFFSETS: tuple[int, ...] = (1, 2, 4)
 
 
 class InducedSetBlock(nn.Module):
@@ -52,13 +52,15 @@ class InducedSetBlock(nn.Module):
 class SetTransformer(nn.Module):
     """Stack of ISAB blocks (state_dict prefix ``col_embedder.tf_col``)."""
 
-    def __init__(self, num_blocks: int, dim: int, num_heads: int, ff_dim: int, num_inds: int, ln_bias: bool):
+    def __init__(
+        self, num_blocks: int, dim: int, num_heads: int, ff_dim: int, num_inds: int, ln_bias: bool
+    ):
         super().__init__()
         self.blocks = nn.ModuleList(
             InducedSetBlock(dim, num_heads, ff_dim, num_inds, ln_bias) for _ in range(num_blocks)
         )
 
-    def forward(self, cells: Tensor, n_train: int) -> Tuple[Tensor, List[KeyValue]]:
+    def forward(self, cells: Tensor, n_train: int) -> tuple[Tensor, list[KeyValue]]:
         """Returns the embedded cells and the per-block K/V summaries (the column cache)."""
         summaries = []
         for block in self.blocks:
@@ -74,7 +76,7 @@ class SetTransformer(nn.Module):
         return cells
 
 
-def mixed_radix_bases(num_classes: int, max_classes: int) -> List[int]:
+def mixed_radix_bases(num_classes: int, max_classes: int) -> list[int]:
     """Balanced bases ``[k_0, ..., k_{D-1}]`` (each <= max_classes, product >= num_classes).
 
     Same walk as the reference: start from ``ceil(K ** (1/D))`` and bump bases left to right once
@@ -95,7 +97,7 @@ def mixed_radix_bases(num_classes: int, max_classes: int) -> List[int]:
     return bases
 
 
-def mixed_radix_digits(labels: Tensor, bases: Sequence[int]) -> List[Tensor]:
+def mixed_radix_digits(labels: Tensor, bases: Sequence[int]) -> list[Tensor]:
     """Digits of integer labels in the mixed radix ``bases`` (most significant first)."""
     digits = []
     for i, base in enumerate(bases):
@@ -124,7 +126,9 @@ class ColumnEmbedding(nn.Module):
     ):
         super().__init__()
         if group_size != len(GROUP_OFFSETS):
-            raise ValueError(f"only feature groups of size {len(GROUP_OFFSETS)} are supported, got {group_size}")
+            raise ValueError(
+                f"only feature groups of size {len(GROUP_OFFSETS)} are supported, got {group_size}"
+            )
         self.max_classes = max_classes
         self.in_linear = nn.Linear(group_size, dim)
         self.tf_col = SetTransformer(num_blocks, dim, num_heads, ff_dim, num_inds, ln_bias)
@@ -141,7 +145,11 @@ class ColumnEmbedding(nn.Module):
     def label_embedding(self, y: Tensor) -> Tensor:
         """``(B, N)`` labels (class indices or standardised targets) -> ``(B, N, E)``."""
         if self.max_classes > 0:
-            return F.linear(F.one_hot(y.long(), self.max_classes).float(), self.y_encoder.weight, self.y_encoder.bias)
+            return F.linear(
+                F.one_hot(y.long(), self.max_classes).float(),
+                self.y_encoder.weight,
+                self.y_encoder.bias,
+            )
         return self.y_encoder(y.unsqueeze(-1))
 
     def _with_labels(self, cells: Tensor, y: Tensor) -> Tensor:
@@ -164,9 +172,11 @@ class ColumnEmbedding(nn.Module):
             out = out / len(bases)
         return out.transpose(1, 2)
 
-    def build_cache(self, X_train: Tensor, y_train: Tensor) -> Tuple[Tensor, List[KeyValue]]:
+    def build_cache(self, X_train: Tensor, y_train: Tensor) -> tuple[Tensor, list[KeyValue]]:
         """Train-only pass: train embeddings ``(B, N, H, E)`` and the column K/V cache."""
-        out, summaries = self.tf_col(self._with_labels(self.cells(X_train), y_train), y_train.shape[1])
+        out, summaries = self.tf_col(
+            self._with_labels(self.cells(X_train), y_train), y_train.shape[1]
+        )
         return out.transpose(1, 2), summaries
 
     def forward_cached(self, X_test: Tensor, summaries: Sequence[KeyValue]) -> Tensor:

@@ -8,8 +8,8 @@ AMP / FlashAttention-3), and preprocessing transforms run as tensor maths on ``d
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -68,19 +68,27 @@ class _TabICLBase(BaseEstimator):
                 del self.feature_names_in_
             return
         if n_features != self.n_features_in_:
-            raise ValueError(f"X has {n_features} features, but {type(self).__name__} was fitted with "
-                             f"{self.n_features_in_}")
+            raise ValueError(
+                f"X has {n_features} features, but {type(self).__name__} was fitted with "
+                f"{self.n_features_in_}"
+            )
         fitted = getattr(self, "feature_names_in_", None)
         if fitted is not None and names is not None and list(fitted) != names:
-            raise ValueError(f"X columns {names} differ from the columns seen at fit {list(fitted)}")
+            raise ValueError(
+                f"X columns {names} differ from the columns seen at fit {list(fitted)}"
+            )
 
     def _load_model(self) -> TabICLv2:
         if self.model_path is None:
-            raise ValueError("model_path is required: the path of a TabICLv2 .ckpt or tabserve .safetensors file")
+            raise ValueError(
+                "model_path is required: the path of a TabICLv2 .ckpt or tabserve .safetensors file"
+            )
         model = TabICLv2.from_checkpoint(Path(self.model_path), device=self.device_)
         if model.is_regressor == self._classification:
             kind = "regression" if model.is_regressor else "classification"
-            raise ValueError(f"{self.model_path} is a {kind} checkpoint; {type(self).__name__} needs the other kind")
+            raise ValueError(
+                f"{self.model_path} is a {kind} checkpoint; {type(self).__name__} needs the other kind"
+            )
         return model
 
     def _fit_members(self, X, y: Tensor, n_classes: int) -> None:
@@ -93,8 +101,13 @@ class _TabICLBase(BaseEstimator):
         self.filter_ = ConstantFeatureFilter().fit(table)
         table = self.filter_.transform(table)
         self.plan_ = ensemble_plan(
-            table.shape[1], n_classes, self.n_estimators, norm_methods, self.feat_shuffle_method,
-            self.class_shuffle_method if self._classification else "none", self.random_state,
+            table.shape[1],
+            n_classes,
+            self.n_estimators,
+            norm_methods,
+            self.feat_shuffle_method,
+            self.class_shuffle_method if self._classification else "none",
+            self.random_state,
         )
         self.preprocessors_ = {
             m: MemberPreprocessor(m, self.outlier_threshold).fit(table) for m in self.plan_
@@ -105,13 +118,13 @@ class _TabICLBase(BaseEstimator):
             if self.kv_cache not in (True, "kv"):
                 raise ValueError(f"kv_cache must be False, True or 'kv', got {self.kv_cache!r}")
             self.cache_ = {
-                method: TabICLv2Cache.concat([
-                    self.model_.build_cache(X_m, y_m) for X_m, y_m in self._chunks(method, None)
-                ])
+                method: TabICLv2Cache.concat(
+                    [self.model_.build_cache(X_m, y_m) for X_m, y_m in self._chunks(method, None)]
+                )
                 for method in self.plan_
             }
 
-    def _chunks(self, method: str, X_test: Optional[Tensor]):
+    def _chunks(self, method: str, X_test: Tensor | None):
         """Member tables of one normalisation group, ``batch_size`` members at a time.
 
         Yields ``(X (members, N [+ M], H) float32, y_train (members, N) float32)``; without
@@ -132,18 +145,24 @@ class _TabICLBase(BaseEstimator):
         self._check_X(X, reset=False)
         return self.filter_.transform(self.encoder_.transform(X))
 
-    def _member_outputs(self, X_test: Tensor, run, run_cached) -> List:
+    def _member_outputs(self, X_test: Tensor, run, run_cached) -> list:
         """Per-member outputs in plan order, from ``run(X, y)`` or ``run_cached(X_test, cache)``."""
         outputs = []
         for method, members in self.plan_.items():
             if self.cache_ is None:
                 outputs.extend(run(X_m, y_m) for X_m, y_m in self._chunks(method, X_test))
                 continue
-            X_members = member_tables(self.preprocessors_[method].transform(X_test), members).float()
+            X_members = member_tables(
+                self.preprocessors_[method].transform(X_test), members
+            ).float()
             cache = self.cache_[method]
             step = self.batch_size or len(members)
             for start in range(0, len(members), step):
-                outputs.append(run_cached(X_members[start : start + step], cache.select(slice(start, start + step))))
+                outputs.append(
+                    run_cached(
+                        X_members[start : start + step], cache.select(slice(start, start + step))
+                    )
+                )
         return outputs
 
     def __sklearn_tags__(self):
@@ -168,18 +187,18 @@ class TabICLClassifier(ClassifierMixin, _TabICLBase):
     def __init__(
         self,
         n_estimators: int = 8,
-        norm_methods: Optional[Union[str, Sequence[str]]] = None,
+        norm_methods: str | Sequence[str] | None = None,
         feat_shuffle_method: str = "latin",
         class_shuffle_method: str = "shift",
         outlier_threshold: float = 4.0,
         softmax_temperature: float = 0.9,
         average_logits: bool = True,
         support_many_classes: bool = True,
-        batch_size: Optional[int] = 8,
-        kv_cache: Union[bool, str] = False,
-        model_path: Optional[Union[str, Path]] = None,
-        device: Optional[Union[str, torch.device]] = None,
-        random_state: Optional[int] = 42,
+        batch_size: int | None = 8,
+        kv_cache: bool | str = False,
+        model_path: str | Path | None = None,
+        device: str | torch.device | None = None,
+        random_state: int | None = 42,
     ):
         self.n_estimators = n_estimators
         self.norm_methods = norm_methods
@@ -195,7 +214,7 @@ class TabICLClassifier(ClassifierMixin, _TabICLBase):
         self.device = device
         self.random_state = random_state
 
-    def fit(self, X, y) -> "TabICLClassifier":
+    def fit(self, X, y) -> TabICLClassifier:
         """Fit preprocessing and the member plan (and the KV cache if ``kv_cache``).
 
         Raises:
@@ -209,21 +228,29 @@ class TabICLClassifier(ClassifierMixin, _TabICLBase):
         if y.ndim == 2 and y.shape[1] == 1:
             y = y.ravel()
         if y.ndim != 1 or len(y) != _num_rows(X):
-            raise ValueError(f"y must be 1-D with one label per row of X ({_num_rows(X)}), got shape {y.shape}")
+            raise ValueError(
+                f"y must be 1-D with one label per row of X ({_num_rows(X)}), got shape {y.shape}"
+            )
         if y.dtype.kind == "f" and np.isnan(y).any():
             raise ValueError("y contains NaN labels")
         self.classes_, codes = np.unique(y, return_inverse=True)
         if len(self.classes_) < 2:
-            raise ValueError(f"classification needs at least 2 classes, y has only {list(self.classes_)}")
+            raise ValueError(
+                f"classification needs at least 2 classes, y has only {list(self.classes_)}"
+            )
         self.n_classes_ = len(self.classes_)
         self.device_ = _resolve_device(self.device)
         self.model_ = self._load_model()
         max_classes = self.model_.config.max_classes
         if self.n_classes_ > max_classes and self.kv_cache:
-            raise ValueError(f"kv_cache is not supported with {self.n_classes_} classes (> {max_classes})")
+            raise ValueError(
+                f"kv_cache is not supported with {self.n_classes_} classes (> {max_classes})"
+            )
         if self.n_classes_ > max_classes and not self.support_many_classes:
-            raise ValueError(f"{self.n_classes_} classes exceed max_classes={max_classes}; "
-                             "set support_many_classes=True")
+            raise ValueError(
+                f"{self.n_classes_} classes exceed max_classes={max_classes}; "
+                "set support_many_classes=True"
+            )
         labels = torch.as_tensor(codes.reshape(-1), dtype=torch.float64, device=self.device_)
         self._fit_members(X, labels, self.n_classes_)
         return self
@@ -231,13 +258,20 @@ class TabICLClassifier(ClassifierMixin, _TabICLBase):
     def predict_proba(self, X) -> np.ndarray:
         """Class probabilities ``(rows, n_classes)`` float32, columns in ``classes_`` order."""
         X_test = self._test_table(X)
-        kwargs = dict(return_logits=bool(self.average_logits), softmax_temperature=self.softmax_temperature)
-        outputs = torch.cat(self._member_outputs(
-            X_test,
-            lambda X_m, y_m: self.model_(X_m, y_m, **kwargs),
-            lambda X_m, cache: self.model_.forward_with_cache(X_m, cache, **kwargs),
-        ))
-        patterns = torch.tensor([p for members in self.plan_.values() for _, p in members], device=outputs.device)
+        kwargs = {
+            "return_logits": bool(self.average_logits),
+            "softmax_temperature": self.softmax_temperature,
+        }
+        outputs = torch.cat(
+            self._member_outputs(
+                X_test,
+                lambda X_m, y_m: self.model_(X_m, y_m, **kwargs),
+                lambda X_m, cache: self.model_.forward_with_cache(X_m, cache, **kwargs),
+            )
+        )
+        patterns = torch.tensor(
+            [p for members in self.plan_.values() for _, p in members], device=outputs.device
+        )
         # Member i saw original class c as label pattern_i[c]: read its column back.
         aligned = outputs.gather(2, patterns[:, None, :].expand(-1, outputs.shape[1], -1))
         avg = aligned.mean(dim=0)
@@ -264,14 +298,14 @@ class TabICLRegressor(RegressorMixin, _TabICLBase):
     def __init__(
         self,
         n_estimators: int = 8,
-        norm_methods: Optional[Union[str, Sequence[str]]] = None,
+        norm_methods: str | Sequence[str] | None = None,
         feat_shuffle_method: str = "latin",
         outlier_threshold: float = 4.0,
-        batch_size: Optional[int] = 8,
-        kv_cache: Union[bool, str] = False,
-        model_path: Optional[Union[str, Path]] = None,
-        device: Optional[Union[str, torch.device]] = None,
-        random_state: Optional[int] = 42,
+        batch_size: int | None = 8,
+        kv_cache: bool | str = False,
+        model_path: str | Path | None = None,
+        device: str | torch.device | None = None,
+        random_state: int | None = 42,
     ):
         self.n_estimators = n_estimators
         self.norm_methods = norm_methods
@@ -283,7 +317,7 @@ class TabICLRegressor(RegressorMixin, _TabICLBase):
         self.device = device
         self.random_state = random_state
 
-    def fit(self, X, y) -> "TabICLRegressor":
+    def fit(self, X, y) -> TabICLRegressor:
         """Standardise y, fit preprocessing / members (and the KV cache if ``kv_cache``)."""
         if y is None:
             raise ValueError("TabICLRegressor.fit needs y")
@@ -295,7 +329,9 @@ class TabICLRegressor(RegressorMixin, _TabICLBase):
         if y.ndim == 2 and y.shape[1] == 1:
             y = y.ravel()
         if y.ndim != 1 or len(y) != _num_rows(X):
-            raise ValueError(f"y must be 1-D with one target per row of X ({_num_rows(X)}), got shape {y.shape}")
+            raise ValueError(
+                f"y must be 1-D with one target per row of X ({_num_rows(X)}), got shape {y.shape}"
+            )
         if not np.isfinite(y).all():
             raise ValueError("y contains NaN or infinite targets")
         self.y_mean_ = float(np.mean(y, dtype=np.float64))
@@ -308,8 +344,11 @@ class TabICLRegressor(RegressorMixin, _TabICLBase):
         return self
 
     def predict(
-        self, X, output_type: Union[str, Sequence[str]] = "mean", alphas: Optional[Sequence[float]] = None
-    ) -> Union[np.ndarray, Dict[str, np.ndarray]]:
+        self,
+        X,
+        output_type: str | Sequence[str] = "mean",
+        alphas: Sequence[float] | None = None,
+    ) -> np.ndarray | dict[str, np.ndarray]:
         """``mean`` (default), ``median``, ``variance``: ``(rows,)``; ``quantiles``:
         ``(rows, len(alphas))``; ``raw_quantiles``: ``(rows, 999)``; a list gives a dict."""
         X_test = self._test_table(X)

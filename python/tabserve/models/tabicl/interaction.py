@@ -17,9 +17,19 @@ from .layers import AttentionBlock, RotaryEmbedding
 class RowEncoder(nn.Module):
     """Blocks plus the shared RoPE module (state_dict prefix ``row_interactor.tf_row``)."""
 
-    def __init__(self, num_blocks: int, dim: int, num_heads: int, ff_dim: int, ln_bias: bool, rope_base: float):
+    def __init__(
+        self,
+        num_blocks: int,
+        dim: int,
+        num_heads: int,
+        ff_dim: int,
+        ln_bias: bool,
+        rope_base: float,
+    ):
         super().__init__()
-        self.blocks = nn.ModuleList(AttentionBlock(dim, num_heads, ff_dim, ln_bias) for _ in range(num_blocks))
+        self.blocks = nn.ModuleList(
+            AttentionBlock(dim, num_heads, ff_dim, ln_bias) for _ in range(num_blocks)
+        )
         self.rope = RotaryEmbedding(dim // num_heads, rope_base)
 
 
@@ -27,7 +37,14 @@ class RowInteraction(nn.Module):
     """Column tokens ``(B, T, H, E)`` -> row representations ``(B, T, num_cls * E)``."""
 
     def __init__(
-        self, num_blocks: int, dim: int, num_heads: int, ff_dim: int, num_cls: int, ln_bias: bool, rope_base: float
+        self,
+        num_blocks: int,
+        dim: int,
+        num_heads: int,
+        ff_dim: int,
+        num_cls: int,
+        ln_bias: bool,
+        rope_base: float,
     ):
         super().__init__()
         self.num_cls = num_cls

@@ -10,7 +10,6 @@ All functions accept arbitrary leading batch axes: tokens are ``(..., L, E)``.
 from __future__ import annotations
 
 import math
-from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -20,7 +19,7 @@ from torch import Tensor, nn
 SKIP_VALUE = -100.0
 
 #: A pair of head-split key / value projections, each ``(..., heads, keys, head_dim)``.
-KeyValue = Tuple[Tensor, Tensor]
+KeyValue = tuple[Tensor, Tensor]
 
 
 def sentinel_linear(linear: nn.Linear, x: Tensor) -> Tensor:
@@ -46,12 +45,18 @@ class QASSMax(nn.Module):
         super().__init__()
         self.num_heads = num_heads
         self.head_dim = head_dim
-        self.base_mlp = nn.Sequential(nn.Linear(1, hidden), nn.GELU(), nn.Linear(hidden, num_heads * head_dim))
-        self.query_mlp = nn.Sequential(nn.Linear(head_dim, hidden), nn.GELU(), nn.Linear(hidden, head_dim))
+        self.base_mlp = nn.Sequential(
+            nn.Linear(1, hidden), nn.GELU(), nn.Linear(hidden, num_heads * head_dim)
+        )
+        self.query_mlp = nn.Sequential(
+            nn.Linear(head_dim, hidden), nn.GELU(), nn.Linear(hidden, head_dim)
+        )
 
     def forward(self, q: Tensor, num_keys: int) -> Tensor:
         """q: ``(batch, heads, queries, head_dim)``; returns the scaled queries, same shape."""
-        log_n = torch.tensor(math.log(max(num_keys, 1)), device=q.device, dtype=q.dtype).reshape(1, 1)
+        log_n = torch.tensor(math.log(max(num_keys, 1)), device=q.device, dtype=q.dtype).reshape(
+            1, 1
+        )
         base = self.base_mlp(log_n).view(1, self.num_heads, 1, self.head_dim)
         modulation = 1 + torch.tanh(self.query_mlp(q))
         return q * (base * modulation)
@@ -102,7 +107,7 @@ class Attention(nn.Module):
     def _split_heads(self, x: Tensor) -> Tensor:
         return x.unflatten(-1, (self.num_heads, self.head_dim)).transpose(-3, -2)
 
-    def project_kv(self, kv: Tensor, rope: Optional[RotaryEmbedding] = None) -> KeyValue:
+    def project_kv(self, kv: Tensor, rope: RotaryEmbedding | None = None) -> KeyValue:
         """Head-split K and V of (already normalised) tokens ``(..., L, E)``."""
         dim = kv.shape[-1]
         k, v = F.linear(kv, self.in_proj_weight[dim:], self.in_proj_bias[dim:]).chunk(2, dim=-1)
@@ -111,7 +116,7 @@ class Attention(nn.Module):
             k = rope(k)
         return k, v
 
-    def forward(self, q: Tensor, kv: KeyValue, rope: Optional[RotaryEmbedding] = None) -> Tensor:
+    def forward(self, q: Tensor, kv: KeyValue, rope: RotaryEmbedding | None = None) -> Tensor:
         """q: normalised query tokens ``(..., Lq, E)``; kv from ``project_kv`` (broadcastable)."""
         dim = q.shape[-1]
         query = self._split_heads(F.linear(q, self.in_proj_weight[:dim], self.in_proj_bias[:dim]))
@@ -145,18 +150,18 @@ class AttentionBlock(nn.Module):
         self.norm2 = nn.LayerNorm(dim, bias=ln_bias)
         self.attn = Attention(dim, num_heads, qassmax)
 
-    def key_value(self, kv: Tensor, rope: Optional[RotaryEmbedding] = None) -> KeyValue:
+    def key_value(self, kv: Tensor, rope: RotaryEmbedding | None = None) -> KeyValue:
         """K/V projections this block attends to, for raw (un-normalised) tokens ``kv``."""
         return self.attn.project_kv(self.norm1(kv), rope)
 
     def forward(
         self,
         q: Tensor,
-        kv: Optional[Tensor] = None,
+        kv: Tensor | None = None,
         *,
-        cached_kv: Optional[KeyValue] = None,
-        kv_rows: Optional[int] = None,
-        rope: Optional[RotaryEmbedding] = None,
+        cached_kv: KeyValue | None = None,
+        kv_rows: int | None = None,
+        rope: RotaryEmbedding | None = None,
         return_kv: bool = False,
     ):
         """Attend from raw query tokens ``q (..., Lq, E)``.

@@ -13,7 +13,7 @@ rows, and class probabilities are products of group probabilities along the path
 from __future__ import annotations
 
 import math
-from typing import List, Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -59,22 +59,35 @@ class InContextLearner(nn.Module):
     """
 
     def __init__(
-        self, num_blocks: int, dim: int, num_heads: int, ff_dim: int, ln_bias: bool, max_classes: int, out_dim: int
+        self,
+        num_blocks: int,
+        dim: int,
+        num_heads: int,
+        ff_dim: int,
+        ln_bias: bool,
+        max_classes: int,
+        out_dim: int,
     ):
         super().__init__()
         self.max_classes = max_classes
         self.tf_icl = ICLEncoder(num_blocks, dim, num_heads, ff_dim, ln_bias)
         self.ln = nn.LayerNorm(dim, bias=ln_bias)
         self.y_encoder = nn.Linear(max_classes if max_classes > 0 else 1, dim)
-        self.decoder = nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, out_dim))
+        self.decoder = nn.Sequential(
+            nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, out_dim)
+        )
 
     def label_embedding(self, y: Tensor) -> Tensor:
         """``(B, N)`` labels -> ``(B, N, D)``."""
         if self.max_classes > 0:
-            return F.linear(F.one_hot(y.long(), self.max_classes).float(), self.y_encoder.weight, self.y_encoder.bias)
+            return F.linear(
+                F.one_hot(y.long(), self.max_classes).float(),
+                self.y_encoder.weight,
+                self.y_encoder.bias,
+            )
         return self.y_encoder(y.unsqueeze(-1))
 
-    def build_cache(self, R_train: Tensor, y_train: Tensor) -> List[KeyValue]:
+    def build_cache(self, R_train: Tensor, y_train: Tensor) -> list[KeyValue]:
         """K/V of the labelled train rows at every block: ``(B, heads, N, head_dim)`` pairs."""
         x = R_train + self.label_embedding(y_train)
         blocks = self.tf_icl.blocks
@@ -99,11 +112,15 @@ class InContextLearner(nn.Module):
         n_train = y_train.shape[1]
         return self.forward_cached(R[:, n_train:], self.build_cache(R[:, :n_train], y_train))
 
-    def _node_probs(self, R_train: Tensor, labels: Tensor, R_test: Tensor, num_labels: int) -> Tensor:
+    def _node_probs(
+        self, R_train: Tensor, labels: Tensor, R_test: Tensor, num_labels: int
+    ) -> Tensor:
         logits = self(torch.cat([R_train, R_test])[None], labels[None])[0, :, :num_labels]
         return torch.softmax(logits / HIERARCHY_TEMPERATURE, dim=-1)
 
-    def _hierarchy(self, R_train: Tensor, y: Tensor, R_test: Tensor, classes: Tensor, num_classes: int) -> Tensor:
+    def _hierarchy(
+        self, R_train: Tensor, y: Tensor, R_test: Tensor, classes: Tensor, num_classes: int
+    ) -> Tensor:
         """Probabilities ``(M, num_classes)`` from the subtree whose sorted classes are ``classes``."""
         out = torch.zeros(R_test.shape[0], num_classes, device=R_test.device)
         local = torch.searchsorted(classes, y)
@@ -115,7 +132,9 @@ class InContextLearner(nn.Module):
         group_probs = self._node_probs(R_train, node_labels, R_test, int(groups[-1]) + 1)
         for g in range(int(groups[-1]) + 1):
             rows = node_labels == g
-            child = self._hierarchy(R_train[rows], y[rows], R_test, classes[groups == g], num_classes)
+            child = self._hierarchy(
+                R_train[rows], y[rows], R_test, classes[groups == g], num_classes
+            )
             out += child * group_probs[:, g : g + 1]
         return out
 
@@ -125,5 +144,9 @@ class InContextLearner(nn.Module):
         out = []
         for R_table, y_table in zip(R, y_train.long()):
             classes = torch.unique(y_table)
-            out.append(self._hierarchy(R_table[:n_train], y_table, R_table[n_train:], classes, len(classes)))
+            out.append(
+                self._hierarchy(
+                    R_table[:n_train], y_table, R_table[n_train:], classes, len(classes)
+                )
+            )
         return torch.stack(out)

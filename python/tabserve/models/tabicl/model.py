@@ -10,9 +10,9 @@ batch are independent (the estimators batch ensemble members this way).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Union
 
 import torch
 from torch import Tensor, nn
@@ -35,8 +35,8 @@ class TabICLv2Cache:
     ``(B, heads, N, head_dim)``.
     """
 
-    col: List[KeyValue]
-    icl: List[KeyValue]
+    col: list[KeyValue]
+    icl: list[KeyValue]
     n_train: int
     n_features: int
     num_classes: int  # 0 for regression
@@ -45,25 +45,31 @@ class TabICLv2Cache:
     def batch_size(self) -> int:
         return self.icl[0][0].shape[0]
 
-    def _map(self, fn) -> "TabICLv2Cache":
+    def _map(self, fn) -> TabICLv2Cache:
         return dataclasses.replace(
-            self, col=[(fn(k), fn(v)) for k, v in self.col], icl=[(fn(k), fn(v)) for k, v in self.icl]
+            self,
+            col=[(fn(k), fn(v)) for k, v in self.col],
+            icl=[(fn(k), fn(v)) for k, v in self.icl],
         )
 
-    def to(self, device=None, dtype=None) -> "TabICLv2Cache":
+    def to(self, device=None, dtype=None) -> TabICLv2Cache:
         """Copy to another device and/or floating dtype."""
         return self._map(lambda t: t.to(device=device, dtype=dtype))
 
-    def select(self, tables: slice) -> "TabICLv2Cache":
+    def select(self, tables: slice) -> TabICLv2Cache:
         """The cache of a slice of the batch (views, no copy)."""
         return self._map(lambda t: t[tables])
 
     @staticmethod
-    def concat(caches: Sequence["TabICLv2Cache"]) -> "TabICLv2Cache":
+    def concat(caches: Sequence[TabICLv2Cache]) -> TabICLv2Cache:
         """Concatenate caches of the same train table along the batch axis."""
         first = caches[0]
-        stack = lambda parts: [tuple(torch.cat(kv, dim=0) for kv in zip(*layer)) for layer in zip(*parts)]
-        return dataclasses.replace(first, col=stack([c.col for c in caches]), icl=stack([c.icl for c in caches]))
+        stack = lambda parts: [
+            tuple(torch.cat(kv, dim=0) for kv in zip(*layer)) for layer in zip(*parts)
+        ]
+        return dataclasses.replace(
+            first, col=stack([c.col for c in caches]), icl=stack([c.icl for c in caches])
+        )
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for kv in self.col + self.icl for t in kv)
@@ -82,21 +88,39 @@ class TabICLv2(nn.Module):
         ln_bias = not config.bias_free_ln
         e, ff = config.embed_dim, config.ff_factor
         self.col_embedder = ColumnEmbedding(
-            e, config.col_num_blocks, config.col_nhead, e * ff, config.col_num_inds, ln_bias,
-            config.max_classes, config.col_feature_group_size,
+            e,
+            config.col_num_blocks,
+            config.col_nhead,
+            e * ff,
+            config.col_num_inds,
+            ln_bias,
+            config.max_classes,
+            config.col_feature_group_size,
         )
         self.row_interactor = RowInteraction(
-            config.row_num_blocks, e, config.row_nhead, e * ff, config.row_num_cls, ln_bias, config.row_rope_base
+            config.row_num_blocks,
+            e,
+            config.row_nhead,
+            e * ff,
+            config.row_num_cls,
+            ln_bias,
+            config.row_rope_base,
         )
         d = config.icl_dim
         self.icl_predictor = InContextLearner(
-            config.icl_num_blocks, d, config.icl_nhead, d * ff, ln_bias, config.max_classes, config.out_dim
+            config.icl_num_blocks,
+            d,
+            config.icl_nhead,
+            d * ff,
+            ln_bias,
+            config.max_classes,
+            config.out_dim,
         )
         self.eval()
 
     # ------------------------------------------------------------------ checkpoints
     @classmethod
-    def from_checkpoint(cls, path: PathLike, device: Union[str, torch.device, None] = None) -> "TabICLv2":
+    def from_checkpoint(cls, path: PathLike, device: str | torch.device | None = None) -> TabICLv2:
         """Load a reference ``.ckpt`` (``weights_only=True``) or a tabserve ``.safetensors`` file.
 
         Raises:
@@ -108,16 +132,24 @@ class TabICLv2(nn.Module):
         model.load_reference_state_dict(state_dict, source=str(path))
         return model.to(device) if device is not None else model
 
-    def load_reference_state_dict(self, state_dict: Dict[str, Tensor], source: str = "state_dict") -> None:
+    def load_reference_state_dict(
+        self, state_dict: dict[str, Tensor], source: str = "state_dict"
+    ) -> None:
         """Strictly load a reference state_dict; mismatches name the config keys to check."""
         own = self.state_dict()
         missing = sorted(set(own) - set(state_dict))
         unexpected = sorted(set(state_dict) - set(own))
-        shapes = sorted(k for k in set(own) & set(state_dict) if own[k].shape != state_dict[k].shape)
+        shapes = sorted(
+            k for k in set(own) & set(state_dict) if own[k].shape != state_dict[k].shape
+        )
         if missing or unexpected or shapes:
             details = "; ".join(
                 f"{name}: {keys[:4]}{' ...' if len(keys) > 4 else ''}"
-                for name, keys in (("missing", missing), ("unexpected", unexpected), ("shape mismatch", shapes))
+                for name, keys in (
+                    ("missing", missing),
+                    ("unexpected", unexpected),
+                    ("shape mismatch", shapes),
+                )
                 if keys
             )
             raise CheckpointError(
@@ -152,7 +184,9 @@ class TabICLv2(nn.Module):
         if X.device != device:
             raise ValueError(f"{name} is on {X.device} but the model is on {device}")
         if not torch.isfinite(X).all():
-            raise ValueError(f"{name} contains NaN or infinite values; impute / clean the table first")
+            raise ValueError(
+                f"{name} contains NaN or infinite values; impute / clean the table first"
+            )
         return X.to(dtype)
 
     def _check_labels(self, X: Tensor, y_train: Tensor) -> int:
@@ -160,7 +194,9 @@ class TabICLv2(nn.Module):
         if not isinstance(y_train, Tensor):
             raise TypeError(f"y_train must be a torch.Tensor, got {type(y_train).__name__}")
         if y_train.dim() != 2 or y_train.shape[0] != X.shape[0]:
-            raise ValueError(f"y_train must be (tables, train rows) = ({X.shape[0]}, N), got {tuple(y_train.shape)}")
+            raise ValueError(
+                f"y_train must be (tables, train rows) = ({X.shape[0]}, N), got {tuple(y_train.shape)}"
+            )
         if y_train.shape[1] == 0:
             raise ValueError("y_train has zero train rows; at least one labelled row is required")
         if y_train.shape[1] > X.shape[1]:
@@ -174,27 +210,39 @@ class TabICLv2(nn.Module):
         if y_train.is_complex() or (y_train != y_train.round()).any() or (y_train < 0).any():
             raise ValueError("classification labels must be non-negative integers 0..K-1")
         labels = y_train.long()
-        present = torch.zeros(labels.shape[0], int(labels.max()) + 1, dtype=torch.bool, device=labels.device)
+        present = torch.zeros(
+            labels.shape[0], int(labels.max()) + 1, dtype=torch.bool, device=labels.device
+        )
         present.scatter_(1, labels, True)
         counts = present.sum(dim=1)
         num_classes = int(counts[0])
         if (counts != num_classes).any():
-            raise ValueError(f"all tables must have the same number of classes, got {counts.tolist()}")
+            raise ValueError(
+                f"all tables must have the same number of classes, got {counts.tolist()}"
+            )
         if int(labels.max()) >= num_classes:
-            raise ValueError(f"labels of every table must be exactly 0..K-1 (K={num_classes}); re-encode them")
+            raise ValueError(
+                f"labels of every table must be exactly 0..K-1 (K={num_classes}); re-encode them"
+            )
         return num_classes
 
     # ------------------------------------------------------------------ forward
     def _representations(self, X: Tensor, y_train: Tensor) -> Tensor:
         return self.row_interactor(self.col_embedder(X, y_train))
 
-    def _classify(self, raw: Tensor, num_classes: int, return_logits: bool, temperature: float) -> Tensor:
+    def _classify(
+        self, raw: Tensor, num_classes: int, return_logits: bool, temperature: float
+    ) -> Tensor:
         logits = raw[..., :num_classes]
         return logits if return_logits else torch.softmax(logits / temperature, dim=-1)
 
     @torch.no_grad()
     def forward(
-        self, X: Tensor, y_train: Tensor, return_logits: bool = True, softmax_temperature: float = 0.9
+        self,
+        X: Tensor,
+        y_train: Tensor,
+        return_logits: bool = True,
+        softmax_temperature: float = 0.9,
     ) -> Tensor:
         """Predictions for the test rows ``X[:, N:]``.
 
@@ -213,9 +261,17 @@ class TabICLv2(nn.Module):
         R = self._representations(X, y_train)
         if num_classes > self.config.max_classes:
             probs = self.icl_predictor.hierarchical_probs(R, y_train)
-            return softmax_temperature * torch.log(probs + HIERARCHY_LOG_EPS) if return_logits else probs
+            return (
+                softmax_temperature * torch.log(probs + HIERARCHY_LOG_EPS)
+                if return_logits
+                else probs
+            )
         raw = self.icl_predictor(R, y_train)
-        return raw if self.is_regressor else self._classify(raw, num_classes, return_logits, softmax_temperature)
+        return (
+            raw
+            if self.is_regressor
+            else self._classify(raw, num_classes, return_logits, softmax_temperature)
+        )
 
     def _require_regressor(self) -> None:
         if not self.is_regressor:
@@ -226,9 +282,9 @@ class TabICLv2(nn.Module):
         self,
         X: Tensor,
         y_train: Tensor,
-        output_type: Union[str, Sequence[str]] = "mean",
-        alphas: Optional[Sequence[float]] = None,
-    ) -> Union[Tensor, Dict[str, Tensor]]:
+        output_type: str | Sequence[str] = "mean",
+        alphas: Sequence[float] | None = None,
+    ) -> Tensor | dict[str, Tensor]:
         """Regression statistics of the test rows (see :func:`quantiles.quantile_stats`)."""
         self._require_regressor()
         return quantile_stats(self(X, y_train), output_type, alphas)
@@ -245,7 +301,9 @@ class TabICLv2(nn.Module):
         X_train = self._check_table(X_train, "X_train")
         num_classes = self._check_labels(X_train, y_train)
         if y_train.shape[1] != X_train.shape[1]:
-            raise ValueError(f"X_train has {X_train.shape[1]} rows but y_train has {y_train.shape[1]} labels")
+            raise ValueError(
+                f"X_train has {X_train.shape[1]} rows but y_train has {y_train.shape[1]} labels"
+            )
         if num_classes > self.config.max_classes:
             raise ValueError(
                 f"the KV cache does not support {num_classes} classes (> max_classes={self.config.max_classes})"
@@ -257,7 +315,11 @@ class TabICLv2(nn.Module):
 
     @torch.no_grad()
     def forward_with_cache(
-        self, X_test: Tensor, cache: TabICLv2Cache, return_logits: bool = True, softmax_temperature: float = 0.9
+        self,
+        X_test: Tensor,
+        cache: TabICLv2Cache,
+        return_logits: bool = True,
+        softmax_temperature: float = 0.9,
     ) -> Tensor:
         """Same output as :meth:`forward` on ``[X_train; X_test]``, from test rows ``(B, M, H)`` only."""
         X_test = self._check_table(X_test, "X_test")
@@ -268,16 +330,20 @@ class TabICLv2(nn.Module):
             )
         R = self.row_interactor(self.col_embedder.forward_cached(X_test, cache.col))
         raw = self.icl_predictor.forward_cached(R, cache.icl)
-        return raw if self.is_regressor else self._classify(raw, cache.num_classes, return_logits, softmax_temperature)
+        return (
+            raw
+            if self.is_regressor
+            else self._classify(raw, cache.num_classes, return_logits, softmax_temperature)
+        )
 
     @torch.no_grad()
     def predict_stats_with_cache(
         self,
         X_test: Tensor,
         cache: TabICLv2Cache,
-        output_type: Union[str, Sequence[str]] = "mean",
-        alphas: Optional[Sequence[float]] = None,
-    ) -> Union[Tensor, Dict[str, Tensor]]:
+        output_type: str | Sequence[str] = "mean",
+        alphas: Sequence[float] | None = None,
+    ) -> Tensor | dict[str, Tensor]:
         """Regression statistics from test rows only (cached train side)."""
         self._require_regressor()
         return quantile_stats(self.forward_with_cache(X_test, cache), output_type, alphas)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import itertools
 import random
 from collections import OrderedDict
-from typing import List, Optional, Sequence, Tuple
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -42,14 +42,16 @@ _CLIP = 100.0
 
 
 # ----------------------------------------------------------------------------- categorical seam
-def fit_categories(columns: Sequence[np.ndarray]) -> List[np.ndarray]:
+def fit_categories(columns: Sequence[np.ndarray]) -> list[np.ndarray]:
     """Sorted distinct non-missing values of each categorical column (the encoder's vocabulary)."""
     import pandas as pd
 
     return [np.unique(np.asarray(col, dtype=object)[~pd.isna(col)]) for col in columns]
 
 
-def encode_categoricals(columns: Sequence[np.ndarray], categories: Sequence[np.ndarray]) -> np.ndarray:
+def encode_categoricals(
+    columns: Sequence[np.ndarray], categories: Sequence[np.ndarray]
+) -> np.ndarray:
     """Ordinal codes ``(rows, len(columns))`` int64: index in the sorted ``categories`` of each
     column, ``UNKNOWN_CODE`` for missing values and values unseen at fit.
 
@@ -78,12 +80,14 @@ class TableEncoder:
     def __init__(self, device: torch.device):
         self.device = torch.device(device)
 
-    def fit(self, X) -> "TableEncoder":
+    def fit(self, X) -> TableEncoder:
         self.is_frame_ = hasattr(X, "columns")
         if self.is_frame_:
             self.categorical_ = list(X.select_dtypes(include=list(CATEGORICAL_DTYPES)).columns)
             self.numeric_ = list(X.select_dtypes(include="number").columns)
-            self.categories_ = fit_categories([X[c].to_numpy(dtype=object) for c in self.categorical_])
+            self.categories_ = fit_categories(
+                [X[c].to_numpy(dtype=object) for c in self.categorical_]
+            )
         numeric = self._numeric(X)
         means = numeric.nanmean(dim=0)
         self.fill_ = torch.where(torch.isnan(means), torch.zeros_like(means), means)
@@ -114,14 +118,16 @@ class TableEncoder:
         if not self.is_frame_ or not self.categorical_:
             return numeric
         columns = [X[c].to_numpy(dtype=object) for c in self.categorical_]
-        codes = torch.from_numpy(encode_categoricals(columns, self.categories_)).to(self.device, torch.float64)
+        codes = torch.from_numpy(encode_categoricals(columns, self.categories_)).to(
+            self.device, torch.float64
+        )
         return torch.cat([codes, numeric], dim=1)
 
 
 class ConstantFeatureFilter:
     """Keeps columns with more than one distinct train value (all columns if <= 1 train row)."""
 
-    def fit(self, X: Tensor) -> "ConstantFeatureFilter":
+    def fit(self, X: Tensor) -> ConstantFeatureFilter:
         if X.shape[0] <= 1:
             keep = torch.ones(X.shape[1], dtype=torch.bool, device=X.device)
         else:
@@ -144,7 +150,9 @@ def yeo_johnson(x: Tensor, lambdas: Tensor) -> Tensor:
     log_neg = torch.log1p((-x).clamp(min=0))
     lam, two_minus = lambdas.expand_as(x), (2 - lambdas).expand_as(x)
     pos = torch.where(lam.abs() < eps, log_pos, torch.expm1(lam * log_pos) / lam)
-    neg = torch.where((lam - 2).abs() > eps, -torch.expm1(two_minus * log_neg) / two_minus, -log_neg)
+    neg = torch.where(
+        (lam - 2).abs() > eps, -torch.expm1(two_minus * log_neg) / two_minus, -log_neg
+    )
     return torch.where(positive, pos, neg)
 
 
@@ -157,11 +165,13 @@ class MemberPreprocessor:
 
     def __init__(self, method: str = "none", outlier_threshold: float = 4.0):
         if method not in NORM_METHODS:
-            raise ValueError(f"unsupported normalisation method {method!r}; expected one of {NORM_METHODS}")
+            raise ValueError(
+                f"unsupported normalisation method {method!r}; expected one of {NORM_METHODS}"
+            )
         self.method = method
         self.outlier_threshold = outlier_threshold
 
-    def fit(self, X: Tensor) -> "MemberPreprocessor":
+    def fit(self, X: Tensor) -> MemberPreprocessor:
         # Statistics are fitted in NumPy on the host (bit-identical to the reference, and the
         # Yeo-Johnson lambda search is sensitive to the last bit of its input); every transform
         # runs as tensor maths on X's device.
@@ -193,7 +203,10 @@ class MemberPreprocessor:
         k = self.outlier_threshold
         mean, std = np.nanmean(z, axis=0), np.maximum(np.nanstd(z, axis=0, ddof=ddof), _SCALE_EPS)
         inliers = np.where((z < mean - k * std) | (z > mean + k * std), np.nan, z)
-        mean, std = np.nanmean(inliers, axis=0), np.maximum(np.nanstd(inliers, axis=0, ddof=ddof), _SCALE_EPS)
+        mean, std = (
+            np.nanmean(inliers, axis=0),
+            np.maximum(np.nanstd(inliers, axis=0, ddof=ddof), _SCALE_EPS),
+        )
         self.lower_ = torch.as_tensor(mean - k * std, device=self.mean_.device)
         self.upper_ = torch.as_tensor(mean + k * std, device=self.mean_.device)
 
@@ -205,14 +218,18 @@ class MemberPreprocessor:
         z = self._scale(X)
         if self.method == "power":
             y = yeo_johnson(z, self.lambdas_)
-            if not torch.isfinite(y).all():  # reference: retry the whole batch clipped to the train range
-                y = yeo_johnson(torch.minimum(torch.maximum(z, self.z_min_), self.z_max_), self.lambdas_)
+            if not torch.isfinite(
+                y
+            ).all():  # reference: retry the whole batch clipped to the train range
+                y = yeo_johnson(
+                    torch.minimum(torch.maximum(z, self.z_min_), self.z_max_), self.lambdas_
+                )
             z = (y - self.yj_mean_) / self.yj_scale_
         return self._clip_outliers(z)
 
 
 # ----------------------------------------------------------------------------- ensemble plan
-def _latin_square(n: int, rng: random.Random) -> List[List[int]]:
+def _latin_square(n: int, rng: random.Random) -> list[list[int]]:
     """The reference's random Latin square (same RNG calls, built bottom-up instead of recursively)."""
     symbols, chosen = list(range(n)), []
     while len(symbols) > 1:
@@ -230,7 +247,9 @@ def _latin_square(n: int, rng: random.Random) -> List[List[int]]:
     return [list(c) for c in columns]
 
 
-def shuffle_patterns(n: int, method: str, n_estimators: int, random_state: Optional[int]) -> List[List[int]]:
+def shuffle_patterns(
+    n: int, method: str, n_estimators: int, random_state: int | None
+) -> list[list[int]]:
     """Permutations of ``range(n)`` used by the members (reference ``Shuffler.shuffle``)."""
     if method not in SHUFFLE_METHODS:
         raise ValueError(f"unknown shuffle method {method!r}; expected one of {SHUFFLE_METHODS}")
@@ -250,7 +269,7 @@ def shuffle_patterns(n: int, method: str, n_estimators: int, random_state: Optio
     return _latin_square(n, rng)
 
 
-Member = Tuple[List[int], Optional[List[int]]]
+Member = tuple[list[int], list[int] | None]
 
 
 def ensemble_plan(
@@ -260,21 +279,23 @@ def ensemble_plan(
     norm_methods: Sequence[str],
     feat_shuffle_method: str,
     class_shuffle_method: str,
-    random_state: Optional[int],
-) -> "OrderedDict[str, List[Member]]":
+    random_state: int | None,
+) -> OrderedDict[str, list[Member]]:
     """Members grouped by normalisation method: ``method -> [(feature perm, class pattern)]``.
 
     ``n_classes == 0`` (regression) gives ``None`` class patterns. Up to ``n_estimators`` members.
     """
     feature_perms = shuffle_patterns(n_features, feat_shuffle_method, n_estimators, random_state)
     if n_classes:
-        class_patterns = shuffle_patterns(n_classes, class_shuffle_method, n_estimators, random_state)
+        class_patterns = shuffle_patterns(
+            n_classes, class_shuffle_method, n_estimators, random_state
+        )
     else:
         class_patterns = [None]
     configs = list(itertools.product(feature_perms, class_patterns))
     random.Random(random_state).shuffle(configs)
     chosen = list(itertools.product(configs, norm_methods))[:n_estimators]
-    plan: "OrderedDict[str, List[Member]]" = OrderedDict()
+    plan: OrderedDict[str, list[Member]] = OrderedDict()
     for config, method in chosen:
         plan.setdefault(method, []).append(config)
     return plan

@@ -8,7 +8,7 @@ exponential tails outside (slopes fitted on the 20 extreme quantiles of each sid
 
 from __future__ import annotations
 
-from typing import Dict, Optional, Sequence, Tuple, Union
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -36,7 +36,7 @@ def _tail_slope(values: Tensor, log_levels: Tensor) -> Tensor:
     return slope.abs().clamp(min=_MIN_BETA, max=_MAX_BETA)
 
 
-def _tails(q: Tensor, levels: Tensor) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+def _tails(q: Tensor, levels: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Coefficients ``(a_l, b_l, a_r, b_r)``: left ``a_l ln(a) + b_l``, right ``a_r ln(1-a) + b_r``."""
     k = min(_TAIL_QUANTILES, q.shape[-1] // 4)
     beta_l = _tail_slope(q[..., :k], torch.log(levels[:k].clamp(min=_TOL)))
@@ -57,7 +57,9 @@ def inverse_cdf(q: Tensor, alphas: Tensor) -> Tensor:
     right = a_r * torch.log((1 - alpha).clamp(min=_TOL)) + b_r
 
     num_segments = q.shape[-1] - 1
-    seg = (torch.searchsorted(levels[:-1].contiguous(), alpha.contiguous(), right=True) - 1).clamp(0, num_segments - 1)
+    seg = (torch.searchsorted(levels[:-1].contiguous(), alpha.contiguous(), right=True) - 1).clamp(
+        0, num_segments - 1
+    )
     lo_levels = levels[:-1].expand(*q.shape[:-1], num_segments)
     hi_levels = levels[1:].expand(*q.shape[:-1], num_segments)
     q_lo, q_hi = q[..., :-1].gather(-1, seg), q[..., 1:].gather(-1, seg)
@@ -70,9 +72,9 @@ def inverse_cdf(q: Tensor, alphas: Tensor) -> Tensor:
 
 def quantile_stats(
     raw_quantiles: Tensor,
-    output_type: Union[str, Sequence[str]] = "mean",
-    alphas: Optional[Sequence[float]] = None,
-) -> Union[Tensor, Dict[str, Tensor]]:
+    output_type: str | Sequence[str] = "mean",
+    alphas: Sequence[float] | None = None,
+) -> Tensor | dict[str, Tensor]:
     """Statistics of raw quantile outputs ``(..., Q)``.
 
     ``mean``, ``variance``, ``median``: ``(...)``; ``quantiles``: ``(..., len(alphas))``;
@@ -93,11 +95,15 @@ def quantile_stats(
         elif kind == "variance":
             results[kind] = q.var(dim=-1)
         elif kind == "median":
-            results[kind] = inverse_cdf(q, torch.tensor([0.5], device=q.device, dtype=q.dtype))[..., 0]
+            results[kind] = inverse_cdf(q, torch.tensor([0.5], device=q.device, dtype=q.dtype))[
+                ..., 0
+            ]
         elif kind == "quantiles":
             levels = list(DEFAULT_ALPHAS if alphas is None else alphas)
             if not levels or not all(0.0 <= a <= 1.0 for a in levels):
-                raise ValueError(f"alphas must be a non-empty list of levels in [0, 1], got {levels}")
+                raise ValueError(
+                    f"alphas must be a non-empty list of levels in [0, 1], got {levels}"
+                )
             results[kind] = inverse_cdf(q, torch.tensor(levels, device=q.device, dtype=q.dtype))
         else:
             results[kind] = q
