@@ -9,6 +9,9 @@ import torch  # noqa: F401  (loads libtorch before the extension)
 from . import _C  # noqa: F401,E402  (registers torch.ops.tabserve.*)
 from . import ops
 from .strings import StringColumn, StringIndex
+from .tables import CategoricalColumn, Table, mark_dynamic
+from .align import AlignCategories, CategoryTypeError
+from .encoding import TabICLEncoder, encode_categoricals
 
 __version__ = "0.1.0"
 
@@ -28,4 +31,16 @@ def __getattr__(name):
     raise AttributeError(f"module 'tabserve' has no attribute {name!r}")
 
 
-__all__ = ["StringColumn", "StringIndex", "ops", *_LAZY]
+__all__ = [
+    "StringColumn",
+    "StringIndex",
+    "CategoricalColumn",
+    "Table",
+    "mark_dynamic",
+    "AlignCategories",
+    "CategoryTypeError",
+    "TabICLEncoder",
+    "encode_categoricals",
+    "ops",
+    *_LAZY,
+]
