@@ -91,5 +91,16 @@ TABSERVE_HOST_DEVICE int64_t padded_source_row(int64_t row, int64_t n_train, int
   return test_row < n_test ? n_train + test_row : -1;
 }
 
+// One padding: x [tables, n_train + n_test, features] onto
+// [tables, train_bucket + test_bucket, feature_bucket]. Passed by value to the CUDA kernels.
+struct PaddedShape {
+  int64_t tables, n_train, n_test, features, train_bucket, test_bucket, feature_bucket;
+
+  TABSERVE_HOST_DEVICE int64_t rows() const { return train_bucket + test_bucket; }
+  TABSERVE_HOST_DEVICE int64_t source_row(int64_t row) const {
+    return padded_source_row(row, n_train, n_test, train_bucket);
+  }
+};
+
 }  // namespace core
 }  // namespace tabserve

@@ -178,3 +178,154 @@ def string_lookup_multi(
         hash_bits,
         check_offsets,
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# Padded tables: bucket padding, prefix attention, QASSMax scaling
+# (csrc/ops/padding.cpp, csrc/ops/cuda/padding.cu; bucket maths in csrc/core/bucket_grid.h)
+
+#: Backends of :func:`prefix_attention` on CUDA (CPU always computes exact math).
+ATTENTION_BACKENDS = ("auto", "flash", "efficient", "masked")
+
+
+@torch.library.register_fake("tabserve::pad_to_bucket")
+def _pad_to_bucket_fake(x, n_train, train_bucket, test_bucket, feature_bucket, fill=0.0):
+    return x.new_empty((x.shape[0], train_bucket + test_bucket, feature_bucket))
+
+
+@torch.library.register_fake("tabserve::pad_labels")
+def _pad_labels_fake(y_train, train_bucket, fill=0.0):
+    return y_train.new_empty((*y_train.shape[:-1], train_bucket))
+
+
+@torch.library.register_fake("tabserve::prefix_attention")
+def _prefix_attention_fake(q, k, v, n_keys, scale=None, backend="auto"):
+    batch, heads, queries, _ = q.shape
+    return q.new_empty((batch, queries, heads, v.shape[-1])).transpose(1, 2)
+
+
+@torch.library.register_fake("tabserve::qassmax_scale")
+def _qassmax_scale_fake(q, n_keys, *weights):
+    return torch.empty_like(q)
+
+
+def pad_to_bucket(
+    x: Tensor,
+    n_train: int,
+    train_bucket: int,
+    test_bucket: int,
+    feature_bucket: int,
+    fill: float = 0.0,
+) -> Tensor:
+    """Pads a table onto its bucket in one pass.
+
+    Args:
+        x: [tables, n_train + n_test, features], any dtype, CPU or CUDA; its first ``n_train``
+            rows are the train rows, the others the test rows.
+        n_train: the real number of train rows, in [0, rows of x].
+        train_bucket, test_bucket, feature_bucket: the bucket's sizes; each must hold its part
+            (``train_bucket >= n_train``, ``test_bucket >= n_test``,
+            ``feature_bucket >= features``).
+        fill: value of padded rows and features.
+
+    Returns:
+        [tables, train_bucket + test_bucket, feature_bucket] with the train rows at
+        ``[0, n_train)`` and the test rows at ``[train_bucket, train_bucket + n_test)``. When x
+        already has that layout (``n_train == train_bucket``, ``n_test == test_bucket``,
+        ``features == feature_bucket``) x itself is returned, without a copy.
+
+    Raises:
+        RuntimeError naming the argument when x is not 3-D or a bucket is too small.
+    """
+    if (
+        x.dim() == 3
+        and n_train == train_bucket
+        and x.shape[1] == train_bucket + test_bucket
+        and x.shape[2] == feature_bucket
+    ):
+        return x
+    return torch.ops.tabserve.pad_to_bucket(
+        x, n_train, train_bucket, test_bucket, feature_bucket, fill
+    )
+
+
+def pad_labels(y_train: Tensor, train_bucket: int, fill: float = 0.0) -> Tensor:
+    """Pads train labels ``[..., n_train]`` to ``[..., train_bucket]`` with ``fill``.
+
+    Returns y_train itself when ``n_train == train_bucket``. Raises RuntimeError when
+    ``train_bucket < n_train``.
+    """
+    if y_train.dim() >= 1 and y_train.shape[-1] == train_bucket:
+        return y_train
+    return torch.ops.tabserve.pad_labels(y_train, train_bucket, fill)
+
+
+def prefix_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    n_keys: Tensor,
+    scale: Optional[float] = None,
+    backend: str = "auto",
+) -> Tensor:
+    """Attention of every query over the first ``n_keys`` keys, n read from a tensor.
+
+    Equals ``F.scaled_dot_product_attention(q, k[:, :, :n], v[:, :, :n], scale=scale)`` while
+    its shapes stay those of the padded bucket, so one compiled or captured graph serves every n.
+
+    Args:
+        q: [B, heads, Lq, D]; k: [B, heads, Lk, D]; v: [B, heads, Lk, Dv]; one floating dtype,
+            one device.
+        n_keys: int32 or int64, 0-d (one n for all) or [B], on q's device, in [1, Lk]. CPU
+            checks the range; CUDA clamps into it (checking would synchronise with the host).
+        scale: softmax scale, default 1 / sqrt(D).
+        backend: CUDA kernel, one of :data:`ATTENTION_BACKENDS`. ``"auto"``: varlen flash
+            (``seqused_k``) for fp16/bf16 with D a multiple of 8 up to 256 and Dv == D, else the
+            memory-efficient kernel (``seqlen_k``); ``"masked"``: SDPA with a boolean key mask
+            (cuDNN or efficient, picked by PyTorch). CPU ignores it and computes SDPA on the
+            sliced keys in fp32 (fp64 for fp64 inputs).
+
+    Returns:
+        [B, heads, Lq, Dv] in q's dtype, stored as [B, Lq, heads, Dv] (a transposed view, as
+        SDPA's flash path returns). No host synchronisation on CUDA: CUDA-graph capturable. The
+        fused CUDA kernels take B <= 65,535 (grid limit) and (B + 1) * L < 2**31.
+
+    Raises:
+        RuntimeError naming the argument for wrong ranks, shapes, dtypes, devices, backends, or
+        (CPU) n outside [1, Lk].
+    """
+    return torch.ops.tabserve.prefix_attention(q, k, v, n_keys, scale, backend)
+
+
+def qassmax_scale(q: Tensor, n_keys: Tensor, base_mlp, query_mlp) -> Tensor:
+    """QASSMax query scaling with the real number of keys n from a tensor.
+
+    ``q * base(ln max(n, 1))[head] * (1 + tanh(query_mlp(q)))``, as TabICLv2's
+    ``QASSMaxMLP`` computes with ``n = k.size(-2)`` on unpadded keys.
+
+    Args:
+        q: [..., heads, queries, head_dim], floating.
+        n_keys: int32 or int64, 0-d or [q.shape[0]] (then q must be 4-D), on q's device.
+        base_mlp: ``nn.Sequential(Linear(1, hidden), GELU(), Linear(hidden, heads * head_dim))``
+            (element-wise) or ``Linear(hidden, heads)``; or the four tensors
+            ``(weight1, bias1, weight2, bias2)``.
+        query_mlp: ``nn.Sequential(Linear(head_dim, hidden), GELU(), Linear(hidden, head_dim))``
+            (element-wise) or ``Linear(hidden, 1)``; or its four tensors.
+
+    Returns:
+        The scaled queries, q's shape, dtype and strides. Weights are used in q's dtype (as
+        autocast runs the reference's Linear layers). No host synchronisation on CUDA.
+
+    Raises:
+        RuntimeError naming the argument for shapes that do not fit, devices or dtypes.
+    """
+    return torch.ops.tabserve.qassmax_scale(q, n_keys, *_mlp_tensors(base_mlp),
+                                            *_mlp_tensors(query_mlp))
+
+
+def _mlp_tensors(mlp) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(weight1, bias1, weight2, bias2) of a Linear-GELU-Linear ``nn.Sequential`` or a 4-tuple."""
+    if isinstance(mlp, torch.nn.Sequential):
+        return mlp[0].weight, mlp[0].bias, mlp[2].weight, mlp[2].bias
+    weight1, bias1, weight2, bias2 = mlp
+    return weight1, bias1, weight2, bias2
