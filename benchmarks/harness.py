@@ -8,7 +8,8 @@ Timing:
     CUDA: after warm-up, every repeat is bracketed by CUDA events on the current stream; one
     synchronisation at the end reads them all. CPU: ``time.perf_counter`` around each call.
     Repeats continue until ``max_repeats`` or until ``budget_s`` seconds are spent, but never
-    fewer than ``min_repeats``. Reported: median and the 20th / 80th percentiles, in ms.
+    fewer than ``min_repeats``. Reported: median and the 20th / 80th percentiles, in ms. The
+    timing loops themselves live in :mod:`tabserve.bench.timing` (shared with the TabICLv2 driver).
 
 Peak extra memory (one extra call, separate from the timed ones):
     CUDA: ``torch.cuda.max_memory_allocated()`` above ``memory_allocated()`` at the start, after
@@ -37,6 +38,10 @@ from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 import torch
+from tabserve.bench.timing import percentile
+from tabserve.bench.timing import synchronize as _sync
+from tabserve.bench.timing import time_cpu as _time_cpu
+from tabserve.bench.timing import time_cuda as _time_cuda
 
 MiB = 1024 * 1024
 
@@ -56,17 +61,6 @@ class Measurement:
 
     def as_dict(self) -> dict:
         return asdict(self)
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """Linear-interpolated percentile, ``q`` in [0, 100]."""
-    ordered = sorted(values)
-    if len(ordered) == 1:
-        return ordered[0]
-    rank = (len(ordered) - 1) * q / 100.0
-    low = int(rank)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
 
 
 def measure(
@@ -119,38 +113,6 @@ def measure(
         first_call_ms=first_call_ms,
         memory_probes=probes,
     )
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _time_cpu(fn, min_repeats: int, max_repeats: int, budget_s: float) -> list[float]:
-    times: list[float] = []
-    deadline = time.perf_counter() + budget_s
-    while len(times) < max_repeats and (len(times) < min_repeats or time.perf_counter() < deadline):
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1e3)
-    return times
-
-
-def _time_cuda(fn, min_repeats: int, max_repeats: int, budget_s: float) -> list[float]:
-    # Events are read after one final synchronisation, so the timed calls queue back to back as
-    # they would in serving; the host-side deadline only decides how many to queue.
-    pairs = []
-    deadline = time.perf_counter() + budget_s
-    while len(pairs) < max_repeats and (len(pairs) < min_repeats or time.perf_counter() < deadline):
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin.record()
-        fn()
-        end.record()
-        pairs.append((begin, end))
-        if len(pairs) % 8 == 0:  # bound how far the host runs ahead of the device
-            end.synchronize()
-    torch.cuda.synchronize()
-    return [begin.elapsed_time(end) for begin, end in pairs]
 
 
 def _cuda_peak(fn, device: torch.device) -> int:

@@ -320,7 +320,7 @@ class Method:
     device: str  # "cpu" or "cuda"
     prepare: Callable[[CaseData, torch.device], Prepared]
     max_data_bytes: Optional[int] = None  # larger cases are skipped (too slow to be a peer)
-    in_quick: bool = True
+    by_default: bool = True  # False: runs only when --methods names it
     timed_build: bool = False
 
 
@@ -416,13 +416,14 @@ METHODS = [
     Method("torch_peer cuda", "cuda", _peer(compiled=False), timed_build=True),
     Method("torch_peer cuda compiled", "cuda", _peer(compiled=True)),
     Method("torch_peer cpu", "cpu", _peer(compiled=False), max_data_bytes=PEER_CPU_MAX_BYTES),
-    # Inductor's C++ compile costs ~30 s on a small CPU, so --quick leaves this one out.
+    # Inductor's C++ compile costs 15-30 s per shape class on a CPU, which tripled the sweep's
+    # time on the H200 host: it runs only when --methods names it.
     Method(
         "torch_peer cpu compiled",
         "cpu",
         _peer(compiled=True),
         max_data_bytes=PEER_CPU_MAX_BYTES,
-        in_quick=False,
+        by_default=False,
     ),
 ]
 
@@ -455,8 +456,8 @@ def skip_reason(method: Method, case: Case, args) -> Optional[str]:
         return "no CUDA device"
     if method.device == "cuda" and args.device == "cpu":
         return "--device cpu"
-    if args.quick and not method.in_quick:
-        return "--quick leaves it out"
+    if not method.by_default and not args.methods:
+        return "runs only when --methods names it"
     if method.max_data_bytes is not None and case.data_bytes > method.max_data_bytes:
         return f"case above {method.max_data_bytes >> 20} MiB of labels"
     return None
@@ -657,7 +658,7 @@ def parse_args(argv=None):
     parser.add_argument("--out", default="benchmarks/results/string_lookup.json", help="JSON path")
     parser.add_argument("--seed", type=int, default=0, help="data generation seed")
     parser.add_argument("--budget", type=float, default=None,
-                        help="seconds of timed repeats per cell (default 0.2 quick, 0.3 full)")
+                        help="seconds of timed repeats per cell (default 0.1)")
     parser.add_argument("--quiet", action="store_true", help="no per-case tables")
     parser.add_argument("--list", action="store_true", help="list cases and methods, then exit")
     args = parser.parse_args(argv)
@@ -665,9 +666,12 @@ def parse_args(argv=None):
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda but torch sees no CUDA device")
-    budget = args.budget if args.budget is not None else (0.2 if args.quick else 0.3)
-    args.timing = {"budget_s": budget, "min_repeats": 5, "max_repeats": 200}
-    args.build_timing = {"budget_s": budget / 2, "min_repeats": 3, "max_repeats": 20}
+    budget = args.budget if args.budget is not None else 0.1
+    # Calls slower than 0.2 s (CPU baselines on the largest cases) get 3 timed repeats.
+    args.timing = {"budget_s": budget, "min_repeats": 5, "max_repeats": 200, "slow_s": 0.2}
+    args.build_timing = {
+        "budget_s": budget / 2, "min_repeats": 3, "max_repeats": 20, "slow_s": 0.2
+    }
     return args
 
 
