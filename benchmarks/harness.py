@@ -29,7 +29,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import threading
 import time
 import tracemalloc
@@ -38,6 +37,7 @@ from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 import torch
+from tabserve.bench.report import cpu_name, git_commit
 from tabserve.bench.timing import percentile
 from tabserve.bench.timing import synchronize as _sync
 from tabserve.bench.timing import time_cpu as _time_cpu
@@ -192,12 +192,12 @@ def environment() -> dict:
     env = {
         "python": platform.python_version(),
         "platform": platform.platform(),
-        "cpu": _cpu_name(),
+        "cpu": cpu_name(),
         "cpu_count": os.cpu_count(),
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-        "git_commit": _git_commit(),
+        "git_commit": git_commit(),
     }
     for module in ("numpy", "pyarrow", "pandas", "tabserve"):
         try:
@@ -205,30 +205,6 @@ def environment() -> dict:
         except Exception as error:  # a missing optional package is recorded, not fatal
             env[module] = f"unavailable ({type(error).__name__})"
     return env
-
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
-
-
-def _git_commit() -> Optional[str]:
-    try:
-        return subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            cwd=Path(__file__).resolve().parent,
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
 
 
 def write_json(path: str | os.PathLike, payload: dict) -> None:

@@ -1,0 +1,301 @@
+"""Benchmark cells: named serving recipes, as data.
+
+A cell says *what* runs (the reference ``tabicl`` or tabserve), in which precision, with which
+attention backend per stage, compiled how, and with which serving features (KV cache, shape
+buckets, regional compile, CUDA graphs). :mod:`.engines` turns a cell into callables; nothing else
+branches on cell names.
+
+A recipe that the driver cannot run yet carries ``pending``: the reason it is reported as
+"skipped: not implemented". When the padded / bucketed recipes land, their cells drop ``pending``
+and :mod:`.engines` learns the matching field (``buckets``, ``regional``, ``cuda_graphs``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+from dataclasses import dataclass, field
+
+#: Precisions a cell may ask for; ``fp32`` means TF32 off for matmul and cuDNN.
+PRECISIONS = ("fp32", "tf32", "bf16", "fp16", "fp8")
+#: ``torch.nn.attention.SDPBackend`` members by the names cells use.
+ATTENTION_BACKENDS = {
+    "math": "MATH",
+    "flash": "FLASH_ATTENTION",
+    "efficient": "EFFICIENT_ATTENTION",
+    "cudnn": "CUDNN_ATTENTION",
+}
+#: The model's stages, in the order data flows through them.
+STAGES = ("col", "row", "icl")
+#: ``torch.compile`` modes a cell may ask for (None: eager).
+COMPILE_MODES = (None, "default", "max-autotune-no-cudagraphs")
+
+ISSUE_5 = "needs the padded / bucketed serving recipes of issue 5"
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One serving recipe.
+
+    Fields:
+        name: ``c<N>-<what>``, stable across runs (results and recipe files refer to it).
+        engine: ``"reference"`` (tabicl 2.2.0) or ``"tabserve"``.
+        precision: one of :data:`PRECISIONS`.
+        attention: ``{stage: backend}`` for stages in :data:`STAGES`, backends in
+            :data:`ATTENTION_BACKENDS`; empty = PyTorch's own choice.
+        compile: one of :data:`COMPILE_MODES`.
+        dynamic: ``torch.compile(dynamic=True)``: one graph for every shape, no padding.
+        fullgraph: ``torch.compile(fullgraph=True)``.
+        kv_cache: the end-to-end estimator is fitted with ``kv_cache=True`` and predicts from it.
+        buckets: name of a bucket grid (padded shapes), or None.
+        regional: per-block (regional) compilation.
+        cuda_graphs: CUDA graphs captured per bucket.
+        warm_cache: keep the compile cache between subprocesses (cells about cache reuse).
+        devices: device types the cell can run on.
+        pending: why the driver cannot run this recipe yet (reported as skipped).
+        baseline: a reference cell (speedups are quoted against these; never promoted).
+        description: one line for the table legend and the docs.
+    """
+
+    name: str
+    engine: str
+    precision: str
+    description: str
+    attention: dict = field(default_factory=dict)
+    compile: str | None = None
+    dynamic: bool = False
+    fullgraph: bool = False
+    kv_cache: bool = False
+    buckets: str | None = None
+    regional: bool = False
+    cuda_graphs: bool = False
+    warm_cache: bool = False
+    devices: tuple = ("cuda",)
+    pending: str | None = None
+    baseline: bool = False
+
+    def __post_init__(self):
+        if self.engine not in ("reference", "tabserve"):
+            raise ValueError(f"{self.name}: unknown engine {self.engine!r}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"{self.name}: unknown precision {self.precision!r}")
+        if self.compile not in COMPILE_MODES:
+            raise ValueError(f"{self.name}: unknown compile mode {self.compile!r}")
+        for stage, backend in self.attention.items():
+            if stage not in STAGES or backend not in ATTENTION_BACKENDS:
+                raise ValueError(f"{self.name}: bad attention choice {stage}={backend}")
+
+    @property
+    def reduced_precision(self) -> bool:
+        return self.precision != "fp32"
+
+    @property
+    def uniform_attention(self) -> str | None:
+        """The backend when every stage uses the same one (then applied around whole calls)."""
+        backends = {self.attention.get(stage) for stage in STAGES}
+        return backends.pop() if len(backends) == 1 else None
+
+    def recipe(self) -> dict:
+        """The recipe fields (what ``recipe="auto"`` needs to rebuild this cell)."""
+        skip = {"name", "description", "devices", "pending", "baseline", "warm_cache"}
+        return {
+            f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in skip
+        }
+
+
+def _all(backend: str) -> dict:
+    return {stage: backend for stage in STAGES}
+
+
+_BOTH = ("cpu", "cuda")
+
+CELLS: tuple[Cell, ...] = (
+    # Baselines: the reference package as a user runs it.
+    Cell(
+        "c0-ref-fp32",
+        "reference",
+        "fp32",
+        "tabicl 2.2.0, fp32 (TF32 off)",
+        devices=_BOTH,
+        baseline=True,
+    ),
+    Cell(
+        "c1-ref-fp16",
+        "reference",
+        "fp16",
+        "tabicl 2.2.0 with its own fp16 autocast (use_amp)",
+        baseline=True,
+    ),
+    # Precision.
+    Cell("c2-fp32", "tabserve", "fp32", "eager, fp32 (TF32 off)", devices=_BOTH),
+    Cell("c3-tf32", "tabserve", "tf32", "eager, TF32 matmul and cuDNN"),
+    Cell("c4-bf16", "tabserve", "bf16", "eager, bf16 autocast", devices=_BOTH),
+    Cell("c5-fp16", "tabserve", "fp16", "eager, fp16 autocast"),
+    # Attention backend per stage (sdpa_kernel).
+    Cell(
+        "c6-fp16-cudnn",
+        "tabserve",
+        "fp16",
+        "fp16, cuDNN attention everywhere",
+        attention=_all("cudnn"),
+    ),
+    Cell(
+        "c7-fp16-flash",
+        "tabserve",
+        "fp16",
+        "fp16, flash attention everywhere",
+        attention=_all("flash"),
+    ),
+    Cell(
+        "c8-fp16-efficient",
+        "tabserve",
+        "fp16",
+        "fp16, memory-efficient attention everywhere",
+        attention=_all("efficient"),
+    ),
+    Cell(
+        "c9-fp16-flash-cudnn-icl",
+        "tabserve",
+        "fp16",
+        "fp16, flash in col/row, cuDNN in ICL",
+        attention={"col": "flash", "row": "flash", "icl": "cudnn"},
+    ),
+    # Whole-model compile.
+    Cell(
+        "c10-fp16-compile",
+        "tabserve",
+        "fp16",
+        "fp16, torch.compile (default mode)",
+        compile="default",
+    ),
+    Cell(
+        "c11-fp16-compile-max-autotune",
+        "tabserve",
+        "fp16",
+        "fp16, torch.compile max-autotune-no-cudagraphs",
+        compile="max-autotune-no-cudagraphs",
+    ),
+    Cell(
+        "c12-fp16-dynamic-flash",
+        "tabserve",
+        "fp16",
+        "fp16, torch.compile(dynamic=True), flash first, unpadded",
+        compile="default",
+        dynamic=True,
+        attention=_all("flash"),
+    ),
+    # KV cache (end-to-end predict from a cached fit).
+    Cell(
+        "c13-fp32-kv",
+        "tabserve",
+        "fp32",
+        "fp32, estimator with kv_cache=True",
+        kv_cache=True,
+        devices=_BOTH,
+    ),
+    Cell("c14-fp16-kv", "tabserve", "fp16", "fp16, estimator with kv_cache=True", kv_cache=True),
+    # Issue 5 recipes: placeholders until they exist.
+    Cell(
+        "c15-fp16-regional",
+        "tabserve",
+        "fp16",
+        "fp16, regional (per-block) compile",
+        compile="default",
+        regional=True,
+        pending=ISSUE_5,
+    ),
+    Cell(
+        "c16-fp16-buckets-compile",
+        "tabserve",
+        "fp16",
+        "fp16, bucket grid + torch.compile",
+        compile="default",
+        buckets="default",
+        pending=ISSUE_5,
+    ),
+    Cell(
+        "c17-fp16-buckets-regional",
+        "tabserve",
+        "fp16",
+        "fp16, bucket grid + regional compile",
+        compile="default",
+        buckets="default",
+        regional=True,
+        pending=ISSUE_5,
+    ),
+    Cell(
+        "c18-fp16-buckets-cudagraphs",
+        "tabserve",
+        "fp16",
+        "fp16, bucket grid + CUDA graph per bucket",
+        buckets="default",
+        cuda_graphs=True,
+        pending=ISSUE_5,
+    ),
+    Cell(
+        "c19-fp16-buckets-cudagraphs-kv",
+        "tabserve",
+        "fp16",
+        "fp16, bucket grid + CUDA graphs, KV-cached predict",
+        buckets="default",
+        cuda_graphs=True,
+        kv_cache=True,
+        pending=ISSUE_5,
+    ),
+    Cell(
+        "c20-fp16-buckets-warm-cache",
+        "tabserve",
+        "fp16",
+        "fp16, bucket grid + compile, restart from saved compile-cache artifacts",
+        compile="default",
+        buckets="default",
+        warm_cache=True,
+        pending=ISSUE_5,
+    ),
+    # Optional.
+    Cell(
+        "c21-fp8-te",
+        "tabserve",
+        "fp8",
+        "fp8 linear layers through Transformer Engine",
+        pending="no Transformer Engine integration in tabserve yet",
+    ),
+)
+
+
+def cell_by_name(name: str) -> Cell:
+    """The cell called ``name``. Raises KeyError listing the known names."""
+    for cell in CELLS:
+        if cell.name == name:
+            return cell
+    raise KeyError(f"unknown cell {name!r}; known: {', '.join(c.name for c in CELLS)}")
+
+
+def select_cells(patterns: list | None) -> list:
+    """Cells whose name matches any shell-style pattern (all cells when ``patterns`` is empty)."""
+    from fnmatch import fnmatch
+
+    if not patterns:
+        return list(CELLS)
+    chosen = [c for c in CELLS if any(fnmatch(c.name, p) or c.name == p for p in patterns)]
+    unknown = [p for p in patterns if not any(fnmatch(c.name, p) for c in CELLS)]
+    if unknown:
+        raise KeyError(f"no cell matches {unknown}; known: {', '.join(c.name for c in CELLS)}")
+    return chosen
+
+
+def skip_reason(cell: Cell, device_type: str) -> str | None:
+    """Why ``cell`` cannot run on ``device_type`` here, or None when it can."""
+    if cell.precision == "fp8" and importlib.util.find_spec("transformer_engine") is None:
+        return "skipped: transformer_engine is not importable"
+    if cell.pending:
+        return f"skipped: not implemented ({cell.pending})"
+    if device_type not in cell.devices:
+        return (
+            "skipped: no CUDA device"
+            if device_type == "cpu"
+            else f"skipped: {device_type} not supported"
+        )
+    if cell.engine == "reference" and importlib.util.find_spec("tabicl") is None:
+        return "skipped: tabicl is not installed"
+    return None

@@ -1,0 +1,244 @@
+"""Command line of the TabICLv2 benchmark driver (``python -m tabserve.bench``,
+``benchmarks/benchmark_tabiclv2.py``). ``--help`` lists the options; docs/serving.md explains the
+output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+import tempfile
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+
+from . import report
+from .cells import CELLS, cell_by_name, select_cells, skip_reason
+from .gates import apply_gates
+from .runner import run_ab, run_cell
+from .workloads import (
+    CHECKPOINT_SEED,
+    QUICK_WORKLOADS,
+    WORKLOADS,
+    make_checkpoint,
+    workload_by_name,
+)
+
+#: Timing settings: full runs, and the reduced ``--quick`` run (CPU machines).
+TIMING = {
+    "full": {"warmup": 3, "min_repeats": 10, "max_repeats": 200, "budget_s": 1.0},
+    "quick": {"warmup": 1, "min_repeats": 3, "max_repeats": 20, "budget_s": 0.3},
+}
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="python -m tabserve.bench", description=__doc__.split("\n")[0])
+    p.add_argument("--cells", nargs="+", metavar="CELL", help="cell names or patterns (c1*, *kv)")
+    p.add_argument("--workloads", nargs="+", metavar="NAME", help="workload names")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="reduced workloads and timing (the default without a GPU)",
+    )
+    p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
+    p.add_argument("--checkpoint", type=Path, help="classifier checkpoint (.ckpt / .safetensors)")
+    p.add_argument("--regressor-checkpoint", type=Path, help="regressor checkpoint")
+    p.add_argument(
+        "--model-size",
+        choices=("full", "tiny"),
+        default="full",
+        help="size of the random-weight checkpoints made without --checkpoint",
+    )
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds per (cell, workload) job")
+    p.add_argument("--budget", type=float, help="timing budget per measurement, seconds")
+    p.add_argument("--seed", type=int, default=0, help="input seed")
+    p.add_argument("--ab", nargs=2, metavar=("CELL_A", "CELL_B"), help="ABBA-compare two cells")
+    p.add_argument("--windows", type=int, default=12, help="ABBA windows")
+    p.add_argument("--out", type=Path, help="JSON result path (default benchmarks/results/...)")
+    p.add_argument("--recipes", type=Path, help="recipe file to merge the promotion into")
+    p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--work-dir", type=Path, help="keep job folders here (default: temporary)")
+    p.add_argument("--list", action="store_true", help="print the cell and workload tables")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    return p.parse_args(argv)
+
+
+def list_tables(device: str) -> str:
+    cells = report.format_table(
+        ("cell", "runs here", "what"),
+        [(c.name, skip_reason(c, device) or "yes", c.description) for c in CELLS],
+    )
+    workloads = report.format_table(
+        ("workload", ">members", ">train", ">test", ">features", "task", "what"),
+        [
+            (w.name, w.members, w.n_train, w.n_test, w.n_features, w.task, w.description)
+            for w in WORKLOADS + QUICK_WORKLOADS
+        ],
+    )
+    return f"{cells}\n\n{workloads}"
+
+
+def _default_out(device: str, quick: bool, args) -> Path:
+    if device == "cuda":
+        tag = torch.cuda.get_device_name(0).lower().replace("nvidia", "").strip().replace(" ", "-")
+    else:
+        tag = "cpu"
+    tag += "-quick" if quick else ""
+    if args.workloads:
+        tag += "_" + "-".join(args.workloads)
+    if args.ab:
+        tag += "_ab_" + "_".join(args.ab)
+    folder = Path("benchmarks/results") if Path("benchmarks").is_dir() else Path(".")
+    return folder / f"tabiclv2_{tag}.json"
+
+
+def _checkpoints(args, workloads, run_dir: Path) -> tuple[dict, str]:
+    """Checkpoint path per task and a sentence saying where they came from."""
+    given = {"clf": args.checkpoint, "reg": args.regressor_checkpoint}
+    paths, notes = {}, []
+    for task in sorted({w.task for w in workloads}):
+        if given[task] is not None:
+            paths[task] = given[task]
+            notes.append(f"{task}: {given[task]}")
+        else:
+            paths[task] = make_checkpoint(task, run_dir / f"random-{task}.ckpt", args.model_size)
+            notes.append(
+                f"{task}: RANDOM weights ({args.model_size} v2 architecture, seed "
+                f"{CHECKPOINT_SEED}; timings are real, accuracy is not)"
+            )
+    return paths, "; ".join(notes)
+
+
+def _progress(quiet: bool, total: int):
+    if quiet:
+        return nullcontext(None)
+    try:
+        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+    except ImportError:
+        return nullcontext(None)
+    return Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total}"),
+        TimeElapsedColumn(),
+        transient=False,
+    )
+
+
+def main(argv=None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    device = (
+        args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    )
+    if args.list:
+        print(list_tables(device))
+        return 0
+    quick = args.quick or device == "cpu"
+    workloads = (
+        [workload_by_name(n) for n in args.workloads]
+        if args.workloads
+        else list(QUICK_WORKLOADS if quick else WORKLOADS)
+    )
+    cells = [cell_by_name(n) for n in args.ab] if args.ab else select_cells(args.cells)
+    timing = dict(TIMING["quick" if quick else "full"])
+    if args.budget is not None:
+        timing["budget_s"] = args.budget
+    run_dir = Path(args.work_dir or tempfile.mkdtemp(prefix="tabserve-bench-"))
+    run_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        checkpoints, note = _checkpoints(args, workloads, run_dir)
+        settings = {
+            "device": device,
+            "quick": quick,
+            "timing": timing,
+            "timeout_s": args.timeout,
+            "seed": args.seed,
+            "checkpoints": {k: str(v) for k, v in checkpoints.items()},
+            "checkpoint_note": note,
+            "command": " ".join(["python -m tabserve.bench", *(argv or sys.argv[1:])]),
+        }
+        if not args.quiet:
+            print(
+                f"[tabserve.bench] {device}{' (quick)' if quick else ''}; checkpoints: {note}",
+                flush=True,
+            )
+        if args.ab:
+            return _run_ab(args, cells, workloads[0], device, checkpoints, run_dir, settings)
+        results = _run_cells(args, cells, workloads, device, checkpoints, run_dir, timing)
+        apply_gates(
+            results, {c.name: c for c in CELLS}, {w.name: w for w in workloads}, _load_outputs
+        )
+        report.add_speedups(results)
+        document = report.payload(
+            settings=settings, cells=cells, workloads=workloads, results=results
+        )
+        out = args.out or _default_out(device, quick, args)
+        report.write_json(out, document)
+        print(report.render(document))
+        recipes = args.recipes or out.parent / "recipes.json"
+        report.write_recipes(recipes, document)
+        png = None if args.no_plot else report.plot(document, out.with_suffix(".png"))
+        print(f"\nresults: {out}" + (f"; plot: {png}" if png else "") + f"; recipes: {recipes}")
+        return 0
+    finally:
+        if args.work_dir is None:
+            shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def _run_cells(args, cells, workloads, device, checkpoints, run_dir, timing) -> list:
+    jobs = [(w, c) for w in workloads for c in cells]
+    results = []
+    with _progress(args.quiet, len(jobs)) as progress:
+        task = progress.add_task("cells", total=len(jobs)) if progress else None
+        for workload, cell in jobs:
+            if progress:
+                progress.update(task, description=f"{workload.name} / {cell.name}")
+            result = run_cell(
+                cell,
+                workload,
+                run_dir=run_dir,
+                device=device,
+                checkpoint=checkpoints[workload.task],
+                timeout_s=args.timeout,
+                timing=timing,
+                seed=args.seed,
+            )
+            results.append(result)
+            if progress:
+                progress.advance(task)
+                if result["status"] not in ("ok", "skipped"):
+                    progress.console.print(
+                        f"  {workload.name} / {cell.name}: {result['status']}: "
+                        f"{result.get('reason', '')}"
+                    )
+    return results
+
+
+def _run_ab(args, cells, workload, device, checkpoints, run_dir, settings) -> int:
+    ab = run_ab(
+        cells,
+        workload,
+        run_dir=run_dir,
+        device=device,
+        checkpoint=checkpoints[workload.task],
+        timeout_s=args.timeout,
+        windows=args.windows,
+        seed=args.seed,
+    )
+    document = report.payload(
+        settings=settings, cells=cells, workloads=[workload], results=[], ab=ab
+    )
+    out = args.out or _default_out(device, settings["quick"], args)
+    report.write_json(out, document)
+    print(report.render_ab(ab))
+    print(f"\nresults: {out}")
+    return 0 if ab.get("status") == "ok" else 1
+
+
+def _load_outputs(result: dict):
+    path = result.get("outputs")
+    if not path or not Path(path).exists():
+        return None
+    return torch.load(path, map_location="cpu", weights_only=True)

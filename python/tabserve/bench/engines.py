@@ -1,0 +1,285 @@
+"""Turn a :class:`~tabserve.bench.cells.Cell` into callables: one-shot, KV cache, estimator.
+
+An :class:`Engine` owns one loaded model and runs every call inside the cell's context (TF32
+flags, autocast, ``sdpa_kernel``). The reference engine drives ``tabicl`` 2.2.0 the way its own
+wrappers do (``InferenceConfig`` with ``use_amp`` for its fp16 path); the tabserve engine applies
+the recipe fields to :class:`tabserve.models.tabicl.TabICLv2`. Outputs are what a user receives:
+class probabilities (classification) or raw quantiles (regression).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from pathlib import Path
+
+import torch
+
+from .cells import ATTENTION_BACKENDS, Cell
+from .workloads import Workload
+
+#: Methods of each stage module that run attention (wrapped for per-stage backends).
+_STAGE_MODULES = {"col": "col_embedder", "row": "row_interactor", "icl": "icl_predictor"}
+_STAGE_METHODS = ("forward", "build_cache", "forward_cached", "hierarchical_probs")
+
+
+class UnsupportedRecipe(RuntimeError):
+    """The cell asks for something this engine cannot do (reported as skipped)."""
+
+
+def _sdpa_context(backend: str):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([getattr(SDPBackend, ATTENTION_BACKENDS[backend])])
+
+
+@contextlib.contextmanager
+def precision_flags(precision: str):
+    """TF32 on for ``tf32`` cells, off (IEEE fp32) for all others; restored on exit."""
+    mode = "tf32" if precision == "tf32" else "ieee"
+    matmul, cudnn = torch.backends.cuda.matmul, torch.backends.cudnn
+    saved = (matmul.fp32_precision, cudnn.fp32_precision)
+    matmul.fp32_precision = cudnn.fp32_precision = mode
+    try:
+        yield
+    finally:
+        matmul.fp32_precision, cudnn.fp32_precision = saved
+
+
+def autocast_dtype(precision: str):
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+
+
+class Engine:
+    """A cell made runnable on one device (see the module docstring)."""
+
+    def __init__(self, cell: Cell, workload: Workload, checkpoint: Path, device: torch.device):
+        self.cell, self.workload, self.device = cell, workload, torch.device(device)
+        self.checkpoint = Path(checkpoint)
+        #: CUDA graphs captured so far (engines that capture report them; None = not applicable).
+        self.captures = None
+
+    def _outer_autocast(self) -> bool:
+        return True
+
+    @contextlib.contextmanager
+    def context(self):
+        """Everything a call of this cell runs under."""
+        cell = self.cell
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(torch.no_grad())
+            stack.enter_context(precision_flags(cell.precision))
+            dtype = autocast_dtype(cell.precision)
+            if dtype is not None and self._outer_autocast():
+                stack.enter_context(torch.autocast(self.device.type, dtype=dtype))
+            if cell.uniform_attention:
+                stack.enter_context(_sdpa_context(cell.uniform_attention))
+            yield
+
+    def one_shot(self, X, y_train):
+        raise NotImplementedError
+
+    def build_cache(self, X_train, y_train):
+        raise NotImplementedError
+
+    def predict_cached(self, X_test, cache):
+        raise NotImplementedError
+
+    def fit_estimator(self, X_train, y_train):
+        raise NotImplementedError
+
+    def estimator_predict(self, estimator, X_test):
+        with self.context():
+            if self.workload.task == "reg":
+                return estimator.predict(X_test)
+            return estimator.predict_proba(X_test)
+
+
+class ReferenceEngine(Engine):
+    """``tabicl`` 2.2.0: fp32 (``use_amp=False``) or its own fp16 autocast (``use_amp=True``)."""
+
+    def __init__(self, cell, workload, checkpoint, device):
+        super().__init__(cell, workload, checkpoint, device)
+        from tabicl import InferenceConfig
+        from tabicl._model.tabicl import TabICL
+
+        if cell.precision not in ("fp32", "fp16"):
+            raise UnsupportedRecipe(f"the reference has no {cell.precision} path")
+        payload = torch.load(self.checkpoint, map_location="cpu", weights_only=True)
+        self.model = TabICL(**payload["config"])
+        self.model.load_state_dict(payload["state_dict"])
+        self.model.eval().to(self.device)
+        self.use_amp = cell.precision == "fp16"
+        self.inference_config = InferenceConfig()
+        stage = {"device": str(self.device), "use_amp": self.use_amp, "use_fa3": self.use_amp}
+        self.inference_config.update_from_dict(
+            {k: dict(stage) for k in ("COL_CONFIG", "ROW_CONFIG", "ICL_CONFIG")}
+        )
+
+    def _outer_autocast(self) -> bool:
+        return False  # the reference applies its own autocast per stage
+
+    def one_shot(self, X, y_train):
+        with self.context():
+            kwargs = {} if self.workload.task == "reg" else {"return_logits": False}
+            return self.model(X, y_train, inference_config=self.inference_config, **kwargs)
+
+    def build_cache(self, X_train, y_train):
+        with self.context():
+            self.model.forward_with_cache(
+                X_train=X_train,
+                y_train=y_train,
+                store_cache=True,
+                cache_mode="kv",
+                inference_config=self.inference_config,
+            )
+            cache, self.model._cache = self.model._cache, None
+            return cache
+
+    def predict_cached(self, X_test, cache):
+        with self.context():
+            kwargs = {} if self.workload.task == "reg" else {"return_logits": False}
+            return self.model.forward_with_cache(
+                X_test=X_test, cache=cache, inference_config=self.inference_config, **kwargs
+            )
+
+    def fit_estimator(self, X_train, y_train):
+        import tabicl
+
+        kind = tabicl.TabICLRegressor if self.workload.task == "reg" else tabicl.TabICLClassifier
+        estimator = kind(
+            n_estimators=self.workload.members,
+            model_path=str(self.checkpoint),
+            allow_auto_download=False,
+            device=str(self.device),
+            use_amp=self.use_amp,
+            use_fa3=self.use_amp,
+            kv_cache=self.cell.kv_cache,
+            random_state=0,
+        )
+        with self.context():
+            return estimator.fit(X_train, y_train)
+
+
+class TabserveEngine(Engine):
+    """:class:`TabICLv2` with the cell's precision, attention choices and compile mode."""
+
+    def __init__(self, cell, workload, checkpoint, device):
+        super().__init__(cell, workload, checkpoint, device)
+        from tabserve.models.tabicl import TabICLv2
+
+        unsupported = [f for f in ("buckets", "regional", "cuda_graphs") if getattr(cell, f)]
+        if unsupported or cell.precision == "fp8":
+            raise UnsupportedRecipe(f"not implemented: {', '.join(unsupported) or 'fp8'}")
+        self.model = TabICLv2.from_checkpoint(self.checkpoint, device=self.device)
+        self._forward_cached = self._prepare(self.model)
+
+    def _prepare(self, model):
+        """Applies per-stage attention and compilation to ``model`` in place; returns the cached
+        predict callable (compiled the same way)."""
+        if self.cell.attention and not self.cell.uniform_attention:
+            for stage, backend in self.cell.attention.items():
+                _pin_stage_attention(getattr(model, _STAGE_MODULES[stage]), backend)
+        if self.cell.compile is None:
+            return model.forward_with_cache
+        options = {
+            "mode": None if self.cell.compile == "default" else self.cell.compile,
+            "dynamic": True if self.cell.dynamic else None,
+            "fullgraph": self.cell.fullgraph,
+        }
+        model.compile(**options)
+        return torch.compile(model.forward_with_cache, **options)
+
+    def one_shot(self, X, y_train):
+        with self.context():
+            if self.workload.task == "reg":
+                return self.model(X, y_train)
+            return self.model(X, y_train, return_logits=False)
+
+    def build_cache(self, X_train, y_train):
+        with self.context():
+            return self.model.build_cache(X_train, y_train)
+
+    def predict_cached(self, X_test, cache):
+        with self.context():
+            if self.workload.task == "reg":
+                return self._forward_cached(X_test, cache)
+            return self._forward_cached(X_test, cache, return_logits=False)
+
+    def fit_estimator(self, X_train, y_train):
+        from tabserve.models.tabicl import TabICLClassifier, TabICLRegressor
+
+        kind = TabICLRegressor if self.workload.task == "reg" else TabICLClassifier
+        estimator = kind(
+            n_estimators=self.workload.members,
+            model_path=self.checkpoint,
+            device=self.device,
+            kv_cache=self.cell.kv_cache,
+            random_state=0,
+        )
+        with self.context():
+            estimator.fit(X_train, y_train)
+        forward_cached = self._prepare(estimator.model_)
+        estimator.model_ = _ModelInContext(estimator.model_, self.context, forward_cached)
+        return estimator
+
+    def estimator_predict(self, estimator, X_test):
+        # The model calls enter the cell's context (see _ModelInContext); the estimator's own
+        # pre- and post-processing stay in fp32, as they would in serving.
+        if self.workload.task == "reg":
+            return estimator.predict(X_test)
+        return estimator.predict_proba(X_test)
+
+
+class _ModelInContext:
+    """Stands in for an estimator's ``model_``: every network call runs in the cell's context and
+    returns fp32, so the estimator's numpy post-processing sees the dtype it expects."""
+
+    def __init__(self, model, context, forward_cached):
+        self._model, self._context, self._forward_cached = model, context, forward_cached
+
+    def __getattr__(self, name):
+        return getattr(self._model, name)
+
+    def _run(self, fn, *args, **kwargs):
+        with self._context():
+            out = fn(*args, **kwargs)
+        if isinstance(out, dict):
+            return {k: v.float() for k, v in out.items()}
+        return out.float()
+
+    def __call__(self, *args, **kwargs):
+        return self._run(self._model, *args, **kwargs)
+
+    def forward_with_cache(self, *args, **kwargs):
+        return self._run(self._forward_cached, *args, **kwargs)
+
+    def predict_stats(self, *args, **kwargs):
+        return self._run(self._model.predict_stats, *args, **kwargs)
+
+    def predict_stats_with_cache(self, X_test, cache, *args, **kwargs):
+        from tabserve.models.tabicl.quantiles import quantile_stats
+
+        raw = self.forward_with_cache(X_test, cache)
+        return quantile_stats(raw, *args, **kwargs)
+
+
+def _pin_stage_attention(module, backend: str) -> None:
+    """Runs every attention-bearing method of one stage module under ``sdpa_kernel(backend)``."""
+    for name in _STAGE_METHODS:
+        method = getattr(module, name, None)
+        if method is None:
+            continue
+
+        @functools.wraps(method)
+        def pinned(*args, __method=method, **kwargs):
+            with _sdpa_context(backend):
+                return __method(*args, **kwargs)
+
+        setattr(module, name, pinned)
+
+
+def make_engine(cell: Cell, workload: Workload, checkpoint: Path, device) -> Engine:
+    """The engine of ``cell`` (raises :class:`UnsupportedRecipe` for recipes it cannot run)."""
+    kind = ReferenceEngine if cell.engine == "reference" else TabserveEngine
+    return kind(cell, workload, checkpoint, torch.device(device))

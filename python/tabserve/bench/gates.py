@@ -1,0 +1,160 @@
+"""Accuracy gates and promotion.
+
+Every cell's outputs on a workload's fixed seeded input are compared with the fp32 cell's (the
+reference ``c0-ref-fp32`` when it ran, else tabserve's ``c2-fp32``): classification by the largest
+probability difference and the share of rows whose argmax agrees, regression by the largest
+difference of the predicted mean relative to the RMS of the reference means. Limits depend on the
+cell's precision (:data:`LIMITS`); padded outputs of bucketed cells must match their unpadded
+outputs to fp32 round-off. A cell that fails, or that could not be checked, is never promoted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+from .cells import Cell
+
+#: Cells whose outputs the others are gated against, in order of preference.
+FP32_CELLS = ("c0-ref-fp32", "c2-fp32")
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_prob_diff: float
+    min_argmax_agreement: float
+    max_mean_rel_error: float
+
+
+LIMITS = {
+    # fp32 against fp32: kernel order only (argmax may flip on exact near-ties).
+    "fp32": Limits(max_prob_diff=1e-4, min_argmax_agreement=0.999, max_mean_rel_error=1e-4),
+    # TF32 / bf16 / fp16 / fp8 against fp32: the targets of the bucketed-inference issue.
+    "reduced": Limits(max_prob_diff=2e-2, min_argmax_agreement=0.995, max_mean_rel_error=2e-2),
+    # Padded against unpadded, same recipe: padding must change nothing.
+    "padded": Limits(max_prob_diff=1e-6, min_argmax_agreement=1.0, max_mean_rel_error=1e-6),
+}
+
+
+def compare(task: str, output: torch.Tensor, reference: torch.Tensor) -> dict:
+    """Accuracy figures of ``output`` against ``reference`` (same shape)."""
+    if output.shape != reference.shape:
+        return {"shape_mismatch": [list(output.shape), list(reference.shape)]}
+    output, reference = output.double(), reference.double()
+    if task == "reg":
+        rms = reference.pow(2).mean().sqrt().clamp_min(1e-12)
+        return {"mean_rel_error": float((output - reference).abs().max() / rms)}
+    agree = (output.argmax(-1) == reference.argmax(-1)).double().mean()
+    return {
+        "max_prob_diff": float((output - reference).abs().max()),
+        "argmax_agreement": float(agree),
+    }
+
+
+def check(figures: dict, limits: Limits) -> list:
+    """Names of the limits ``figures`` break (empty: passed)."""
+    if "shape_mismatch" in figures:
+        return ["shape"]
+    failures = []
+    if figures.get("max_prob_diff", 0.0) > limits.max_prob_diff:
+        failures.append(f"max_prob_diff > {limits.max_prob_diff:g}")
+    if figures.get("argmax_agreement", 1.0) < limits.min_argmax_agreement:
+        failures.append(f"argmax_agreement < {limits.min_argmax_agreement:g}")
+    if figures.get("mean_rel_error", 0.0) > limits.max_mean_rel_error:
+        failures.append(f"mean_rel_error > {limits.max_mean_rel_error:g}")
+    return failures
+
+
+def gate(
+    cell: Cell, task: str, outputs: dict, reference_name: str | None, reference: dict | None
+) -> dict:
+    """Gate of one cell on one workload.
+
+    ``outputs`` / ``reference`` map a route (``one_shot``, ``kv``, and ``padded`` /
+    ``unpadded`` for bucketed cells) to gate tensors. Returns ``{"passed": True | False | None,
+    "reference": name, "limits": ..., <route>: {figures..., "failures": [...]}}``; ``passed`` is
+    None when there was nothing to compare against.
+    """
+    if reference is None or not outputs:
+        return {"passed": None, "reference": reference_name, "note": "no fp32 outputs to compare"}
+    if cell.name == reference_name:
+        return {"passed": True, "reference": reference_name, "note": "is the fp32 reference"}
+    limits = LIMITS["reduced" if cell.reduced_precision else "fp32"]
+    verdict: dict = {"reference": reference_name, "limits": asdict(limits)}
+    # Cached predictions are checked against the reference's one-shot predictions.
+    for route in ("one_shot", "kv"):
+        if route in outputs and "one_shot" in reference:
+            figures = compare(task, outputs[route], reference["one_shot"])
+            verdict[route] = {**figures, "failures": check(figures, limits)}
+    if "padded" in outputs and "unpadded" in outputs:
+        figures = compare(task, outputs["padded"], outputs["unpadded"])
+        verdict["padded"] = {**figures, "failures": check(figures, LIMITS["padded"])}
+    routes = [v for k, v in verdict.items() if isinstance(v, dict) and "failures" in v]
+    verdict["passed"] = all(not r["failures"] for r in routes) if routes else None
+    return verdict
+
+
+def apply_gates(results: list, cells: dict, workloads: dict, load_outputs) -> None:
+    """Adds ``gate`` to every result that ran, per workload, in place.
+
+    ``load_outputs(result)`` returns the result's saved gate tensors (a dict) or None.
+    """
+    for name, workload in workloads.items():
+        ran = {r["cell"]: r for r in results if r["workload"] == name and r.get("outputs")}
+        reference_name = next(
+            (c for c in FP32_CELLS if c in ran and ran[c]["status"] == "ok"), None
+        )
+        reference = load_outputs(ran[reference_name]) if reference_name else None
+        for cell_name, result in ran.items():
+            outputs = load_outputs(result) or {}
+            result["gate"] = gate(
+                cells[cell_name], workload.task, outputs, reference_name, reference
+            )
+
+
+# ---------------------------------------------------------------------------------------------
+# Promotion
+
+#: Routes a recipe can be promoted for: (result phase, figure).
+ROUTES = {
+    "one_shot": ("one_shot", "median_ms"),
+    "kv_predict": ("kv", "median_ms"),
+    "stream": ("stream", "median_ms"),
+}
+
+
+def latency(result: dict, route: str) -> float | None:
+    phase, figure = ROUTES[route]
+    value = result.get(phase, {})
+    return value.get(figure) if isinstance(value, dict) else None
+
+
+def promotable(result: dict, cell: Cell) -> bool:
+    """Ran, passed its gate and is a tabserve recipe (baselines are never promoted)."""
+    return (
+        result.get("status") == "ok"
+        and not cell.baseline
+        and result.get("gate", {}).get("passed") is True
+    )
+
+
+def promote(results: list, cells: dict) -> dict:
+    """Per workload and route, the fastest promotable cell: ``{workload: {route: {...}}}``."""
+    promoted: dict = {}
+    for result in results:
+        cell = cells[result["cell"]]
+        if not promotable(result, cell):
+            continue
+        for route in ROUTES:
+            ms = latency(result, route)
+            if ms is None:
+                continue
+            best = promoted.setdefault(result["workload"], {}).get(route)
+            if best is None or ms < best["median_ms"]:
+                promoted[result["workload"]][route] = {
+                    "cell": cell.name,
+                    "median_ms": ms,
+                    "recipe": cell.recipe(),
+                }
+    return promoted

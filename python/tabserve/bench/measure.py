@@ -1,0 +1,303 @@
+"""One benchmark job, run inside its own subprocess: ``python -m tabserve.bench.measure SPEC.json``.
+
+A job is one (cell, workload) pair, or an ABBA comparison of two cells on one workload. The spec
+(written by :mod:`.runner`) names them and gives the checkpoints, device, timing budget and where
+to write the result JSON and the outputs the gates compare. The result is rewritten after every
+phase, so a crash or a timeout keeps what was measured before it.
+
+Phases of a regular workload: ``cold`` (first call, JIT counters), ``one_shot`` (warm fit +
+predict from device tensors, inputs rotated between two random sets), ``kv`` (cache build, then
+cached predict), ``end_to_end`` (estimator fit, then predict from host numpy). Stream workloads
+have one phase, ``stream``: every fresh table once, after warming on two other tables.
+A phase that raises is recorded with its error; the job status follows the one-shot (or stream)
+phase: ``ok``, ``oom`` or ``failed``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+from . import timing
+from .cells import cell_by_name
+from .engines import UnsupportedRecipe, make_engine
+from .workloads import host_table, model_tables, stream_shapes, workload_by_name
+
+
+class SkipPhase(Exception):
+    """A phase that does not apply to this cell / workload."""
+
+
+def jit_counters() -> dict:
+    """Dynamo activity so far: frames compiled, graphs, graph breaks (with the top reasons)."""
+    from torch._dynamo.utils import counters
+
+    breaks = counters["graph_break"]
+    return {
+        "frames_compiled": int(counters["frames"]["ok"]),
+        "graphs": int(counters["stats"]["unique_graphs"]),
+        "graph_breaks": int(sum(breaks.values())),
+        "break_reasons": [reason.split("\n")[0][:160] for reason, _ in breaks.most_common(3)],
+    }
+
+
+def reset_jit_counters() -> None:
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_memory(device: torch.device):
+    """Peak allocated / reserved bytes since the last reset (None on CPU)."""
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize(device)
+    return {
+        "peak_allocated_bytes": int(torch.cuda.max_memory_allocated(device)),
+        "peak_reserved_bytes": int(torch.cuda.max_memory_reserved(device)),
+    }
+
+
+def gate_output(task: str, output: torch.Tensor) -> torch.Tensor:
+    """What the gates compare: probabilities, or the mean of the quantiles (regression)."""
+    output = output.float()
+    return (output.mean(dim=-1) if task == "reg" else output).cpu()
+
+
+class Job:
+    """State of one running job and its incrementally written result."""
+
+    def __init__(self, spec: dict):
+        self.spec = spec
+        self.cell = cell_by_name(spec["cell"])
+        self.workload = workload_by_name(spec["workload"])
+        self.device = torch.device(spec["device"])
+        self.result_path = Path(spec["result"])
+        self.outputs: dict = {}
+        self.result: dict = {
+            "cell": self.cell.name,
+            "workload": self.workload.name,
+            "status": "running",
+            "pid": os.getpid(),
+        }
+        self.save()
+
+    def save(self) -> None:
+        tmp = self.result_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.result, indent=1, default=str))
+        tmp.replace(self.result_path)
+        if self.outputs and self.spec.get("outputs"):
+            torch.save(self.outputs, self.spec["outputs"])
+
+    def phase(self, name: str, fn) -> None:
+        """Runs one phase, records its figures or its error, saves."""
+        try:
+            self.result[name] = fn()
+        except SkipPhase as skip:
+            self.result[name] = {"skipped": str(skip)}
+        except torch.OutOfMemoryError as error:
+            self.result[name] = {"error": "oom", "message": str(error)[:500]}
+            torch.cuda.empty_cache()
+        except Exception as error:  # noqa: BLE001  (a failing phase is a result, not the end of the job)
+            self.result[name] = {
+                "error": type(error).__name__,
+                "message": str(error)[:1000],
+                "traceback": traceback.format_exc()[-3000:],
+            }
+        self.save()
+
+    def timed(self, fn, *, host_clock: bool = False) -> dict:
+        spec = self.spec
+        return timing.time_calls(
+            fn,
+            "cpu" if host_clock else self.device,
+            warmup=spec.get("warmup", 2),
+            min_repeats=spec.get("min_repeats", 5),
+            max_repeats=spec.get("max_repeats", 100),
+            budget_s=spec.get("budget_s", 1.0),
+        ).as_dict()
+
+
+def run_job(spec: dict) -> dict:
+    """Measures one (cell, workload) pair (see the module docstring)."""
+    job = Job(spec)
+    torch.manual_seed(spec.get("seed", 0))
+    start = time.perf_counter()
+    try:
+        engine = make_engine(job.cell, job.workload, spec["checkpoint"], job.device)
+    except UnsupportedRecipe as error:
+        job.result.update(status="skipped", reason=f"skipped: {error}")
+        job.save()
+        return job.result
+    job.result["load_ms"] = (time.perf_counter() - start) * 1e3
+    if job.workload.is_stream:
+        job.phase("stream", lambda: _stream(job, engine))
+        main = "stream"
+    else:
+        X, y = model_tables(job.workload, spec.get("seed", 0), job.device)
+        job.phase("cold", lambda: _cold(job, engine, X, y))
+        job.phase("one_shot", lambda: _one_shot(job, engine, X, y))
+        job.phase("kv", lambda: _kv(job, engine, X, y))
+        job.phase("end_to_end", lambda: _end_to_end(job, engine))
+        main = "one_shot"
+    error = job.result[main].get("error") or job.result.get("cold", {}).get("error")
+    job.result["status"] = "ok" if not error else "oom" if error == "oom" else "failed"
+    if error:
+        job.result["reason"] = f"{main}: {error}: {job.result[main].get('message', '')[:200]}"
+    job.result["captures"] = engine.captures
+    job.save()
+    return job.result
+
+
+def _cold(job: Job, engine, X, y) -> dict:
+    reset_jit_counters()
+    reset_peak_memory(job.device)
+    first_ms, output = timing.time_once(lambda X=X, y=y: engine.one_shot(X, y), job.device)
+    job.outputs["one_shot"] = gate_output(job.workload.task, output)
+    return {"first_call_ms": first_ms, "jit": jit_counters(), "memory": peak_memory(job.device)}
+
+
+def _one_shot(job: Job, engine, X, y) -> dict:
+    if "error" in job.result.get("cold", {}):
+        raise SkipPhase("the cold call failed")
+    X2, y2 = model_tables(job.workload, job.spec.get("seed", 0) + 1, job.device)
+    inputs = itertools.cycle([(X, y), (X2, y2)])
+    frames = jit_counters()["frames_compiled"]
+    reset_peak_memory(job.device)
+    figures = job.timed(lambda: engine.one_shot(*next(inputs)))
+    figures["memory"] = peak_memory(job.device)
+    figures["recompiles"] = jit_counters()["frames_compiled"] - frames
+    return figures
+
+
+def _kv(job: Job, engine, X, y) -> dict:
+    if not job.workload.cacheable:
+        raise SkipPhase("the KV cache does not serve more than max_classes classes")
+    n_train = job.workload.n_train
+    reset_peak_memory(job.device)
+    build_ms, cache = timing.time_once(lambda: engine.build_cache(X[:, :n_train], y), job.device)
+    tests = [X[:, n_train:], torch.randn_like(X[:, n_train:])]
+    first_ms, output = timing.time_once(lambda: engine.predict_cached(tests[0], cache), job.device)
+    job.outputs["kv"] = gate_output(job.workload.task, output)
+    frames = jit_counters()["frames_compiled"]
+    rotation = itertools.cycle(tests)
+    figures = job.timed(lambda: engine.predict_cached(next(rotation), cache))
+    figures.update(
+        build_ms=build_ms,
+        first_predict_ms=first_ms,
+        recompiles=jit_counters()["frames_compiled"] - frames,
+        memory=peak_memory(job.device),
+    )
+    return figures
+
+
+def _end_to_end(job: Job, engine) -> dict:
+    if job.cell.kv_cache and not job.workload.cacheable:
+        raise SkipPhase("kv_cache estimators do not serve more than max_classes classes")
+    X_train, y_train, X_test = host_table(job.workload, job.spec.get("seed", 0))
+    fit_ms, estimator = timing.time_once(lambda: engine.fit_estimator(X_train, y_train), job.device)
+    first_ms, _ = timing.time_once(lambda: engine.estimator_predict(estimator, X_test), job.device)
+    figures = job.timed(lambda: engine.estimator_predict(estimator, X_test), host_clock=True)
+    figures.update(fit_ms=fit_ms, first_predict_ms=first_ms)
+    return figures
+
+
+def _stream(job: Job, engine) -> dict:
+    seed = job.spec.get("seed", 0)
+    shapes = stream_shapes(job.workload, seed)
+    for k, shape in enumerate(stream_shapes(job.workload, seed + 1000)[:2]):
+        engine.one_shot(*model_tables(job.workload, seed + 1000 + k, job.device, shape))
+    reset_jit_counters()
+    reset_peak_memory(job.device)
+    times = []
+    for k, shape in enumerate(shapes):
+        X, y = model_tables(job.workload, seed + k, job.device, shape)
+        ms, output = timing.time_once(lambda X=X, y=y: engine.one_shot(X, y), job.device)
+        times.append(ms)
+        if k == 0:
+            job.outputs["one_shot"] = gate_output(job.workload.task, output)
+    summary = timing.Timing(times).as_dict()
+    summary.update(
+        shapes=[list(s) for s in shapes],
+        jit=jit_counters(),
+        recompiles=jit_counters()["frames_compiled"],
+        memory=peak_memory(job.device),
+    )
+    return summary
+
+
+# ---------------------------------------------------------------------------------------------
+# ABBA
+
+
+def run_ab(spec: dict) -> dict:
+    """Alternates two cells in A B B A windows on one workload (see :func:`timing.abba_summary`).
+
+    Both engines load the same checkpoint and are warmed first; each slot is ``ab_calls`` timed
+    calls on the same input, summarised by its median.
+    """
+    workload = workload_by_name(spec["workload"])
+    device = torch.device(spec["device"])
+    cells = [cell_by_name(name) for name in spec["cells"]]
+    engines = [make_engine(c, workload, spec["checkpoint"], device) for c in cells]
+    X, y = model_tables(workload, spec.get("seed", 0), device)
+    outputs = [engine.one_shot(X, y) for engine in engines]
+    for engine in engines:
+        timing.time_calls(
+            lambda engine=engine: engine.one_shot(X, y),
+            device,
+            warmup=2,
+            min_repeats=1,
+            max_repeats=1,
+        )
+    reset_jit_counters()
+    slots = {"A": [], "B": []}
+    for _ in range(spec.get("windows", 12)):
+        for label in "ABBA":
+            engine = engines[0 if label == "A" else 1]
+            t = timing.time_calls(
+                lambda engine=engine: engine.one_shot(X, y),
+                device,
+                warmup=0,
+                min_repeats=spec.get("ab_calls", 5),
+                max_repeats=spec.get("ab_calls", 5),
+                budget_s=0,
+            )
+            slots[label].append(t.median_ms)
+    a, b = outputs
+    result = {
+        "cells": spec["cells"],
+        "workload": workload.name,
+        "slots_ms": slots,
+        "summary": timing.abba_summary(slots["A"], slots["B"]),
+        "bitwise_equal": bool(a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)),
+        "max_abs_diff": float((a.float() - b.float()).abs().max()) if a.shape == b.shape else None,
+        "recompiles_during_measurement": jit_counters()["frames_compiled"],
+        "status": "ok",
+    }
+    Path(spec["result"]).write_text(json.dumps(result, indent=1))
+    return result
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    spec = json.loads(Path(argv[0]).read_text())
+    (run_ab if spec.get("mode") == "ab" else run_job)(spec)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,460 @@
+"""Reporting: versions, speedups, the JSON result, the fixed-width table, the plot, the recipe file.
+
+JSON schema (``SCHEMA``): ``environment`` (versions and hardware), ``settings`` (device, timing,
+checkpoints and whether they are random), ``cells`` and ``workloads`` (the tables as run),
+``results`` (one per cell x workload: ``status``, ``reason``, phases ``cold`` / ``one_shot`` /
+``kv`` / ``end_to_end`` or ``stream`` with every sample, ``gate``, ``speedup``), ``promotion``
+and, in ABBA mode, ``ab``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import importlib
+import importlib.metadata
+import json
+import os
+import platform
+import subprocess
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from .gates import promote
+
+SCHEMA = "tabserve.bench.tabiclv2/1"
+RECIPES_SCHEMA = "tabserve.recipes/1"
+#: Baselines speedups are quoted against: (label, cell).
+BASELINES = (("ref16", "c1-ref-fp16"), ("ref32", "c0-ref-fp32"))
+MiB = 1024 * 1024
+
+
+# ---------------------------------------------------------------------------------------------
+# Environment
+
+
+def environment() -> dict:
+    """Library versions and hardware of this run."""
+    cuda = torch.cuda.is_available()
+    env = {
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpu": cpu_name(),
+        "cpu_count": os.cpu_count(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
+        "gpu": torch.cuda.get_device_name(0) if cuda else None,
+        "gpu_capability": list(torch.cuda.get_device_capability(0)) if cuda else None,
+        "driver": _nvidia_smi("driver_version") if cuda else None,
+        "git_commit": git_commit(),
+    }
+    for module in (
+        "tabserve",
+        "tabicl",
+        "numpy",
+        "sklearn",
+        "triton",
+        "transformer_engine",
+        "flash_attn_interface",
+    ):
+        env[module] = _version(module)
+    return env
+
+
+def _version(module: str) -> str:
+    try:
+        found = importlib.import_module(module)
+    except Exception as error:  # noqa: BLE001  (a missing optional package is recorded, not fatal)
+        return f"unavailable ({type(error).__name__})"
+    try:
+        return str(getattr(found, "__version__", None) or importlib.metadata.version(module))
+    except importlib.metadata.PackageNotFoundError:
+        return "installed (version unknown)"
+
+
+def _nvidia_smi(field: str) -> str | None:
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", f"--query-gpu={field}", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=20,
+        ).stdout
+        return out.strip().splitlines()[0]
+    except (OSError, subprocess.SubprocessError, IndexError):
+        return None
+
+
+def cpu_name() -> str:
+    """The CPU model name (``/proc/cpuinfo``, else ``platform.processor()``)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def git_commit() -> str | None:
+    """Short commit of the checkout this package runs from (None outside git)."""
+    try:
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=Path(__file__).resolve().parent,
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=10,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+# ---------------------------------------------------------------------------------------------
+# Speedups and payload
+
+
+def _phase_ms(result: dict, phase: str) -> float | None:
+    value = result.get(phase)
+    return value.get("median_ms") if isinstance(value, dict) else None
+
+
+def add_speedups(results: list) -> None:
+    """``speedup[route][label]`` = baseline median / this cell's median, per workload, in place."""
+    by_key = {(r["workload"], r["cell"]): r for r in results}
+    for result in results:
+        speedup = {}
+        for phase in ("one_shot", "kv", "stream"):
+            mine = _phase_ms(result, phase)
+            for label, baseline in BASELINES:
+                base = by_key.get((result["workload"], baseline))
+                theirs = _phase_ms(base, phase) if base and base.get("status") == "ok" else None
+                if mine and theirs and result.get("status") == "ok":
+                    speedup.setdefault(phase, {})[label] = theirs / mine
+        result["speedup"] = speedup
+
+
+def payload(
+    *,
+    settings: dict,
+    cells: Sequence,
+    workloads: Sequence,
+    results: list,
+    ab: dict | None = None,
+) -> dict:
+    """The JSON document of one run (see the module docstring)."""
+    cells_by_name = {c.name: c for c in cells}
+    return {
+        "schema": SCHEMA,
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "environment": environment(),
+        "settings": settings,
+        "cells": [dataclasses.asdict(c) for c in cells],
+        "workloads": [w.as_dict() for w in workloads],
+        "results": results,
+        "promotion": promote(results, cells_by_name),
+        **({"ab": ab} if ab is not None else {}),
+    }
+
+
+def write_json(path: Path, document: dict) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(document, indent=1, default=str) + "\n")
+    return path
+
+
+def write_recipes(path: Path, document: dict) -> Path:
+    """Merges this run's promotion into the recipe file, keyed by device, then by workload.
+
+    The file ``recipe="auto"`` reads: ``{"schema", "devices": {<GPU name or "cpu">:
+    {"updated", "torch", "command", "workloads": {<workload>: {<route>: {"cell", "median_ms",
+    "recipe"}, "shape": {...}}}}}}``. Workloads of other runs on the same device are kept.
+    """
+    path = Path(path)
+    try:
+        recipes = json.loads(path.read_text())
+    except (OSError, ValueError):
+        recipes = {}
+    recipes.setdefault("schema", RECIPES_SCHEMA)
+    env = document["environment"]
+    device = env["gpu"] if document["settings"]["device"] == "cuda" else "cpu"
+    entry = recipes.setdefault("devices", {}).setdefault(device, {"workloads": {}})
+    entry.update(
+        updated=document["created"], torch=env["torch"], command=document["settings"].get("command")
+    )
+    shapes = {w["name"]: w for w in document["workloads"]}
+    for workload, routes in document["promotion"].items():
+        entry["workloads"][workload] = {**routes, "shape": shapes.get(workload)}
+    return write_json(path, recipes)
+
+
+# ---------------------------------------------------------------------------------------------
+# Table
+
+
+def format_table(columns: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    """Fixed-width text table; columns named with a leading '>' are right-aligned."""
+    names = [c.lstrip(">") for c in columns]
+    right = [c.startswith(">") for c in columns]
+    cells = [[str(v) for v in row] for row in rows]
+    widths = [max([len(n)] + [len(r[i]) for r in cells]) for i, n in enumerate(names)]
+    lines = []
+    for row in [names, ["-" * w for w in widths], *cells]:
+        line = "  ".join(v.rjust(w) if r else v.ljust(w) for v, w, r in zip(row, widths, right))
+        lines.append(line.rstrip())
+    return "\n".join(lines)
+
+
+def fmt_ms(value: float | None) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.3f}" if value < 10 else f"{value:.1f}" if value < 1000 else f"{value:.0f}"
+
+
+def _fmt_x(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}x"
+
+
+def _fmt_mib(memory: dict | None) -> str:
+    if not memory:
+        return "-"
+    return f"{memory['peak_allocated_bytes'] / MiB:.0f}/{memory['peak_reserved_bytes'] / MiB:.0f}"
+
+
+def _gate_text(gate: dict | None) -> str:
+    if not gate:
+        return "-"
+    if gate.get("passed") is None:
+        return "unchecked"
+    if gate.get("note") == "is the fp32 reference":
+        return "ref"
+    if gate["passed"]:
+        one = gate.get("one_shot", {})
+        worst = one.get("max_prob_diff", one.get("mean_rel_error"))
+        return "pass" if worst is None else f"pass {worst:.1e}"
+    failures = [
+        f"{route}: {', '.join(gate[route]['failures'])}"
+        for route in ("one_shot", "kv", "padded")
+        if gate.get(route, {}).get("failures")
+    ]
+    return "FAIL " + "; ".join(failures)
+
+
+def _get(result: dict, phase: str, key: str):
+    value = result.get(phase)
+    return value.get(key) if isinstance(value, dict) else None
+
+
+MAIN_COLUMNS = (
+    "workload",
+    "cell",
+    "status",
+    ">cold ms",
+    ">one-shot ms",
+    ">p20-p80",
+    "noise",
+    ">x ref16",
+    ">x ref32",
+    ">kv ms",
+    ">e2e ms",
+    ">MiB alloc/resv",
+    ">recomp",
+    ">breaks",
+    "gate",
+)
+STREAM_COLUMNS = (
+    "workload",
+    "cell",
+    "status",
+    ">p50 ms",
+    ">p90 ms",
+    ">x ref16",
+    ">recomp",
+    ">MiB alloc/resv",
+    "gate",
+)
+
+
+def main_rows(results: list) -> list:
+    rows = []
+    for r in results:
+        if r["status"] == "skipped" or "stream" in r:
+            continue
+        one = r.get("one_shot") if isinstance(r.get("one_shot"), dict) else {}
+        jit = _get(r, "cold", "jit") or {}
+        spread = "-" if "p20_ms" not in one else f"{fmt_ms(one['p20_ms'])}-{fmt_ms(one['p80_ms'])}"
+        rows.append(
+            [
+                r["workload"],
+                r["cell"],
+                r["status"] if r["status"] == "ok" else r["status"].upper(),
+                fmt_ms(_get(r, "cold", "first_call_ms")),
+                fmt_ms(one.get("median_ms")),
+                spread,
+                "NOISY" if one.get("noisy") else "",
+                _fmt_x(r.get("speedup", {}).get("one_shot", {}).get("ref16")),
+                _fmt_x(r.get("speedup", {}).get("one_shot", {}).get("ref32")),
+                fmt_ms(_get(r, "kv", "median_ms")),
+                fmt_ms(_get(r, "end_to_end", "median_ms")),
+                _fmt_mib(one.get("memory")),
+                one.get("recompiles", "-"),
+                jit.get("graph_breaks", "-"),
+                _gate_text(r.get("gate")),
+            ]
+        )
+    return rows
+
+
+def stream_rows(results: list) -> list:
+    rows = []
+    for r in results:
+        if r["status"] == "skipped" or "stream" not in r:
+            continue
+        stream = r["stream"]
+        rows.append(
+            [
+                r["workload"],
+                r["cell"],
+                r["status"] if r["status"] == "ok" else r["status"].upper(),
+                fmt_ms(stream.get("median_ms")),
+                fmt_ms(stream.get("p90_ms")),
+                _fmt_x(r.get("speedup", {}).get("stream", {}).get("ref16")),
+                stream.get("recompiles", "-"),
+                _fmt_mib(stream.get("memory")),
+                _gate_text(r.get("gate")),
+            ]
+        )
+    return rows
+
+
+def render(document: dict) -> str:
+    """Everything printed at the end of a run: tables, failures, skips, promotion."""
+    settings, results = document["settings"], document["results"]
+    env = document["environment"]
+    parts = [
+        (
+            f"TabICLv2 benchmark on {env.get('gpu') or env.get('cpu')} ({settings['device']}), "
+            f"torch {env['torch']}, tabicl {env['tabicl']}, tabserve {env['tabserve']}"
+        ),
+        f"checkpoints: {settings['checkpoint_note']}",
+    ]
+    if main_rows(results):
+        parts += [
+            "",
+            "Latency (ms, median; p20-p80; cold = first call incl. compile)",
+            format_table(MAIN_COLUMNS, main_rows(results)),
+        ]
+    if stream_rows(results):
+        parts += [
+            "",
+            "Fresh-table stream (each table once)",
+            format_table(STREAM_COLUMNS, stream_rows(results)),
+        ]
+    failed = [r for r in results if r["status"] not in ("ok", "skipped")]
+    if failed:
+        parts += ["", "Failed cells (reported, not fatal):"]
+        parts += [
+            f"  {r['workload']} / {r['cell']}: {r['status']}: {r.get('reason', '')}" for r in failed
+        ]
+    skipped: dict = {}
+    for r in results:
+        if r["status"] == "skipped":
+            skipped.setdefault(r["cell"], r.get("reason", ""))
+    if skipped:
+        parts += ["", "Skipped cells:"] + [f"  {c}: {why}" for c, why in skipped.items()]
+    if document["promotion"]:
+        parts += ["", "Promoted (fastest cell that passed its gate):"]
+        for workload, routes in document["promotion"].items():
+            picks = ", ".join(
+                f"{route} {p['cell']} ({fmt_ms(p['median_ms'])} ms)" for route, p in routes.items()
+            )
+            parts.append(f"  {workload}: {picks}")
+    return "\n".join(parts)
+
+
+def render_ab(ab: dict) -> str:
+    if ab.get("status") != "ok":
+        return f"ABBA {ab.get('cells')}: {ab.get('status')}: {ab.get('reason', '')}"
+    s = ab["summary"]
+    a, b = ab["cells"]
+    return "\n".join(
+        [
+            f"ABBA on {ab['workload']}: {a} (A) vs {b} (B), {s['windows']} windows",
+            f"  A median {fmt_ms(s['a_median_ms'])} ms, B median {fmt_ms(s['b_median_ms'])} ms",
+            (
+                f"  B vs A: {s['change_median']:+.2%} median (p20 {s['change_p20']:+.2%}, p80 "
+                f"{s['change_p80']:+.2%}); halves {s['first_half_mean']:+.2%} / {s['second_half_mean']:+.2%}"
+                f" ({'consistent' if s['consistent'] else 'NOT consistent: treat as noise'})"
+            ),
+            (
+                f"  outputs bitwise equal: {ab['bitwise_equal']} (max abs diff {ab['max_abs_diff']:.3g}); "
+                f"recompiles during measurement: {ab['recompiles_during_measurement']}"
+            ),
+        ]
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Plot
+
+
+def plot(document: dict, path: Path) -> Path | None:
+    """PNG: per workload, one-shot (or stream p50) latency by cell with p20-p80 whiskers (log
+    scale), and the speedup over the reference fp16 cell (fp32 when fp16 did not run)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in document["results"] if r["status"] == "ok"]
+    workloads = list(dict.fromkeys(r["workload"] for r in ok))
+    if not workloads:
+        return None
+    fig, axes = plt.subplots(
+        len(workloads),
+        2,
+        figsize=(13, 1.2 + 0.32 * _most_cells(ok) * len(workloads)),
+        squeeze=False,
+    )
+    for row, workload in zip(axes, workloads):
+        mine = [r for r in ok if r["workload"] == workload]
+        phase = "stream" if "stream" in mine[0] else "one_shot"
+        names = [r["cell"] for r in mine]
+        med = [r[phase]["median_ms"] for r in mine]
+        low = [m - r[phase]["p20_ms"] for m, r in zip(med, mine)]
+        high = [r[phase]["p80_ms"] - m for m, r in zip(med, mine)]
+        colors = ["tab:gray" if n.startswith(("c0-", "c1-")) else "tab:blue" for n in names]
+        row[0].barh(names, med, xerr=[low, high], color=colors)
+        row[0].set_xscale("log")
+        row[0].invert_yaxis()
+        row[0].set_title(f"{workload}: {'stream p50' if phase == 'stream' else 'one-shot'} ms")
+        label = (
+            "ref16"
+            if any(r.get("speedup", {}).get(phase, {}).get("ref16") for r in mine)
+            else "ref32"
+        )
+        speed = [r.get("speedup", {}).get(phase, {}).get(label, 0.0) for r in mine]
+        row[1].barh(names, speed, color=colors)
+        row[1].axvline(1.0, color="black", linewidth=0.8)
+        row[1].invert_yaxis()
+        row[1].set_title(f"{workload}: speedup over {label}")
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _most_cells(results: list) -> int:
+    counts: dict = {}
+    for r in results:
+        counts[r["workload"]] = counts.get(r["workload"], 0) + 1
+    return max(counts.values())

@@ -1,0 +1,179 @@
+"""Subprocess isolation: every job runs in a fresh interpreter with a timeout.
+
+A fresh process means a fresh CUDA context, allocator, cuDNN plan cache and Dynamo state; each job
+also gets its own Inductor / Triton cache folder unless its cell is about warm caches. The child
+(:mod:`.measure`) writes its result JSON as it goes; :func:`run_isolated` turns whatever happened
+into a result: the child's own status, or ``timeout`` (process group killed), ``oom`` or
+``crashed`` (non-zero exit, e.g. a signal), keeping the phases measured before the end.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import tabserve
+
+from .cells import Cell, skip_reason
+from .workloads import Workload
+
+_OOM_MARKERS = ("OutOfMemoryError", "CUDA out of memory", "CUBLAS_STATUS_ALLOC_FAILED")
+
+
+def run_isolated(
+    command: Sequence[str],
+    result_path: Path,
+    timeout_s: float,
+    env: dict | None = None,
+) -> dict:
+    """Runs ``command`` in its own session, waits at most ``timeout_s``, reads ``result_path``.
+
+    Returns the child's result dict (or ``{}`` when it wrote none) with ``status`` resolved,
+    ``wall_s``, ``returncode`` and, for anything but success, ``log_tail`` (last 3,000 characters
+    of its stdout + stderr) and ``reason``.
+    """
+    result_path = Path(result_path)
+    start = time.perf_counter()
+    proc = subprocess.Popen(
+        list(command),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        errors="replace",
+        env=env,
+        start_new_session=True,  # its own process group: a timeout kills compile workers too
+    )
+    timed_out = False
+    try:
+        log, _ = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        timed_out = True
+        os.killpg(proc.pid, signal.SIGKILL)
+        log, _ = proc.communicate()
+    result = _read(result_path)
+    result.update(wall_s=time.perf_counter() - start, returncode=proc.returncode)
+    if timed_out:
+        result.update(status="timeout", reason=f"timeout after {timeout_s:g} s")
+    elif proc.returncode != 0:
+        oom = any(marker in log for marker in _OOM_MARKERS)
+        result.update(status="oom" if oom else "crashed", reason=_exit_reason(proc.returncode))
+    elif result.get("status") in (None, "running"):
+        result.update(status="crashed", reason="exited without a final result")
+    if result["status"] not in ("ok", "skipped"):
+        result["log_tail"] = log[-3000:]
+    return result
+
+
+def _read(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _exit_reason(returncode: int) -> str:
+    if returncode < 0:
+        try:
+            return f"killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"killed by signal {-returncode}"
+    return f"exit code {returncode}"
+
+
+def child_env(job_dir: Path, warm_cache: bool, cache_root: Path) -> dict:
+    """The child's environment: this tabserve importable, and its own compile caches."""
+    env = dict(os.environ)
+    package_root = str(Path(tabserve.__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
+    caches = cache_root if warm_cache else job_dir
+    env["TORCHINDUCTOR_CACHE_DIR"] = str(caches / "inductor")
+    env["TRITON_CACHE_DIR"] = str(caches / "triton")
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
+def measure_command(spec_path: Path) -> list:
+    return [sys.executable, "-m", "tabserve.bench.measure", str(spec_path)]
+
+
+def run_cell(
+    cell: Cell,
+    workload: Workload,
+    *,
+    run_dir: Path,
+    device: str,
+    checkpoint: Path,
+    timeout_s: float,
+    timing: dict,
+    seed: int = 0,
+) -> dict:
+    """One (cell, workload) job: skipped here when the cell cannot run, else in a subprocess."""
+    reason = skip_reason(cell, device)
+    if reason is not None:
+        return {"cell": cell.name, "workload": workload.name, "status": "skipped", "reason": reason}
+    job_dir = Path(run_dir) / "jobs" / f"{workload.name}__{cell.name}"
+    job_dir.mkdir(parents=True, exist_ok=True)
+    spec = {
+        "cell": cell.name,
+        "workload": workload.name,
+        "device": device,
+        "checkpoint": str(checkpoint),
+        "seed": seed,
+        "result": str(job_dir / "result.json"),
+        "outputs": str(job_dir / "outputs.pt"),
+        **timing,
+    }
+    spec_path = job_dir / "spec.json"
+    spec_path.write_text(json.dumps(spec, indent=1))
+    env = child_env(job_dir, cell.warm_cache, Path(run_dir) / "shared-cache")
+    result = run_isolated(measure_command(spec_path), job_dir / "result.json", timeout_s, env)
+    result.setdefault("cell", cell.name)
+    result.setdefault("workload", workload.name)
+    result["outputs"] = spec["outputs"] if Path(spec["outputs"]).exists() else None
+    return result
+
+
+def run_ab(
+    cells: Sequence[Cell],
+    workload: Workload,
+    *,
+    run_dir: Path,
+    device: str,
+    checkpoint: Path,
+    timeout_s: float,
+    windows: int = 12,
+    calls: int = 5,
+    seed: int = 0,
+) -> dict:
+    """ABBA comparison of two cells in one subprocess (see :func:`measure.run_ab`)."""
+    for cell in cells:
+        reason = skip_reason(cell, device)
+        if reason is not None:
+            return {
+                "cells": [c.name for c in cells],
+                "status": "skipped",
+                "reason": f"{cell.name}: {reason}",
+            }
+    job_dir = Path(run_dir) / "jobs" / f"ab__{workload.name}__{cells[0].name}__{cells[1].name}"
+    job_dir.mkdir(parents=True, exist_ok=True)
+    spec = {
+        "mode": "ab",
+        "cells": [c.name for c in cells],
+        "workload": workload.name,
+        "device": device,
+        "checkpoint": str(checkpoint),
+        "seed": seed,
+        "windows": windows,
+        "ab_calls": calls,
+        "result": str(job_dir / "result.json"),
+    }
+    spec_path = job_dir / "spec.json"
+    spec_path.write_text(json.dumps(spec, indent=1))
+    env = child_env(job_dir, False, job_dir)
+    return run_isolated(measure_command(spec_path), job_dir / "result.json", timeout_s, env)
