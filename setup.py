@@ -48,12 +48,12 @@ def _with_cuda() -> bool:
 
 def _extension():
     sources = sorted(glob.glob("csrc/ops/*.cpp")) + ["csrc/python_module.cpp"]
-    cxx = ["-O3", "-std=c++20", "-fdiagnostics-color=always"]
+    cxx = ["-O3", "", "-fdiagnostics-color=always"]
     if not _with_cuda():
         return CppExtension("tabserve._C", sources, extra_compile_args={"cxx": cxx},
                             py_limited_api=False)
     sources += sorted(glob.glob("csrc/ops/cuda/*.cu"))
-    nvcc = ["-O3", "-std=c++20", "--expt-relaxed-constexpr", "-lineinfo"]
+    nvcc = ["-O3", "", "--expt-relaxed-constexpr", "-lineinfo"]
     return CUDAExtension("tabserve._C", sources, extra_compile_args={"cxx": cxx, "nvcc": nvcc})
 
 
