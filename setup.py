@@ -48,12 +48,14 @@ def _with_cuda() -> bool:
 
 def _extension():
     sources = sorted(glob.glob("csrc/ops/*.cpp")) + ["csrc/python_module.cpp"]
-    cxx = ["-O3", "", "-fdiagnostics-color=always"]
+    # No -std flag: torch.utils.cpp_extension adds the standard its own headers need (C++17 or
+    # C++20 depending on the torch release); forcing one can break the ABI with another torch.
+    cxx = ["-O3", "-fdiagnostics-color=always"]
     if not _with_cuda():
         return CppExtension("tabserve._C", sources, extra_compile_args={"cxx": cxx},
                             py_limited_api=False)
     sources += sorted(glob.glob("csrc/ops/cuda/*.cu"))
-    nvcc = ["-O3", "", "--expt-relaxed-constexpr", "-lineinfo"]
+    nvcc = ["-O3", "--expt-relaxed-constexpr", "-lineinfo"]
     return CUDAExtension("tabserve._C", sources, extra_compile_args={"cxx": cxx, "nvcc": nvcc})
 
 
