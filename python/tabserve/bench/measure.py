@@ -142,6 +142,15 @@ def run_job(spec: dict) -> dict:
         job.result.update(status="skipped", reason=f"skipped: {error}")
         job.save()
         return job.result
+    except Exception as error:  # noqa: BLE001  (a model that does not load is a result)
+        oom = isinstance(error, torch.OutOfMemoryError)
+        job.result.update(
+            status="oom" if oom else "failed",
+            reason=f"loading: {type(error).__name__}: {str(error)[:300]}",
+            traceback=traceback.format_exc()[-3000:],
+        )
+        job.save()
+        return job.result
     job.result["load_ms"] = (time.perf_counter() - start) * 1e3
     if job.workload.is_stream:
         job.phase("stream", lambda: _stream(job, engine))

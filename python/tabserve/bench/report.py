@@ -129,13 +129,15 @@ def add_speedups(results: list) -> None:
     """``speedup[route][label]`` = baseline median / this cell's median, per workload, in place."""
     by_key = {(r["workload"], r["cell"]): r for r in results}
     for result in results:
+        if result.get("status") != "ok":
+            continue
         speedup = {}
         for phase in ("one_shot", "kv", "stream"):
             mine = _phase_ms(result, phase)
             for label, baseline in BASELINES:
                 base = by_key.get((result["workload"], baseline))
                 theirs = _phase_ms(base, phase) if base and base.get("status") == "ok" else None
-                if mine and theirs and result.get("status") == "ok":
+                if mine and theirs:
                     speedup.setdefault(phase, {})[label] = theirs / mine
         result["speedup"] = speedup
 

@@ -1,0 +1,314 @@
+"""The TabICLv2 benchmark driver (``tabserve.bench``): tables, isolation, gates, promotion, report.
+
+CPU only. One end-to-end run of the CLI on a tiny random-weight model and the smallest quick
+workload; everything else is unit-level (subprocess failures are provoked with ``python -c``).
+"""
+
+import json
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("tabicl")
+pytest.importorskip("sklearn")
+
+from tabserve.bench import cells as cells_mod
+from tabserve.bench import gates, measure, report, runner, timing
+from tabserve.bench.cells import CELLS, Cell, cell_by_name, select_cells, skip_reason
+from tabserve.bench.cli import main
+from tabserve.bench.workloads import (
+    WORKLOADS,
+    host_table,
+    make_checkpoint,
+    model_tables,
+    stream_shapes,
+    workload_by_name,
+)
+
+# -- cell and workload tables -------------------------------------------------------------------
+
+
+def test_cell_names_are_unique_numbered_and_cover_the_issue():
+    names = [c.name for c in CELLS]
+    assert len(set(names)) == len(names)
+    assert [int(n.split("-")[0][1:]) for n in names] == list(range(len(names)))
+    assert {c.name for c in CELLS if c.baseline} == {"c0-ref-fp32", "c1-ref-fp16"}
+    assert {c.precision for c in CELLS} == set(cells_mod.PRECISIONS)
+    assert {c.compile for c in CELLS} == set(cells_mod.COMPILE_MODES)
+    backends = {b for c in CELLS for b in c.attention.values()}
+    assert backends >= {"cudnn", "flash", "efficient"}
+    assert any(c.kv_cache for c in CELLS) and any(c.buckets for c in CELLS)
+    assert any(c.regional for c in CELLS) and any(c.cuda_graphs for c in CELLS)
+
+
+def test_skip_reasons_never_fake_a_recipe():
+    for cell in CELLS:
+        reason = skip_reason(cell, "cpu")
+        if cell.precision == "fp8":
+            assert "transformer_engine" in reason or "not implemented" in reason
+        elif cell.pending:
+            assert reason.startswith("skipped: not implemented")
+        elif "cpu" not in cell.devices:
+            assert reason == "skipped: no CUDA device"
+        else:
+            assert reason is None
+    runnable_on_cpu = {c.name for c in CELLS if skip_reason(c, "cpu") is None}
+    assert {"c0-ref-fp32", "c2-fp32"} <= runnable_on_cpu
+
+
+def test_cell_validation_selection_and_recipe():
+    with pytest.raises(ValueError, match="precision"):
+        Cell("cx", "tabserve", "fp12", "bad")
+    with pytest.raises(ValueError, match="attention"):
+        Cell("cx", "tabserve", "fp16", "bad", attention={"col": "warp"})
+    with pytest.raises(KeyError, match="known"):
+        cell_by_name("c99-nothing")
+    assert [c.name for c in select_cells(["c1*", "c2-fp32"])][:2] == ["c1-ref-fp16", "c2-fp32"]
+    recipe = cell_by_name("c9-fp16-flash-cudnn-icl").recipe()
+    assert recipe["attention"] == {"col": "flash", "row": "flash", "icl": "cudnn"}
+    assert "description" not in recipe and "pending" not in recipe
+    assert cell_by_name("c7-fp16-flash").uniform_attention == "flash"
+    assert cell_by_name("c9-fp16-flash-cudnn-icl").uniform_attention is None
+
+
+def test_workloads_match_the_issue():
+    shapes = {w.name: (w.members, w.n_train, w.n_test, w.n_features) for w in WORKLOADS}
+    assert shapes["small"] == (8, 512, 64, 8)
+    assert shapes["medium"] == (8, 1024, 256, 20)
+    assert shapes["large"] == (8, 8192, 2048, 64)
+    assert shapes["xlarge"] == (8, 50000, 1000, 100)
+    assert workload_by_name("many-class").n_classes == 25
+    assert workload_by_name("regression").task == "reg"
+    assert workload_by_name("stream").stream == 32
+    assert not workload_by_name("many-class").cacheable
+
+
+def test_generated_tables_are_seeded_random_and_complete():
+    small = workload_by_name("small-quick")
+    X, y = model_tables(small, seed=3)
+    assert X.shape == (2, 160, 8) and y.shape == (2, 128) and X.dtype == torch.float32
+    assert (X != 0).float().mean() > 0.99
+    assert all(set(row.tolist()) == set(range(small.n_classes)) for row in y.long())
+    X2, _ = model_tables(small, seed=3)
+    assert torch.equal(X, X2)
+    X_train, y_train, X_test = host_table(small, seed=0)
+    assert X_train.shape == (128, 8) and y_train.shape == (128,) and X_test.shape == (32, 8)
+    stream = workload_by_name("stream")
+    shapes = stream_shapes(stream, seed=0)
+    assert shapes == stream_shapes(stream, seed=0) and len(set(shapes)) == 32
+    for n_train, n_test, n_features, n_classes in shapes:
+        assert 64 <= n_train <= 8192 and 1 <= n_test <= 2048 and 2 <= n_features <= 64
+        assert 2 <= n_classes <= 10
+
+
+# -- subprocess isolation -----------------------------------------------------------------------
+
+
+def _child(tmp_path, code, timeout=30):
+    result = tmp_path / "result.json"
+    script = f"import json, os, sys, time\nRESULT = {str(result)!r}\n{code}"
+    return runner.run_isolated([sys.executable, "-c", script], result, timeout)
+
+
+def test_isolated_success_keeps_the_child_result(tmp_path):
+    out = _child(tmp_path, "json.dump({'status': 'ok', 'x': 1}, open(RESULT, 'w'))")
+    assert out["status"] == "ok" and out["x"] == 1 and out["returncode"] == 0
+    assert "log_tail" not in out
+
+
+def test_isolated_crash_keeps_phases_measured_before_it(tmp_path):
+    code = "json.dump({'status': 'running', 'cold': {'first_call_ms': 5}}, open(RESULT, 'w'))\n"
+    code += "print('about to crash', flush=True)\nos.abort()"
+    out = _child(tmp_path, code)
+    assert out["status"] == "crashed" and out["reason"] == "killed by SIGABRT"
+    assert out["cold"] == {"first_call_ms": 5} and "about to crash" in out["log_tail"]
+
+
+def test_isolated_timeout_kills_the_process_group(tmp_path):
+    code = "import subprocess\nsubprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+    code += "time.sleep(60)"
+    out = _child(tmp_path, code, timeout=1.5)
+    assert out["status"] == "timeout" and out["wall_s"] < 20
+    assert out["reason"] == "timeout after 1.5 s"
+
+
+def test_isolated_oom_and_silent_exit_are_reported(tmp_path):
+    out = _child(tmp_path, "print('torch.OutOfMemoryError: CUDA out of memory'); sys.exit(1)")
+    assert out["status"] == "oom" and out["reason"] == "exit code 1"
+    out = _child(tmp_path, "pass")
+    assert out["status"] == "crashed" and out["reason"] == "exited without a final result"
+
+
+def test_a_cell_whose_model_does_not_load_is_a_failed_result(tmp_path):
+    out = runner.run_cell(
+        cell_by_name("c2-fp32"),
+        workload_by_name("small-quick"),
+        run_dir=tmp_path,
+        device="cpu",
+        checkpoint=tmp_path / "missing.ckpt",
+        timeout_s=120,
+        timing={},
+    )
+    assert out["status"] == "failed" and out["reason"].startswith("loading:")
+    pending = runner.run_cell(
+        cell_by_name("c16-fp16-buckets-compile"),
+        workload_by_name("small-quick"),
+        run_dir=tmp_path,
+        device="cuda",
+        checkpoint=tmp_path / "missing.ckpt",
+        timeout_s=1,
+        timing={},
+    )
+    assert pending["status"] == "skipped" and "not implemented" in pending["reason"]
+
+
+# -- gates and promotion ------------------------------------------------------------------------
+
+
+def _probs(seed, rows=200, classes=4):
+    g = torch.Generator().manual_seed(seed)
+    return torch.softmax(torch.randn(2, rows, classes, generator=g) * 3, -1)
+
+
+def test_gate_limits_by_precision():
+    ref = _probs(0)
+    fp32, fp16 = cell_by_name("c2-fp32"), cell_by_name("c5-fp16")
+    ok = gates.gate(fp16, "clf", {"one_shot": ref + 1e-3}, "c0-ref-fp32", {"one_shot": ref})
+    assert ok["passed"] is True and ok["one_shot"]["argmax_agreement"] == 1.0
+    bad = gates.gate(fp32, "clf", {"one_shot": ref + 1e-3}, "c0-ref-fp32", {"one_shot": ref})
+    assert bad["passed"] is False and bad["one_shot"]["failures"] == ["max_prob_diff > 0.0001"]
+    flipped = gates.gate(fp16, "clf", {"one_shot": _probs(1)}, "c0-ref-fp32", {"one_shot": ref})
+    assert flipped["passed"] is False
+    assert "argmax_agreement < 0.995" in flipped["one_shot"]["failures"]
+    kv_bad = gates.gate(
+        fp16, "clf", {"one_shot": ref, "kv": _probs(1)}, "c0-ref-fp32", {"one_shot": ref}
+    )
+    assert kv_bad["passed"] is False and kv_bad["one_shot"]["failures"] == []
+
+
+def test_gate_regression_padding_and_missing_reference():
+    cell = cell_by_name("c4-bf16")
+    mean = torch.randn(2, 50) + 3
+    verdict = gates.gate(cell, "reg", {"one_shot": mean * 1.001}, "c2-fp32", {"one_shot": mean})
+    assert verdict["passed"] is True and verdict["one_shot"]["mean_rel_error"] < 2e-3
+    verdict = gates.gate(cell, "reg", {"one_shot": mean * 1.1}, "c2-fp32", {"one_shot": mean})
+    assert verdict["passed"] is False
+    padded = {"one_shot": mean, "padded": mean, "unpadded": mean + 1e-5}
+    verdict = gates.gate(cell, "reg", padded, "c2-fp32", {"one_shot": mean})
+    assert verdict["passed"] is False and verdict["padded"]["failures"]
+    assert gates.gate(cell, "reg", {"one_shot": mean}, None, None)["passed"] is None
+    shape = gates.gate(cell, "reg", {"one_shot": mean[:, :3]}, "c2-fp32", {"one_shot": mean})
+    assert shape["passed"] is False and shape["one_shot"]["failures"] == ["shape"]
+
+
+def _result(cell, ms, passed, status="ok", workload="w", kv=None):
+    result = {"cell": cell, "workload": workload, "status": status, "one_shot": {"median_ms": ms}}
+    if kv is not None:
+        result["kv"] = {"median_ms": kv}
+    result["gate"] = {"passed": passed}
+    return result
+
+
+def test_promotion_takes_the_fastest_passing_non_baseline_cell():
+    cells = {c.name: c for c in CELLS}
+    results = [
+        _result("c1-ref-fp16", 1.0, True),  # baseline: never promoted
+        _result("c5-fp16", 2.0, False),  # fastest tabserve cell, but failed its gate
+        _result("c6-fp16-cudnn", 2.5, None),  # unchecked: never promoted
+        _result("c7-fp16-flash", 3.0, True, status="timeout"),
+        _result("c4-bf16", 4.0, True, kv=0.5),
+        _result("c2-fp32", 5.0, True, kv=0.4),
+    ]
+    promoted = gates.promote(results, cells)["w"]
+    assert promoted["one_shot"]["cell"] == "c4-bf16" and promoted["one_shot"]["median_ms"] == 4.0
+    assert promoted["kv_predict"]["cell"] == "c2-fp32"
+    assert promoted["one_shot"]["recipe"]["precision"] == "bf16"
+
+
+def test_abba_summary():
+    summary = timing.abba_summary([10, 10, 10, 10], [11, 11, 12, 12])
+    assert summary["windows"] == 2 and summary["consistent"]
+    assert summary["change_median"] == pytest.approx(0.15)
+    assert summary["first_half_mean"] == pytest.approx(0.1)
+    with pytest.raises(ValueError):
+        timing.abba_summary([1, 2, 3], [1, 2, 3])
+
+
+def test_timing_noise_flag():
+    quiet = timing.Timing([10.0, 10.1, 10.2, 9.9, 10.0]).as_dict()
+    noisy = timing.Timing([10.0, 14.0, 7.0, 12.0, 9.0]).as_dict()
+    assert not quiet["noisy"] and noisy["noisy"]
+    assert quiet["p20_ms"] <= quiet["median_ms"] <= quiet["p80_ms"] <= quiet["p90_ms"]
+
+
+def test_table_is_fixed_width():
+    text = report.format_table(("name", ">ms"), [("a", "1.5"), ("longer", "10.25")])
+    lines = text.splitlines()
+    assert lines == ["name       ms", "------  -----", "a         1.5", "longer  10.25"]
+
+
+# -- the CLI, end to end ------------------------------------------------------------------------
+
+
+def test_quick_cpu_run_writes_schema_table_plot_and_recipes(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    argv = ["--device", "cpu", "--quick", "--model-size", "tiny", "--workloads", "small-quick"]
+    argv += ["--cells", "c0-ref-fp32", "c2-fp32", "c5-fp16", "c16*", "--budget", "0.05"]
+    argv += ["--out", str(out), "--quiet", "--timeout", "120"]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    document = json.loads(out.read_text())
+
+    assert document["schema"] == report.SCHEMA
+    env = document["environment"]
+    for key in ("torch", "cuda", "cudnn", "driver", "gpu", "tabserve", "tabicl"):
+        assert key in env
+    assert "RANDOM weights" in document["settings"]["checkpoint_note"]
+    by_cell = {r["cell"]: r for r in document["results"]}
+    assert by_cell["c5-fp16"] == {
+        "cell": "c5-fp16",
+        "workload": "small-quick",
+        "status": "skipped",
+        "reason": "skipped: no CUDA device",
+    }
+    assert by_cell["c16-fp16-buckets-compile"]["reason"].startswith("skipped: not implemented")
+    for name in ("c0-ref-fp32", "c2-fp32"):
+        result = by_cell[name]
+        assert result["status"] == "ok", result.get("log_tail")
+        one = result["one_shot"]
+        assert 0 < one["p20_ms"] <= one["median_ms"] <= one["p80_ms"]
+        assert one["repeats"] >= 3 and isinstance(one["noisy"], bool)
+        assert result["cold"]["first_call_ms"] > 0 and result["cold"]["jit"]["graph_breaks"] == 0
+        assert result["kv"]["median_ms"] > 0 and result["end_to_end"]["fit_ms"] > 0
+    assert by_cell["c0-ref-fp32"]["gate"]["note"] == "is the fp32 reference"
+    gate = by_cell["c2-fp32"]["gate"]
+    assert gate["passed"] is True and gate["one_shot"]["max_prob_diff"] < 1e-4
+    assert by_cell["c2-fp32"]["speedup"]["one_shot"]["ref32"] > 0
+    assert document["promotion"]["small-quick"]["one_shot"]["cell"] == "c2-fp32"
+
+    assert "Latency (ms" in printed and "c2-fp32" in printed and "Skipped cells:" in printed
+    assert "small-quick: one_shot c2-fp32" in printed
+    assert out.with_suffix(".png").stat().st_size > 1000
+    recipes = json.loads((tmp_path / "recipes.json").read_text())
+    assert recipes["devices"]["cpu"]["workloads"]["small-quick"]["one_shot"]["cell"] == "c2-fp32"
+
+
+def test_ab_mode_alternates_two_cells_on_one_model(tmp_path):
+    # In-process (the CLI runs this same function in a subprocess): saves an interpreter start.
+    checkpoint = make_checkpoint("clf", tmp_path / "tiny.ckpt", size="tiny")
+    spec = {
+        "mode": "ab",
+        "cells": ["c2-fp32", "c13-fp32-kv"],
+        "workload": "small-quick",
+        "device": "cpu",
+        "checkpoint": str(checkpoint),
+        "windows": 2,
+        "ab_calls": 1,
+        "result": str(tmp_path / "ab.json"),
+    }
+    ab = measure.run_ab(spec)
+    assert json.loads((tmp_path / "ab.json").read_text()) == ab
+    assert ab["status"] == "ok" and ab["bitwise_equal"] is True
+    assert len(ab["slots_ms"]["A"]) == 4 and ab["summary"]["windows"] == 2
+    assert "outputs bitwise equal: True" in report.render_ab(ab)
