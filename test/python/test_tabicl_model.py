@@ -19,6 +19,8 @@ from tabicl_helpers import (
 )
 
 ATOL = 1e-5
+#: On CUDA, cuBLAS picks kernels by shape; quantiles of magnitude ~5 then differ by ~1e-5 abs.
+CUDA_RTOL = 1e-5
 
 # (size, tables, train rows, test rows, features, classes); classes 0 = regression.
 CLASSIFIER_CASES = [
@@ -259,12 +261,11 @@ def test_cuda_matches_reference(case):
     ours = our_model(_task(k), size).cuda()
     try:
         got = ours(X.cuda(), y.cuda())
-        torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
+        torch.testing.assert_close(got, expected, atol=ATOL, rtol=CUDA_RTOL)
         if 0 < k <= 10 or k == 0:
             cache = ours.build_cache(X[:, :n].cuda(), y.cuda())
-            torch.testing.assert_close(
-                ours.forward_with_cache(X[:, n:].cuda(), cache), got, atol=ATOL, rtol=0
-            )
+            cached = ours.forward_with_cache(X[:, n:].cuda(), cache)
+            torch.testing.assert_close(cached, got, atol=ATOL, rtol=CUDA_RTOL)
         torch.testing.assert_close(got.cpu(), ours.cpu()(X, y), atol=1e-4, rtol=0)
     finally:
         ours.cpu()

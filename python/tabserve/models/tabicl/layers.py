@@ -116,13 +116,24 @@ class Attention(nn.Module):
             k = rope(k)
         return k, v
 
-    def forward(self, q: Tensor, kv: KeyValue, rope: RotaryEmbedding | None = None) -> Tensor:
-        """q: normalised query tokens ``(..., Lq, E)``; kv from ``project_kv`` (broadcastable)."""
+    def forward(
+        self, q: Tensor, kv: KeyValue | None = None, rope: RotaryEmbedding | None = None
+    ) -> Tensor:
+        """q: normalised query tokens ``(..., Lq, E)``; kv from ``project_kv`` (broadcastable),
+        or None for self-attention over ``q``."""
         dim = q.shape[-1]
-        query = self._split_heads(F.linear(q, self.in_proj_weight[:dim], self.in_proj_bias[:dim]))
+        if kv is None:  # one packed projection, as the reference's self-attention does
+            packed = F.linear(q, self.in_proj_weight, self.in_proj_bias).chunk(3, dim=-1)
+            query, k, v = (self._split_heads(t) for t in packed)
+            if rope is not None:
+                k = rope(k)
+        else:
+            query = self._split_heads(
+                F.linear(q, self.in_proj_weight[:dim], self.in_proj_bias[:dim])
+            )
+            k, v = kv
         if rope is not None:
             query = rope(query)
-        k, v = kv
         if self.ssmax_layer is not None:
             # Before broadcasting: the scale depends only on the query and the number of keys.
             query = self.ssmax_layer(query, k.shape[-2])
@@ -176,7 +187,7 @@ class AttentionBlock(nn.Module):
         elif kv_rows is not None:
             keys_values = self.attn.project_kv(q_normed[..., :kv_rows, :], rope)
         elif kv is None:
-            keys_values = self.attn.project_kv(q_normed, rope)
+            keys_values = self.attn.project_kv(q_normed, rope) if return_kv else None
         else:
             keys_values = self.key_value(kv, rope)
         x = q + self.attn(q_normed, keys_values, rope)
