@@ -19,8 +19,9 @@
 namespace tabserve {
 namespace ops {
 
-PadShape check_pad_to_bucket(const at::Tensor& x, int64_t n_train, int64_t train_bucket,
-                             int64_t test_bucket, int64_t feature_bucket) {
+at::Tensor pad_to_bucket_with(PadRowsKernel pad_rows, const at::Tensor& x, int64_t n_train,
+                              int64_t train_bucket, int64_t test_bucket, int64_t feature_bucket,
+                              double fill) {
   TORCH_CHECK(x.dim() == 3, "x must be a 3-D tensor [tables, train + test rows, features], got ",
               x.dim(), " dimensions");
   const int64_t rows = x.size(1);
@@ -32,17 +33,23 @@ PadShape check_pad_to_bucket(const at::Tensor& x, int64_t n_train, int64_t train
               rows - n_train, " test rows of x");
   TORCH_CHECK(feature_bucket >= x.size(2), "feature_bucket (", feature_bucket,
               ") must hold the ", x.size(2), " features of x");
-  return {x.size(0), n_train, rows - n_train, x.size(2), train_bucket, test_bucket,
-          feature_bucket};
+  return pad_rows(x,
+                  {x.size(0), n_train, rows - n_train, x.size(2), train_bucket, test_bucket,
+                   feature_bucket},
+                  fill);
 }
 
-std::pair<at::Tensor, PadShape> labels_as_table(const at::Tensor& y_train, int64_t train_bucket) {
+at::Tensor pad_labels_with(PadRowsKernel pad_rows, const at::Tensor& y_train,
+                           int64_t train_bucket, double fill) {
   TORCH_CHECK(y_train.dim() >= 1, "y_train must have at least 1 dimension [..., train rows]");
   const int64_t n_train = y_train.size(-1);
   TORCH_CHECK(train_bucket >= n_train, "train_bucket (", train_bucket, ") must hold the ",
               n_train, " train rows of y_train");
-  const at::Tensor table = y_train.reshape({-1, n_train, 1});
-  return {table, {table.size(0), n_train, 0, 1, train_bucket, 0, 1}};
+  std::vector<int64_t> sizes = y_train.sizes().vec();
+  const int64_t tables = c10::multiply_integers(sizes.begin(), sizes.end() - 1);
+  const at::Tensor table = y_train.reshape({tables, n_train, 1});
+  sizes.back() = train_bucket;
+  return pad_rows(table, {table.size(0), n_train, 0, 1, train_bucket, 0, 1}, fill).view(sizes);
 }
 
 namespace {
@@ -202,16 +209,12 @@ at::Tensor pad_rows_cpu(const at::Tensor& x, const PadShape& s, double fill) {
 
 at::Tensor pad_to_bucket_cpu(const at::Tensor& x, int64_t n_train, int64_t train_bucket,
                              int64_t test_bucket, int64_t feature_bucket, double fill) {
-  return pad_rows_cpu(x, check_pad_to_bucket(x, n_train, train_bucket, test_bucket,
-                                             feature_bucket),
-                      fill);
+  return pad_to_bucket_with(&pad_rows_cpu, x, n_train, train_bucket, test_bucket, feature_bucket,
+                            fill);
 }
 
 at::Tensor pad_labels_cpu(const at::Tensor& y_train, int64_t train_bucket, double fill) {
-  const auto [table, shape] = labels_as_table(y_train, train_bucket);
-  std::vector<int64_t> sizes = y_train.sizes().vec();
-  sizes.back() = train_bucket;
-  return pad_rows_cpu(table, shape, fill).view(sizes);
+  return pad_labels_with(&pad_rows_cpu, y_train, train_bucket, fill);
 }
 
 // Exact attention over the first n keys: SDPA on the sliced keys, in fp32 for narrower inputs.

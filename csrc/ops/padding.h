@@ -14,13 +14,17 @@ namespace ops {
 
 using PadShape = core::PaddedShape;
 
-// Checks pad_to_bucket's arguments, naming each one, and returns the padded shape.
-PadShape check_pad_to_bucket(const at::Tensor& x, int64_t n_train, int64_t train_bucket,
-                             int64_t test_bucket, int64_t feature_bucket);
+// A device's one-pass padding kernel: x [tables, n_train + n_test, features] (checked) onto
+// [tables, train_bucket + test_bucket, feature_bucket].
+using PadRowsKernel = at::Tensor (*)(const at::Tensor& x, const PadShape& shape, double fill);
 
-// Checks pad_labels' arguments and returns y_train viewed as a [tables, n_train, 1] table with
-// its shape (the labels are padded as a table with no test rows and one feature).
-std::pair<at::Tensor, PadShape> labels_as_table(const at::Tensor& y_train, int64_t train_bucket);
+// pad_to_bucket and pad_labels over a device's kernel: argument checks naming each argument,
+// then one kernel call (labels are padded as a table with no test rows and one feature).
+at::Tensor pad_to_bucket_with(PadRowsKernel pad_rows, const at::Tensor& x, int64_t n_train,
+                              int64_t train_bucket, int64_t test_bucket, int64_t feature_bucket,
+                              double fill);
+at::Tensor pad_labels_with(PadRowsKernel pad_rows, const at::Tensor& y_train,
+                           int64_t train_bucket, double fill);
 
 // The attention backends prefix_attention accepts; CPU computes exact math for every one.
 enum class AttentionBackend { kAuto, kFlash, kEfficient, kMasked };

@@ -265,7 +265,7 @@ def prefix_attention(
     k: Tensor,
     v: Tensor,
     n_keys: Tensor,
-    scale: Optional[float] = None,
+    scale: float | None = None,
     backend: str = "auto",
 ) -> Tensor:
     """Attention of every query over the first ``n_keys`` keys, n read from a tensor.
@@ -319,8 +319,9 @@ def qassmax_scale(q: Tensor, n_keys: Tensor, base_mlp, query_mlp) -> Tensor:
     Raises:
         RuntimeError naming the argument for shapes that do not fit, devices or dtypes.
     """
-    return torch.ops.tabserve.qassmax_scale(q, n_keys, *_mlp_tensors(base_mlp),
-                                            *_mlp_tensors(query_mlp))
+    return torch.ops.tabserve.qassmax_scale(
+        q, n_keys, *_mlp_tensors(base_mlp), *_mlp_tensors(query_mlp)
+    )
 
 
 def _mlp_tensors(mlp) -> tuple[Tensor, Tensor, Tensor, Tensor]:

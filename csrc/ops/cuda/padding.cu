@@ -60,16 +60,12 @@ at::Tensor pad_rows_cuda(const at::Tensor& x, const PadShape& s, double fill) {
 
 at::Tensor pad_to_bucket_cuda(const at::Tensor& x, int64_t n_train, int64_t train_bucket,
                               int64_t test_bucket, int64_t feature_bucket, double fill) {
-  return pad_rows_cuda(x, check_pad_to_bucket(x, n_train, train_bucket, test_bucket,
-                                              feature_bucket),
-                       fill);
+  return pad_to_bucket_with(&pad_rows_cuda, x, n_train, train_bucket, test_bucket,
+                            feature_bucket, fill);
 }
 
 at::Tensor pad_labels_cuda(const at::Tensor& y_train, int64_t train_bucket, double fill) {
-  const auto [table, shape] = labels_as_table(y_train, train_bucket);
-  std::vector<int64_t> sizes = y_train.sizes().vec();
-  sizes.back() = train_bucket;
-  return pad_rows_cuda(table, shape, fill).view(sizes);
+  return pad_labels_with(&pad_rows_cuda, y_train, train_bucket, fill);
 }
 
 // "auto": varlen flash where it applies (half / bfloat16, head_dim a multiple of 8 up to 256),
