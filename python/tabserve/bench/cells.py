@@ -129,7 +129,7 @@ CELLS: tuple[Cell, ...] = (
     # Precision.
     Cell("c2-fp32", "tabserve", "fp32", "eager, fp32 (TF32 off)", devices=_BOTH),
     Cell("c3-tf32", "tabserve", "tf32", "eager, TF32 matmul and cuDNN"),
-    Cell("c4-bf16", "tabserve", "bf16", "eager, bf16 autocast", devices=_BOTH),
+    Cell("c4-bf16", "tabserve", "bf16", "eager, bf16 autocast"),
     Cell("c5-fp16", "tabserve", "fp16", "eager, fp16 autocast"),
     # Attention backend per stage (sdpa_kernel).
     Cell(

@@ -6,6 +6,7 @@ output.
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import sys
 import tempfile
@@ -61,6 +62,13 @@ def parse_args(argv):
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--work-dir", type=Path, help="keep job folders here (default: temporary)")
     p.add_argument("--list", action="store_true", help="print the cell and workload tables")
+    p.add_argument(
+        "--merge",
+        nargs="+",
+        type=Path,
+        metavar="JSON",
+        help="combine result files of several runs (one report, plot, promotion)",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p.parse_args(argv)
 
@@ -135,6 +143,8 @@ def main(argv=None) -> int:
     if args.list:
         print(list_tables(device))
         return 0
+    if args.merge:
+        return _merge(args)
     quick = args.quick or device == "cpu"
     workloads = (
         [workload_by_name(n) for n in args.workloads]
@@ -235,6 +245,36 @@ def _run_ab(args, cells, workload, device, checkpoints, run_dir, settings) -> in
     print(report.render_ab(ab))
     print(f"\nresults: {out}")
     return 0 if ab.get("status") == "ok" else 1
+
+
+def _merge(args) -> int:
+    """One document from several runs' JSON (gates were computed in each run; a later file's
+    result for the same cell and workload replaces an earlier one)."""
+    documents = [json.loads(path.read_text()) for path in args.merge]
+    results = {}
+    for document in documents:
+        for result in document["results"]:
+            results[(result["workload"], result["cell"])] = result
+    merged = list(results.values())
+    report.add_speedups(merged)
+    names = {r["cell"] for r in merged}
+    workloads = {w["name"]: workload_by_name(w["name"]) for d in documents for w in d["workloads"]}
+    settings = dict(documents[-1]["settings"], merged_from=[str(p) for p in args.merge])
+    document = report.payload(
+        settings=settings,
+        cells=[c for c in CELLS if c.name in names],
+        workloads=list(workloads.values()),
+        results=merged,
+        env=documents[-1]["environment"],
+    )
+    out = args.out or args.merge[0].with_name("tabiclv2_merged.json")
+    report.write_json(out, document)
+    print(report.render(document))
+    recipes = args.recipes or out.parent / "recipes.json"
+    report.write_recipes(recipes, document)
+    png = None if args.no_plot else report.plot(document, out.with_suffix(".png"))
+    print(f"\nresults: {out}" + (f"; plot: {png}" if png else "") + f"; recipes: {recipes}")
+    return 0
 
 
 def _load_outputs(result: dict):

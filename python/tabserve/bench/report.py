@@ -149,13 +149,15 @@ def payload(
     workloads: Sequence,
     results: list,
     ab: dict | None = None,
+    env: dict | None = None,
 ) -> dict:
-    """The JSON document of one run (see the module docstring)."""
+    """The JSON document of one run (see the module docstring); ``env`` defaults to this
+    machine's :func:`environment` (merges pass the measuring machine's)."""
     cells_by_name = {c.name: c for c in cells}
     return {
         "schema": SCHEMA,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "environment": environment(),
+        "environment": env or environment(),
         "settings": settings,
         "cells": [dataclasses.asdict(c) for c in cells],
         "workloads": [w.as_dict() for w in workloads],
