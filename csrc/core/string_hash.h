@@ -3,8 +3,8 @@
 // A label is a byte range [begin, end). It is read as little-endian 64-bit words w_k holding the
 // bytes [8k, 8k + 8), zero-padded past the end. The hash is position-keyed and additive:
 //
-//     H(column, label) = finish( sum_k mix(w_k + (k + 1) * kWordKey) + length * kLengthKey
-//                                + column * kColumnKey )
+//     H(column, label) = mix( sum_k w_k * kWordKey * (2k + 1) + length * kLengthKey
+//                             + column * kColumnKey )
 //
 // so any set of threads may hash disjoint words and add their partial sums in any order (a warp
 // reduction on the GPU, a plain loop on the CPU) and get the same value bit for bit. The length
@@ -39,9 +39,11 @@ TABSERVE_HOST_DEVICE uint64_t mix64(uint64_t x) {
   return x;
 }
 
-// Contribution of word k (value w) to the sum.
+// Contribution of word k (value w) to the sum: one multiply by an odd key of its own per
+// position, so two labels that differ in one word always differ in the sum (an odd factor is
+// invertible mod 2^64) and swapped words do not cancel; mix64 in finish_hash spreads the sum.
 TABSERVE_HOST_DEVICE uint64_t word_term(uint64_t w, int64_t k) {
-  return mix64(w + static_cast<uint64_t>(k + 1) * kWordKey);
+  return w * (kWordKey * (2 * static_cast<uint64_t>(k) + 1));
 }
 
 // Turns the sum of word terms into the label's hash, keeping the low `hash_bits` bits
@@ -58,12 +60,17 @@ TABSERVE_HOST_DEVICE int64_t word_count(int64_t length) {
   return (length + kWordBytes - 1) / kWordBytes;
 }
 
-// Word k of a label, zero-padded, read without touching bytes outside the label (host path).
+// Word k of a label, zero-padded, read without touching bytes outside the label (host path,
+// little-endian hosts only). A whole word is one fixed-size load; a partial one is assembled
+// byte by byte, which is cheaper than a variable-length memcpy call.
 inline uint64_t load_word_host(const uint8_t* label, int64_t length, int64_t k) {
+  const int64_t first = k * kWordBytes;
   uint64_t w = 0;
-  int64_t first = k * kWordBytes;
-  int64_t n = length - first < kWordBytes ? length - first : kWordBytes;
-  std::memcpy(&w, label + first, static_cast<size_t>(n));  // little-endian hosts only
+  if (length - first >= kWordBytes) {
+    std::memcpy(&w, label + first, kWordBytes);
+    return w;
+  }
+  for (int64_t i = length - first - 1; i >= 0; --i) w = (w << 8) | label[first + i];
   return w;
 }
 
@@ -71,7 +78,7 @@ inline uint64_t load_word_host(const uint8_t* label, int64_t length, int64_t k) 
 inline uint64_t hash_label_host(const uint8_t* label, int64_t length, int64_t column,
                                 int64_t hash_bits) {
   uint64_t sum = 0;
-  int64_t words = word_count(length);
+  const int64_t words = word_count(length);
   for (int64_t k = 0; k < words; ++k) sum += word_term(load_word_host(label, length, k), k);
   return finish_hash(sum, length, column, hash_bits);
 }

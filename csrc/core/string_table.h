@@ -45,9 +45,14 @@ struct TableView {
   int64_t capacity = 0;          // a power of two
 };
 
+// Byte equality; labels up to two words long (most category labels) skip the memcmp call.
 inline bool same_bytes(const uint8_t* a, int64_t a_length, const uint8_t* b, int64_t b_length) {
-  return a_length == b_length &&
-         (a_length == 0 || std::memcmp(a, b, static_cast<size_t>(a_length)) == 0);
+  if (a_length != b_length) return false;
+  if (a_length > 2 * kWordBytes) return std::memcmp(a, b, static_cast<size_t>(a_length)) == 0;
+  for (int64_t k = 0; k < word_count(a_length); ++k) {
+    if (load_word_host(a, a_length, k) != load_word_host(b, b_length, k)) return false;
+  }
+  return true;
 }
 
 // Hash of every vocabulary row in its column (rows of column c are [segments[c], segments[c+1])).
@@ -95,15 +100,14 @@ inline void build_table(const StringsView& vocabulary, const int64_t* segments, 
   }
 }
 
-// Code of one query label in vocabulary column `column`: its row relative to the column's first
-// row, or -1 when the label is not there. Probing stops after `capacity` slots, and rows outside
-// the column are never dereferenced, so even a corrupted table cannot hang or read out of bounds.
-inline int64_t lookup_label(const StringsView& vocabulary, const int64_t* segments,
-                            const int64_t* slot_hash, const int64_t* slot_row, int64_t capacity,
-                            const uint8_t* label, int64_t length, int64_t column,
-                            int64_t hash_bits) {
+// Code of one query label in vocabulary column `column`, given the label's hash `h`: its row
+// relative to the column's first row, or -1 when the label is not there. Probing stops after
+// `capacity` slots, and rows outside the column are never dereferenced, so even a corrupted table
+// cannot hang or read out of bounds.
+inline int64_t lookup_hashed(const StringsView& vocabulary, const int64_t* segments,
+                             const int64_t* slot_hash, const int64_t* slot_row, int64_t capacity,
+                             const uint8_t* label, int64_t length, int64_t column, uint64_t h) {
   const uint64_t mask = static_cast<uint64_t>(capacity - 1);
-  const uint64_t h = hash_label_host(label, length, column, hash_bits);
   const int64_t first = segments[column];
   const int64_t last = segments[column + 1];
   uint64_t p = h & mask;
@@ -117,6 +121,41 @@ inline int64_t lookup_label(const StringsView& vocabulary, const int64_t* segmen
     }
   }
   return -1;
+}
+
+inline int64_t lookup_label(const StringsView& vocabulary, const int64_t* segments,
+                            const int64_t* slot_hash, const int64_t* slot_row, int64_t capacity,
+                            const uint8_t* label, int64_t length, int64_t column,
+                            int64_t hash_bits) {
+  return lookup_hashed(vocabulary, segments, slot_hash, slot_row, capacity, label, length, column,
+                       hash_label_host(label, length, column, hash_bits));
+}
+
+// Codes of query rows [begin, end) of `query` in vocabulary column `column`, written to
+// codes[begin..end); null rows give -1. Rows go in groups: all hashes of a group first, each
+// with a prefetch of its first slot, so the slots' cache misses overlap instead of queueing.
+inline void lookup_rows(const StringsView& vocabulary, const int64_t* segments,
+                        const int64_t* slot_hash, const int64_t* slot_row, int64_t capacity,
+                        const StringsView& query, int64_t column, int64_t hash_bits,
+                        int64_t begin, int64_t end, int64_t* codes) {
+  constexpr int64_t kGroup = 16;
+  const uint64_t mask = static_cast<uint64_t>(capacity - 1);
+  uint64_t hashes[kGroup];
+  for (int64_t start = begin; start < end; start += kGroup) {
+    const int64_t stop = start + kGroup < end ? start + kGroup : end;
+    for (int64_t r = start; r < stop; ++r) {
+      const uint64_t h = hash_label_host(query.label(r), query.length(r), column, hash_bits);
+      hashes[r - start] = h;
+      __builtin_prefetch(slot_hash + (h & mask));
+      __builtin_prefetch(slot_row + (h & mask));
+    }
+    for (int64_t r = start; r < stop; ++r) {
+      codes[r] = query.is_valid(r)
+                     ? lookup_hashed(vocabulary, segments, slot_hash, slot_row, capacity,
+                                     query.label(r), query.length(r), column, hashes[r - start])
+                     : -1;
+    }
+  }
 }
 
 // Index of the first offset that breaks the Arrow rules (decreasing, negative, past `data_size`),

@@ -210,15 +210,10 @@ at::Tensor lookup_columns_cpu(const at::Tensor& vocabulary_data,
     const core::StringsView query = strings_view(q_data, q_offsets, q_valid);
     const int64_t column = first_column + static_cast<int64_t>(i);
     int64_t* out = codes.data_ptr<int64_t>() + written;
-    at::parallel_for(0, query.rows, 1024, [&](int64_t begin, int64_t end) {
-      for (int64_t r = begin; r < end; ++r) {
-        out[r] = query.is_valid(r)
-                     ? core::lookup_label(vocabulary, segments.data_ptr<int64_t>(),
-                                          hashes.data_ptr<int64_t>(), rows.data_ptr<int64_t>(),
-                                          rows.numel(), query.label(r), query.length(r), column,
-                                          hash_bits)
-                     : -1;
-      }
+    at::parallel_for(0, query.rows, 4096, [&](int64_t begin, int64_t end) {
+      core::lookup_rows(vocabulary, segments.data_ptr<int64_t>(), hashes.data_ptr<int64_t>(),
+                        rows.data_ptr<int64_t>(), rows.numel(), query, column, hash_bits, begin,
+                        end, out);
     });
     written += query.rows;
   }
