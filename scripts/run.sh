@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One entry point for a fresh machine: sets everything up (idempotently), then runs a job.
 #
-#   bash scripts/run.sh bench [ARGS...]   the main job (benchmark; ARGS go to the benchmark)
+#   bash scripts/run.sh bench [ARGS...]   the main job: the TabICLv2 benchmark driver (ARGS go to it)
 #   bash scripts/run.sh test  [ARGS...]   every test: pytest (ARGS go to pytest) + ctest
 #   bash scripts/run.sh setup             set-up only
 #
@@ -92,6 +92,6 @@ shift || true
 case "$job" in
   setup) setup ;;
   test) setup; run_tests "$@" ;;
-  bench) setup; "$PY" benchmarks/string_lookup.py --quick "$@" ;;
+  bench) setup; "$PY" benchmarks/benchmark_tabiclv2.py "$@" ;;
   *) echo "usage: bash scripts/run.sh {bench|test|setup} [ARGS...]" >&2; exit 2 ;;
 esac
