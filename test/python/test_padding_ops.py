@@ -252,9 +252,10 @@ def test_qassmax_scale_per_batch_counts_and_leading_axes(device):
             q, torch.tensor(counts, device=device), module.base_mlp, module.query_mlp
         )
         # Entry b against the reference with n = counts[b]. The per-batch base MLP is one GEMM
-        # over all counts (the reference's has one row), so allow a few ulp of summation order.
+        # over all counts (the reference's has one row): BLAS may sum in another order (seen:
+        # 4.5e-6 on the H200 machine's CPU with these deliberately large random weights).
         for b, count in enumerate(counts):
-            torch.testing.assert_close(got[b], module(q, count)[b], atol=1e-6, rtol=4e-6)
+            torch.testing.assert_close(got[b], module(q, count)[b], atol=1e-5, rtol=1e-5)
         # Extra leading axes (the column stage's [tables, columns, heads, L, D]) with one count.
         q5 = torch.randn(2, 3, 4, 5, 16, device=device)
         torch.testing.assert_close(
