@@ -12,6 +12,7 @@ from .strings import StringColumn, StringIndex
 from .tables import CategoricalColumn, Table, mark_dynamic
 from .align import AlignCategories, CategoryTypeError
 from .encoding import TabICLEncoder, encode_categoricals
+from .buckets import Bucket, BucketGrid
 
 __version__ = "0.1.0"
 
@@ -41,6 +42,8 @@ __all__ = [
     "CategoryTypeError",
     "TabICLEncoder",
     "encode_categoricals",
+    "Bucket",
+    "BucketGrid",
     "ops",
     *_LAZY,
 ]
