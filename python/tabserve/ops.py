@@ -28,6 +28,27 @@ def table_capacity(rows: int) -> int:
     return capacity
 
 
+def _same_device(op: str, **tensors) -> None:
+    """Refuses tensor arguments on different devices, as the real kernels do.
+
+    Tensors of a real device mixed with meta tensors dispatch to the fake kernel itself (Meta
+    outranks CPU and CUDA), which without this check would return uninitialised real memory.
+    Lists (Tensor[]) and None entries are accepted.
+    """
+    named = []
+    for name, value in tensors.items():
+        if isinstance(value, (list, tuple)):
+            named += [(f"{name}[{i}]", t) for i, t in enumerate(value) if isinstance(t, Tensor)]
+        elif isinstance(value, Tensor):
+            named.append((name, value))
+    first, device = named[0][0], named[0][1].device
+    for name, t in named[1:]:
+        if t.device != device:
+            raise RuntimeError(
+                f"tabserve::{op}: {name} is on {t.device} but {first} is on {device}"
+            )
+
+
 # ---------------------------------------------------------------------------------------------
 # String lookup (csrc/ops/string_lookup.cpp, csrc/ops/cuda/string_lookup.cu)
 
@@ -36,6 +57,13 @@ def table_capacity(rows: int) -> int:
 def _string_index_build_fake(
     vocabulary_data, vocabulary_offsets, vocabulary_valid, vocabulary_segments, hash_bits=64
 ):
+    _same_device(
+        "string_index_build",
+        vocabulary_data=vocabulary_data,
+        vocabulary_offsets=vocabulary_offsets,
+        vocabulary_valid=vocabulary_valid,
+        vocabulary_segments=vocabulary_segments,
+    )
     rows = vocabulary_offsets.shape[0] - 1
     if isinstance(rows, int):
         capacity = table_capacity(rows)
@@ -61,6 +89,17 @@ def _string_lookup_fake(
     hash_bits=64,
     check_offsets=True,
 ):
+    _same_device(
+        "string_lookup",
+        vocabulary_data=vocabulary_data,
+        vocabulary_offsets=vocabulary_offsets,
+        vocabulary_segments=vocabulary_segments,
+        slot_hash=slot_hash,
+        slot_row=slot_row,
+        query_data=query_data,
+        query_offsets=query_offsets,
+        query_valid=query_valid,
+    )
     return query_offsets.new_empty(query_offsets.shape[0] - 1, dtype=torch.int64)
 
 
@@ -77,6 +116,17 @@ def _string_lookup_multi_fake(
     hash_bits=64,
     check_offsets=True,
 ):
+    _same_device(
+        "string_lookup_multi",
+        vocabulary_data=vocabulary_data,
+        vocabulary_offsets=vocabulary_offsets,
+        vocabulary_segments=vocabulary_segments,
+        slot_hash=slot_hash,
+        slot_row=slot_row,
+        query_data=query_data,
+        query_offsets=query_offsets,
+        query_valid=query_valid,
+    )
     rows = sum(offsets.shape[0] - 1 for offsets in query_offsets)
     return vocabulary_offsets.new_empty(rows, dtype=torch.int64)
 
@@ -200,12 +250,14 @@ def _pad_labels_fake(y_train, train_bucket, fill=0.0):
 
 @torch.library.register_fake("tabserve::prefix_attention")
 def _prefix_attention_fake(q, k, v, n_keys, scale=None, backend="auto"):
+    _same_device("prefix_attention", q=q, k=k, v=v, n_keys=n_keys)
     batch, heads, queries, _ = q.shape
     return q.new_empty((batch, queries, heads, v.shape[-1])).transpose(1, 2)
 
 
 @torch.library.register_fake("tabserve::qassmax_scale")
 def _qassmax_scale_fake(q, n_keys, *weights):
+    _same_device("qassmax_scale", q=q, n_keys=n_keys, weights=weights)
     return torch.empty_like(q)
 
 
