@@ -9,13 +9,15 @@
 # test/fuzz/corpus is copied to build/fuzz/corpus, where the run adds what it finds, so the
 # repository only changes by hand. A crash leaves its input in build/fuzz/crash-*; turn it into a
 # regression by copying it to test/fuzz/regressions/<what-it-found> (ctest replays that folder).
-# Exit status: 0 when no crash was found, non-zero otherwise.
+# Exit status: 0 when no crash was found, 3 without a libFuzzer toolchain, other non-zero on a crash.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SECONDS_TO_RUN=${1:-60}
 CXX_FUZZ=${CXX_FUZZ:-$(command -v clang++ || true)}
-if [ -z "$CXX_FUZZ" ]; then
-  echo "[fuzz] clang++ not found: install clang and libclang-rt-dev (Debian) to fuzz" >&2
+# Exit status 3 means "cannot fuzz on this machine" (scripts/run.sh then skips with this message).
+probe='extern "C" int LLVMFuzzerTestOneInput(const unsigned char*, unsigned long) { return 0; }'
+if [ -z "$CXX_FUZZ" ] || ! echo "$probe" | "$CXX_FUZZ" -x c++ -fsanitize=fuzzer - -o /dev/null 2>/dev/null; then
+  echo "[fuzz] no clang++ with libFuzzer: apt-get install clang libclang-rt-dev (Debian) to fuzz" >&2
   exit 3
 fi
 OUT=build/fuzz

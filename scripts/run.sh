@@ -2,7 +2,8 @@
 # One entry point for a fresh machine: sets everything up (idempotently), then runs a job.
 #
 #   bash scripts/run.sh bench [ARGS...]   the main job: the TabICLv2 benchmark driver (ARGS go to it)
-#   bash scripts/run.sh test  [ARGS...]   every test: pytest (ARGS go to pytest) + ctest
+#   bash scripts/run.sh test  [ARGS...]   every test: pytest (ARGS go to pytest) + ctest + a bounded
+#                                         fuzz run + ctest under ASan/UBSan (TABSERVE_FUZZ_SECONDS=60)
 #   bash scripts/run.sh setup             set-up only
 #
 # Set-up: Debian packages when GoogleTest or CMake are missing; a Python with torch (the system
@@ -24,12 +25,23 @@ ensure_debian_packages() {
   [ -f /usr/include/gtest/gtest.h ] || missing+=(libgtest-dev)
   command -v cmake >/dev/null || missing+=(cmake)
   command -v ninja >/dev/null || missing+=(ninja-build)
-  [ ${#missing[@]} -eq 0 ] && return 0
+  # Optional: clang with libFuzzer for the fuzz run (skipped with a message when it cannot install).
+  local optional=()
+  command -v clang++ >/dev/null && compgen -G '/usr/lib/llvm-*/lib/clang/*/lib/linux/libclang_rt.fuzzer-*.a' >/dev/null \
+    || optional+=(clang libclang-rt-dev)
+  [ ${#missing[@]} -eq 0 ] && [ ${#optional[@]} -eq 0 ] && return 0
   if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
-    log "installing Debian packages: ${missing[*]}"
-    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
+    log "installing Debian packages: ${missing[*]} ${optional[*]}"
+    apt-get update -qq || log "apt-get update failed (offline?)"
+    if [ ${#missing[@]} -gt 0 ]; then
+      DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
+    fi
+    if [ ${#optional[@]} -gt 0 ]; then
+      DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${optional[@]}" >/dev/null \
+        || log "could not install ${optional[*]}: the fuzz run will be skipped"
+    fi
   else
-    log "missing ${missing[*]} and cannot apt-get: C++ tests may not build"
+    log "missing ${missing[*]} ${optional[*]} and cannot apt-get: C++ tests may not build, fuzzing skips"
   fi
 }
 
@@ -85,6 +97,28 @@ run_tests() {
   cmake -S . -B build/cmake -G Ninja -DPython3_EXECUTABLE="$PY" >/dev/null
   cmake --build build/cmake >/dev/null
   ctest --test-dir build/cmake --output-on-failure
+  run_reliability
+}
+
+# Bounded fuzz run and the ASan + UBSan GoogleTest suites (docs/reliability.md); about 3 minutes
+# on a 2-core machine. Each skips with a message when its toolchain is missing (exit status 3).
+run_reliability() {
+  local status
+  log "fuzz: string core, ${TABSERVE_FUZZ_SECONDS:-60} s"
+  mkdir -p build
+  status=0; bash scripts/fuzz.sh "${TABSERVE_FUZZ_SECONDS:-60}" >build/fuzz.log 2>&1 || status=$?
+  case $status in
+    0) tail -n 6 build/fuzz.log | sed 's/^/  /' >&2 ;;
+    3) log "skipping the fuzz run: $(tail -n 1 build/fuzz.log)" ;;
+    *) cat build/fuzz.log >&2; log "fuzzing found a crash (input in build/fuzz/)"; return "$status" ;;
+  esac
+  log "sanitizers: ctest under ASan + UBSan"
+  status=0; PYTHON="$PY" bash scripts/sanitize.sh || status=$?
+  case $status in
+    0) ;;
+    3) log "skipping the sanitizer run: no ASan/UBSan runtime for the C++ compiler" ;;
+    *) return "$status" ;;
+  esac
 }
 
 job=${1:-}
