@@ -8,6 +8,7 @@ AMP / FlashAttention-3), and preprocessing transforms run as tensor maths on ``d
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -34,6 +35,23 @@ def _resolve_device(device) -> torch.device:
     if device is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(device)
+
+
+def _atomic_fit(fit):
+    """A fit that raises leaves the estimator as it was: a fitted one keeps its classes, model
+    and plan (fit only rebinds attributes, so a shallow copy of ``__dict__`` restores them)."""
+
+    @functools.wraps(fit)
+    def wrapper(self, X, y):
+        before = dict(self.__dict__)
+        try:
+            return fit(self, X, y)
+        except BaseException:
+            self.__dict__.clear()
+            self.__dict__.update(before)
+            raise
+
+    return wrapper
 
 
 def _num_rows(X) -> int:
@@ -214,6 +232,7 @@ class TabICLClassifier(ClassifierMixin, _TabICLBase):
         self.device = device
         self.random_state = random_state
 
+    @_atomic_fit
     def fit(self, X, y) -> TabICLClassifier:
         """Fit preprocessing and the member plan (and the KV cache if ``kv_cache``).
 
@@ -317,6 +336,7 @@ class TabICLRegressor(RegressorMixin, _TabICLBase):
         self.device = device
         self.random_state = random_state
 
+    @_atomic_fit
     def fit(self, X, y) -> TabICLRegressor:
         """Standardise y, fit preprocessing / members (and the KV cache if ``kv_cache``)."""
         if y is None:
