@@ -77,10 +77,21 @@ build_extension() {
   local newest
   newest=$(find csrc setup.py pyproject.toml -type f -newer "$stamp" 2>/dev/null | head -n 1 || true)
   if [ -f "$stamp" ] && [ -z "$newest" ] && "$PY" -c 'import tabserve' 2>/dev/null; then return 0; fi
-  log "building the extension (TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST)"
+  use_system_compiler
+  log "building the extension (TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST, CXX=${CXX:-g++})"
   MAX_JOBS="${MAX_JOBS:-$(nproc)}" "$PY" -m pip install -q --no-build-isolation --no-deps -e . \
     || { log "extension build failed"; exit 1; }
   mkdir -p build && touch "$stamp"
+}
+
+# Prefer the system compiler when PATH puts another toolchain first: on the GPU machine the
+# default g++ is /opt/gcc, and an extension built with it crashes (SIGSEGV) whenever a C++ error
+# (TORCH_CHECK) is thrown, while /usr/bin/g++ builds one that raises RuntimeError as it should.
+use_system_compiler() {
+  [ -n "${CXX:-}" ] && return 0
+  if [ -x /usr/bin/g++ ] && [ "$(command -v g++)" != /usr/bin/g++ ]; then
+    export CC=/usr/bin/gcc CXX=/usr/bin/g++
+  fi
 }
 
 setup() {

@@ -258,14 +258,16 @@ class AlignCategories(nn.Module):
         )
         # One trailing -1 that null, out-of-range and empty-vocabulary rows all point at.
         lookup_table = torch.cat([looked_up, looked_up.new_full((1,), -1)])
-        sizes = torch.tensor(
-            [len(column.categories) for column in columns], dtype=torch.int64, device=like.device
-        )
-        starts = torch.cumsum(sizes, 0) - sizes
-        codes = torch.stack([column.codes.to(torch.int64) for column in columns], dim=1)
-        inside = (codes >= 0) & (codes < sizes)
-        index = torch.where(inside, codes + starts, looked_up.shape[0])
-        return lookup_table[index]
+        # Each column's block starts where the previous one's categories end. Sizes stay symbolic
+        # scalars (no torch.tensor of sizes: on CUDA that is a host-to-device copy per call);
+        # the per-column expressions unroll at trace time and fuse into one kernel.
+        index, start = [], 0
+        for column in columns:
+            codes, size = column.codes.to(torch.int64), len(column.categories)
+            inside = (codes >= 0) & (codes < size)
+            index.append(torch.where(inside, codes + start, looked_up.shape[0]))
+            start = start + size
+        return lookup_table[torch.stack(index, dim=1)]
 
     def transform(self, table: Table) -> Tensor:
         """Same as calling the module."""

@@ -5,7 +5,8 @@ For a pandas DataFrame, tabicl 2.2.0 (``tabicl/_sklearn/preprocessing.py``) buil
 "category", "boolean"])`` selects go through ``OrdinalEncoder(dtype=int64,
 handle_unknown="use_encoded_value", unknown_value=-1, encoded_missing_value=-1)``, then the
 ``dtype_include="number"`` columns through ``SimpleImputer(keep_empty_features=True)`` (mean);
-other columns (datetime, numpy ``bool``) are dropped. The output is float64 [rows, n_cat + n_num],
+other columns (datetime; numpy ``bool`` under pandas 3.1, which pandas 3.0 selects as categorical)
+are dropped. The output is float64 [rows, n_cat + n_num],
 categorical columns first.
 
 What scikit-learn really does there, and :class:`TabICLEncoder` reproduces:

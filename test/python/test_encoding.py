@@ -58,8 +58,9 @@ def test_matches_tabicl_transform_to_numerical(seed):
     train, test = tabicl_frame(80, seed), tabicl_frame(50, seed + 100, unseen=True)
     expected = reference(train, [train, test])
     encoder = TabICLEncoder().fit(train)
+    # Which columns are categorical follows pandas' select_dtypes, as in the reference: a numpy
+    # bool column is dropped under pandas 3.1 and selected under 3.0 (seen on the H200 machine).
     assert encoder.categorical_names == tabicl_columns(train)[0]
-    assert "flag" not in encoder.categorical_names + encoder.numerical_names
     for frame, want in zip((train, test), expected):
         got = encoder.transform(frame)
         assert got.dtype == torch.float64 and got.shape == want.shape
