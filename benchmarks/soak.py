@@ -1,0 +1,246 @@
+"""Soak benchmark: many predictions from one loaded TabICLv2, watching latency and memory drift.
+
+Serves ``--predictions`` predictions (default 10,000; ``--quick``: 300), each on a fresh random
+table (fresh values, labels and a shape drawn from a few serving sizes), from one model loaded
+once. Every window of predictions reports its median / p90 latency, the process's resident set
+size and, on CUDA, allocated / reserved memory. After the warm-up windows nothing should grow:
+the verdict compares the last window with the first one after warm-up.
+
+Then a concurrency check: two host threads predicting the same tables (on CUDA each on its own
+stream) must give exactly the single-threaded results.
+
+    python benchmarks/soak.py --quick                    # CPU: about a minute on 2 cores
+    python benchmarks/soak.py --device cuda --size full  # H200: 10,000 full-size predictions
+
+Without ``--checkpoint`` a safetensors checkpoint of a classifier with seeded random weights is written
+to a temporary folder (``--size tiny`` by default on CPU, the released architecture with ``full``):
+latency and memory do not depend on the weights' values. Results: a table per window, a verdict,
+and JSON (``--json``, default benchmarks/results/soak-<device>.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import MiB, _malloc_trim, _rss_bytes, print_table, write_json
+from tabserve.bench.timing import percentile, time_once
+from tabserve.models.tabicl import TabICLv2, TabICLv2Config
+
+#: Architecture overrides of the small model (tabicl's constructor names); {} = released v2.
+SIZES = {
+    "tiny": {
+        "embed_dim": 32,
+        "col_num_inds": 16,
+        "col_num_blocks": 2,
+        "row_num_blocks": 2,
+        "icl_num_blocks": 2,
+    },
+    "full": {},
+}
+#: Table shapes a server sees (train rows, test rows, features); each prediction draws one.
+SHAPES = {
+    "tiny": [(32, 8, 4), (64, 16, 8), (128, 32, 6), (200, 50, 10)],
+    "full": [(256, 64, 16), (1024, 256, 32), (2048, 512, 64), (4096, 1024, 100)],
+}
+#: Growth after warm-up that still counts as "none": allocator noise, not a leak.
+RSS_TOLERANCE = 32 * MiB
+LATENCY_DRIFT_TOLERANCE = 0.25
+
+
+def write_checkpoint(size: str, folder: Path) -> Path:
+    """A tabserve safetensors checkpoint of a classifier with seeded random weights."""
+    torch.manual_seed(0)
+    model = TabICLv2(TabICLv2Config(**SIZES[size]))  # weights start uninitialised
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if not name.endswith("rope.freqs"):  # the RoPE frequencies are set by the constructor
+                p.normal_(0, 0.05)
+    return model.save_safetensors(folder / f"tabiclv2-clf-{size}.safetensors")
+
+
+def random_table(generator: torch.Generator, shape, device) -> tuple:
+    """A fresh table ``X (1, N + M, H)`` and labels ``y (1, N)`` of 2 to 5 classes."""
+    n_train, n_test, features = shape
+    classes = int(torch.randint(2, 6, (1,), generator=generator))
+    X = torch.randn(1, n_train + n_test, features, generator=generator)
+    y = (torch.randperm(n_train, generator=generator) % classes).float()[None]
+    return X.to(device), y.to(device)
+
+
+def memory_now(device: torch.device) -> dict:
+    _malloc_trim()
+    row = {"rss_mib": _rss_bytes() / MiB}
+    if device.type == "cuda":
+        row["allocated_mib"] = torch.cuda.memory_allocated(device) / MiB
+        row["reserved_mib"] = torch.cuda.memory_reserved(device) / MiB
+    return row
+
+
+def soak(model, device, size: str, predictions: int, window: int, seed: int) -> list:
+    """Per-window latency and memory rows over ``predictions`` fresh tables."""
+    generator = torch.Generator().manual_seed(seed)
+    shapes = SHAPES[size]
+    rows, latencies = [], []
+    for i in range(predictions):
+        shape = shapes[int(torch.randint(len(shapes), (1,), generator=generator))]
+        X, y = random_table(generator, shape, device)
+        ms, out = time_once(lambda X=X, y=y: model(X, y), device)
+        assert out.shape[:2] == (1, shape[1]) and bool(torch.isfinite(out).all())
+        latencies.append(ms)
+        if (i + 1) % window == 0 or i + 1 == predictions:
+            rows.append(
+                {
+                    "predictions": i + 1,
+                    "median_ms": statistics.median(latencies),
+                    "p90_ms": percentile(latencies, 90),
+                    **memory_now(device),
+                }
+            )
+            print("  ".join(f"{k} {v:.1f}" for k, v in rows[-1].items()), flush=True)
+            latencies = []
+    return rows
+
+
+def verdict(rows: list, warmup_windows: int) -> dict:
+    """Growth of the last window over the first one after warm-up."""
+    first, last = rows[min(warmup_windows, len(rows) - 1)], rows[-1]
+    result = {
+        "after_warmup_predictions": first["predictions"],
+        "latency_drift": last["median_ms"] / first["median_ms"] - 1,
+        "rss_growth_mib": last["rss_mib"] - first["rss_mib"],
+        "rss_peak_growth_mib": max(r["rss_mib"] for r in rows[warmup_windows:]) - first["rss_mib"],
+    }
+    for key in ("allocated_mib", "reserved_mib"):
+        if key in last:
+            result[key.replace("_mib", "_growth_mib")] = last[key] - first[key]
+    grows = (
+        result["rss_growth_mib"] * MiB > RSS_TOLERANCE or result.get("allocated_growth_mib", 0) > 0
+    )
+    slows = result["latency_drift"] > LATENCY_DRIFT_TOLERANCE
+    result["ok"] = not grows and not slows
+    result["summary"] = (
+        "memory grows after warm-up" if grows else "no memory growth after warm-up"
+    ) + ("; latency drifts up" if slows else "; latency steady")
+    return result
+
+
+def concurrency_check(model, device, size: str, tables: int, seed: int) -> dict:
+    """Two host threads (CUDA: one stream each) against one thread on the same tables."""
+    generator = torch.Generator().manual_seed(seed + 1)
+    inputs = [random_table(generator, SHAPES[size][i % 2], device) for i in range(tables)]
+    expected = [model(X, y) for X, y in inputs]
+    results: dict = {}
+
+    def serve(worker: int) -> None:
+        stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        context = torch.cuda.stream(stream) if stream is not None else _nothing()
+        with context:
+            results[worker] = [model(X, y) for X, y in inputs[worker::2]]
+        if stream is not None:
+            stream.synchronize()
+
+    threads = [threading.Thread(target=serve, args=(w,)) for w in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    got = [None] * tables
+    for worker in (0, 1):
+        got[worker::2] = results[worker]
+    diffs = [float((a - b).abs().max()) for a, b in zip(got, expected)]
+    return {
+        "tables": tables,
+        "mode": "2 threads, one CUDA stream each" if device.type == "cuda" else "2 threads (CPU)",
+        "identical": all(torch.equal(a, b) for a, b in zip(got, expected)),
+        "max_abs_diff": max(diffs),
+    }
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--predictions", type=int, default=10_000)
+    parser.add_argument("--quick", action="store_true", help="300 predictions")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument(
+        "--size", choices=sorted(SIZES), default=None, help="tiny on CPU, full on CUDA"
+    )
+    parser.add_argument("--checkpoint", type=Path, help="a TabICLv2 classifier .ckpt/.safetensors")
+    parser.add_argument("--windows", type=int, default=20, help="report rows over the run")
+    parser.add_argument("--warmup-windows", type=int, default=2)
+    parser.add_argument("--concurrency-tables", type=int, default=16)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    size = args.size or ("full" if device.type == "cuda" else "tiny")
+    predictions = 300 if args.quick else args.predictions
+    window = max(1, predictions // args.windows)
+
+    with tempfile.TemporaryDirectory() as folder:
+        path = args.checkpoint or write_checkpoint(size, Path(folder))
+        model = TabICLv2.from_checkpoint(path, device=device)
+    start = memory_now(device)
+    rows = soak(model, device, size, predictions, window, args.seed)
+    result = verdict(rows, args.warmup_windows)
+    concurrency = concurrency_check(model, device, size, args.concurrency_tables, args.seed)
+
+    print_table(
+        f"soak: {predictions} predictions, TabICLv2 {size} on {device} "
+        f"(torch threads {torch.get_num_threads()})",
+        list(rows[0]),
+        [[f"{v:.2f}" if isinstance(v, float) else v for v in r.values()] for r in rows],
+    )
+    print(f"memory before the first prediction: {start}")
+    print(
+        f"after warm-up ({result['after_warmup_predictions']} predictions): latency drift "
+        f"{result['latency_drift']:+.1%}, RSS growth {result['rss_growth_mib']:+.1f} MiB "
+        f"(peak {result['rss_peak_growth_mib']:+.1f})"
+        + "".join(
+            f", {k.split('_')[0]} {result[k]:+.1f} MiB"
+            for k in ("allocated_growth_mib", "reserved_growth_mib")
+            if k in result
+        )
+    )
+    print(f"verdict: {result['summary']}")
+    print(
+        f"concurrency ({concurrency['mode']}, {concurrency['tables']} tables): "
+        + ("identical to one thread" if concurrency["identical"] else "DIFFERS")
+        + f" (max |diff| {concurrency['max_abs_diff']:.3g})"
+    )
+    out = args.json or Path(__file__).parent / "results" / f"soak-{device.type}.json"
+    write_json(
+        out,
+        {
+            "benchmark": "soak",
+            "size": size,
+            "device": str(device),
+            "predictions": predictions,
+            "window": window,
+            "windows": rows,
+            "memory_at_start": start,
+            "verdict": result,
+            "concurrency": concurrency,
+        },
+    )
+    print(f"wrote {out}")
+    return 0 if result["ok"] and concurrency["identical"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
