@@ -61,25 +61,54 @@ TABSERVE_HOST_DEVICE int64_t word_count(int64_t length) {
 }
 
 // Word k of a label, zero-padded, read without touching bytes outside the label (host path,
-// little-endian hosts only). A whole word is one fixed-size load; a partial one is assembled
-// byte by byte, which is cheaper than a variable-length memcpy call.
+// little-endian hosts only). A whole word is one fixed-size load. A partial word of n bytes is
+// built from two overlapping 4-byte loads (n >= 4) or three byte loads (n < 4) that together
+// cover every byte; overlapping bytes hold equal values, so OR-ing them is exact. A word past the
+// end is 0.
 inline uint64_t load_word_host(const uint8_t* label, int64_t length, int64_t k) {
   const int64_t first = k * kWordBytes;
-  uint64_t w = 0;
-  if (length - first >= kWordBytes) {
-    std::memcpy(&w, label + first, kWordBytes);
+  const int64_t n = length - first;
+  const uint8_t* p = label + first;
+  if (n >= kWordBytes) {
+    uint64_t w;
+    std::memcpy(&w, p, kWordBytes);
     return w;
   }
-  for (int64_t i = length - first - 1; i >= 0; --i) w = (w << 8) | label[first + i];
-  return w;
+  if (n >= 4) {
+    uint32_t low, high;
+    std::memcpy(&low, p, 4);
+    std::memcpy(&high, p + n - 4, 4);
+    return uint64_t{low} | (uint64_t{high} << (8 * (n - 4)));
+  }
+  if (n > 0) {
+    return uint64_t{p[0]} | (uint64_t{p[n / 2]} << (8 * (n / 2))) |
+           (uint64_t{p[n - 1]} << (8 * (n - 1)));
+  }
+  return 0;
 }
 
 // Hash of one label, sequentially (host path; the CUDA kernels split the same sum over lanes).
+// The loop keeps the position key as a running value (key_k = K1 * (2k + 1)) and stays scalar:
+// vectorised, 64-bit multiplies are emulated and cost more than they save on category labels.
+#if defined(__GNUC__) && !defined(__clang__)
+__attribute__((optimize("no-tree-vectorize")))
+#endif
 inline uint64_t hash_label_host(const uint8_t* label, int64_t length, int64_t column,
                                 int64_t hash_bits) {
+  if (length <= 2 * kWordBytes) {  // most category labels: two loads, no loop (absent words are 0)
+    const uint64_t sum = load_word_host(label, length, 0) * kWordKey +
+                         load_word_host(label, length, 1) * (3 * kWordKey);
+    return finish_hash(sum, length, column, hash_bits);
+  }
   uint64_t sum = 0;
-  const int64_t words = word_count(length);
-  for (int64_t k = 0; k < words; ++k) sum += word_term(load_word_host(label, length, k), k);
+  uint64_t key = kWordKey;
+  const int64_t whole = length / kWordBytes;
+  for (int64_t k = 0; k < whole; ++k, key += 2 * kWordKey) {
+    uint64_t w;
+    std::memcpy(&w, label + k * kWordBytes, kWordBytes);
+    sum += w * key;
+  }
+  if (whole * kWordBytes < length) sum += load_word_host(label, length, whole) * key;
   return finish_hash(sum, length, column, hash_bits);
 }
 

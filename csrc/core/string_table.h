@@ -141,19 +141,23 @@ inline void lookup_rows(const StringsView& vocabulary, const int64_t* segments,
   constexpr int64_t kGroup = 16;
   const uint64_t mask = static_cast<uint64_t>(capacity - 1);
   uint64_t hashes[kGroup];
+  const uint8_t* labels[kGroup];
+  int64_t lengths[kGroup];
   for (int64_t start = begin; start < end; start += kGroup) {
-    const int64_t stop = start + kGroup < end ? start + kGroup : end;
-    for (int64_t r = start; r < stop; ++r) {
-      const uint64_t h = hash_label_host(query.label(r), query.length(r), column, hash_bits);
-      hashes[r - start] = h;
-      __builtin_prefetch(slot_hash + (h & mask));
-      __builtin_prefetch(slot_row + (h & mask));
+    const int64_t count = start + kGroup < end ? kGroup : end - start;
+    for (int64_t i = 0; i < count; ++i) {
+      const int64_t first = query.begin(start + i);
+      labels[i] = query.data + first;
+      lengths[i] = query.end(start + i) - first;
+      hashes[i] = hash_label_host(labels[i], lengths[i], column, hash_bits);
+      __builtin_prefetch(slot_hash + (hashes[i] & mask));
+      __builtin_prefetch(slot_row + (hashes[i] & mask));
     }
-    for (int64_t r = start; r < stop; ++r) {
-      codes[r] = query.is_valid(r)
-                     ? lookup_hashed(vocabulary, segments, slot_hash, slot_row, capacity,
-                                     query.label(r), query.length(r), column, hashes[r - start])
-                     : -1;
+    for (int64_t i = 0; i < count; ++i) {
+      codes[start + i] = query.is_valid(start + i)
+                             ? lookup_hashed(vocabulary, segments, slot_hash, slot_row, capacity,
+                                             labels[i], lengths[i], column, hashes[i])
+                             : -1;
     }
   }
 }
