@@ -68,6 +68,9 @@ TABSERVE_HOST_DEVICE int64_t word_count(int64_t length) {
 inline uint64_t load_word_host(const uint8_t* label, int64_t length, int64_t k) {
   const int64_t first = k * kWordBytes;
   const int64_t n = length - first;
+  // First, so that `label + first` is only formed inside the label: past its end, and on the
+  // null data pointer of an empty column, that pointer arithmetic is undefined behaviour.
+  if (n <= 0) return 0;
   const uint8_t* p = label + first;
   if (n >= kWordBytes) {
     uint64_t w;
@@ -80,11 +83,8 @@ inline uint64_t load_word_host(const uint8_t* label, int64_t length, int64_t k) 
     std::memcpy(&high, p + n - 4, 4);
     return uint64_t{low} | (uint64_t{high} << (8 * (n - 4)));
   }
-  if (n > 0) {
-    return uint64_t{p[0]} | (uint64_t{p[n / 2]} << (8 * (n / 2))) |
-           (uint64_t{p[n - 1]} << (8 * (n - 1)));
-  }
-  return 0;
+  return uint64_t{p[0]} | (uint64_t{p[n / 2]} << (8 * (n / 2))) |
+         (uint64_t{p[n - 1]} << (8 * (n - 1)));
 }
 
 // Hash of one label, sequentially (host path; the CUDA kernels split the same sum over lanes).
