@@ -3,8 +3,9 @@
 Per table (``fit`` on train rows, ``transform`` on any rows), in the reference's order:
 
 1. :class:`TableEncoder`: categorical columns first (ordinal codes, sorted categories, unknown or
-   missing -> -1, see :func:`encode_categoricals`), then numeric columns with NaN -> train mean
-   (an all-NaN column -> 0). Other dtypes are dropped.
+   missing -> -1), then numeric columns with NaN -> train mean (an all-NaN column -> 0). Other
+   dtypes are dropped. DataFrames go through :class:`tabserve.TabICLEncoder` (AlignCategories on
+   the device: one string-lookup call for all categorical columns).
 2. :class:`ConstantFeatureFilter`: drop columns with a single distinct train value.
 3. Per normalisation method (:class:`MemberPreprocessor`): standard scaling (population std
    + 1e-6, clipped to +-100), optional Yeo-Johnson ("power", lambdas from scikit-learn's fit, the
@@ -28,10 +29,6 @@ import numpy as np
 import torch
 from torch import Tensor
 
-#: pandas dtypes treated as categorical (the rest of the numbers are numeric; others are dropped).
-CATEGORICAL_DTYPES = ("string", "object", "category", "boolean")
-#: Code given to categories unseen at fit and to missing values.
-UNKNOWN_CODE = -1
 #: Above this many features Latin squares are replaced by random permutations (reference rule).
 MAX_FEATURES_FOR_LATIN = 4000
 SHUFFLE_METHODS = ("none", "shift", "random", "latin")
@@ -39,38 +36,6 @@ NORM_METHODS = ("none", "power")
 
 _SCALE_EPS = 1e-6
 _CLIP = 100.0
-
-
-# ----------------------------------------------------------------------------- categorical seam
-def fit_categories(columns: Sequence[np.ndarray]) -> list[np.ndarray]:
-    """Sorted distinct non-missing values of each categorical column (the encoder's vocabulary)."""
-    import pandas as pd
-
-    return [np.unique(np.asarray(col, dtype=object)[~pd.isna(col)]) for col in columns]
-
-
-def encode_categoricals(
-    columns: Sequence[np.ndarray], categories: Sequence[np.ndarray]
-) -> np.ndarray:
-    """Ordinal codes ``(rows, len(columns))`` int64: index in the sorted ``categories`` of each
-    column, ``UNKNOWN_CODE`` for missing values and values unseen at fit.
-
-    This is the seam for the device ``AlignCategories`` operator: same contract (vocabulary ->
-    codes, unknown -> -1), different engine.
-    """
-    import pandas as pd
-
-    rows = len(columns[0]) if columns else 0
-    codes = np.full((rows, len(columns)), UNKNOWN_CODE, dtype=np.int64)
-    for j, (col, vocab) in enumerate(zip(columns, categories)):
-        values = np.asarray(col, dtype=object)
-        present = ~pd.isna(values)
-        if len(vocab) == 0 or not present.any():
-            continue
-        found = np.searchsorted(vocab, values[present]).clip(0, len(vocab) - 1)
-        hit = vocab[found] == values[present]
-        codes[np.flatnonzero(present)[hit], j] = found[hit]
-    return codes
 
 
 # ----------------------------------------------------------------------------- table encoder
@@ -83,11 +48,13 @@ class TableEncoder:
     def fit(self, X) -> TableEncoder:
         self.is_frame_ = hasattr(X, "columns")
         if self.is_frame_:
-            self.categorical_ = list(X.select_dtypes(include=list(CATEGORICAL_DTYPES)).columns)
-            self.numeric_ = list(X.select_dtypes(include="number").columns)
-            self.categories_ = fit_categories(
-                [X[c].to_numpy(dtype=object) for c in self.categorical_]
-            )
+            # DataFrames go through the device encoder (AlignCategories: one string-lookup call
+            # for all categorical columns), which reproduces tabicl's TransformToNumerical.
+            from tabserve.encoding import TabICLEncoder
+
+            self.frame_encoder_ = TabICLEncoder().fit(X)
+            self.categorical_ = list(self.frame_encoder_.categorical_names)
+            self.numeric_ = list(self.frame_encoder_.numerical_names)
         numeric = self._numeric(X)
         means = numeric.nanmean(dim=0)
         self.fill_ = torch.where(torch.isnan(means), torch.zeros_like(means), means)
@@ -113,15 +80,10 @@ class TableEncoder:
         return torch.from_numpy(values).to(self.device)
 
     def transform(self, X) -> Tensor:
-        numeric = self._numeric(X)
-        numeric = torch.where(torch.isnan(numeric), self.fill_, numeric)
-        if not self.is_frame_ or not self.categorical_:
-            return numeric
-        columns = [X[c].to_numpy(dtype=object) for c in self.categorical_]
-        codes = torch.from_numpy(encode_categoricals(columns, self.categories_)).to(
-            self.device, torch.float64
-        )
-        return torch.cat([codes, numeric], dim=1)
+        numeric = self._numeric(X)  # also rejects infinities with a clear message
+        if self.is_frame_:
+            return self.frame_encoder_.transform(X, device=self.device)
+        return torch.where(torch.isnan(numeric), self.fill_, numeric)
 
 
 class ConstantFeatureFilter:
@@ -319,9 +281,7 @@ __all__ = [
     "ConstantFeatureFilter",
     "MemberPreprocessor",
     "TableEncoder",
-    "encode_categoricals",
     "ensemble_plan",
-    "fit_categories",
     "shuffle_patterns",
     "yeo_johnson",
 ]
