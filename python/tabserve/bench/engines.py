@@ -15,7 +15,9 @@ from pathlib import Path
 
 import torch
 
-from .cells import ATTENTION_BACKENDS, Cell
+from tabserve.models.tabicl.recipes import autocast_dtype, precision_flags, sdpa_context
+
+from .cells import Cell
 from .workloads import Workload
 
 #: Methods of each stage module that run attention (wrapped for per-stage backends).
@@ -28,26 +30,7 @@ class UnsupportedRecipe(RuntimeError):
 
 
 def _sdpa_context(backend: str):
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    return sdpa_kernel([getattr(SDPBackend, ATTENTION_BACKENDS[backend])])
-
-
-@contextlib.contextmanager
-def precision_flags(precision: str):
-    """TF32 on for ``tf32`` cells, off (IEEE fp32) for all others; restored on exit."""
-    mode = "tf32" if precision == "tf32" else "ieee"
-    matmul, cudnn = torch.backends.cuda.matmul, torch.backends.cudnn
-    saved = (matmul.fp32_precision, cudnn.fp32_precision)
-    matmul.fp32_precision = cudnn.fp32_precision = mode
-    try:
-        yield
-    finally:
-        matmul.fp32_precision, cudnn.fp32_precision = saved
-
-
-def autocast_dtype(precision: str):
-    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+    return sdpa_context(backend)
 
 
 class Engine:

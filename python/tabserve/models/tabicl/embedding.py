@@ -34,12 +34,16 @@ class InducedSetBlock(nn.Module):
         self.multihead_attn1 = AttentionBlock(dim, num_heads, ff_dim, ln_bias, qassmax=True)
         self.multihead_attn2 = AttentionBlock(dim, num_heads, ff_dim, ln_bias)
 
-    def summary(self, cells: Tensor, n_train: int) -> KeyValue:
+    def summary(self, cells: Tensor, n_train: int, n_keys: Tensor | None = None) -> KeyValue:
         """K/V of the induced tokens for cells ``(..., T, E)``; depends on train cells only.
 
         Returns two tensors ``(..., heads, num_inds, head_dim)``: this is the column cache entry.
+        Padded serving: ``n_train`` is the train bucket and ``n_keys`` (0-d tensor) the real
+        train-row count, which the inducing points attend to and QASSMax scales by.
         """
-        hidden = self.multihead_attn1(self.ind_vectors, cells[..., :n_train, :])
+        hidden = self.multihead_attn1(
+            self.ind_vectors, cells[..., :n_train, :], n_keys=n_keys
+        )
         return self.multihead_attn2.key_value(hidden)
 
     def forward(self, cells: Tensor, summary: KeyValue) -> Tensor:
@@ -60,11 +64,13 @@ class SetTransformer(nn.Module):
             InducedSetBlock(dim, num_heads, ff_dim, num_inds, ln_bias) for _ in range(num_blocks)
         )
 
-    def forward(self, cells: Tensor, n_train: int) -> tuple[Tensor, list[KeyValue]]:
+    def forward(
+        self, cells: Tensor, n_train: int, n_keys: Tensor | None = None
+    ) -> tuple[Tensor, list[KeyValue]]:
         """Returns the embedded cells and the per-block K/V summaries (the column cache)."""
         summaries = []
         for block in self.blocks:
-            summary = block.summary(cells, n_train)
+            summary = block.summary(cells, n_train, n_keys)
             cells = block(cells, summary)
             summaries.append(summary)
         return cells, summaries
@@ -134,11 +140,16 @@ class ColumnEmbedding(nn.Module):
         self.tf_col = SetTransformer(num_blocks, dim, num_heads, ff_dim, num_inds, ln_bias)
         self.y_encoder = nn.Linear(max_classes if max_classes > 0 else 1, dim)
 
-    def cells(self, X: Tensor) -> Tensor:
-        """Group features and embed every cell: ``(B, T, H) -> (B, H, T, E)``."""
-        n_features = X.shape[-1]
+    def cells(self, X: Tensor, n_features: Tensor | None = None) -> Tensor:
+        """Group features and embed every cell: ``(B, T, H) -> (B, H, T, E)``.
+
+        ``n_features`` (padded serving, 0-d tensor): the real feature count. Groups take their
+        offsets modulo it, so real groups never read padded features and equal the unpadded
+        groups; the groups past it are padding (masked in the row stage).
+        """
         offsets = torch.tensor(GROUP_OFFSETS, device=X.device)
-        index = (torch.arange(n_features, device=X.device)[:, None] + offsets) % n_features
+        modulus = X.shape[-1] if n_features is None else n_features
+        index = (torch.arange(X.shape[-1], device=X.device)[:, None] + offsets) % modulus
         grouped = X.transpose(1, 2)[:, index]  # (B, H, 3, T)
         return sentinel_linear(self.in_linear, grouped.transpose(-1, -2))
 
@@ -152,33 +163,62 @@ class ColumnEmbedding(nn.Module):
             )
         return self.y_encoder(y.unsqueeze(-1))
 
-    def _with_labels(self, cells: Tensor, y: Tensor) -> Tensor:
+    def _with_labels(self, cells: Tensor, y: Tensor, n_real: Tensor | None = None) -> Tensor:
         n_train = y.shape[1]
         labelled = cells[:, :, :n_train] + self.label_embedding(y)[:, None]
+        if n_real is not None:
+            # Padded train rows keep their (sentinel) cells, so a column whose real cells are
+            # all sentinels is still skipped by the ISAB blocks, as without padding.
+            real = torch.arange(n_train, device=cells.device) < n_real
+            labelled = torch.where(real[:, None], labelled, cells[:, :, :n_train])
         return torch.cat([labelled, cells[:, :, n_train:]], dim=2)
 
-    def forward(self, X: Tensor, y_train: Tensor) -> Tensor:
-        """Embeddings ``(B, T, H, E)``; more than ``max_classes`` classes use mixed-radix digits."""
-        cells = self.cells(X)
-        n_train = y_train.shape[1]
-        num_classes = int(y_train.max().item()) + 1 if self.max_classes > 0 else 0
+    def forward(
+        self,
+        X: Tensor,
+        y_train: Tensor,
+        n_train: Tensor | None = None,
+        n_features: Tensor | None = None,
+        num_classes: int | None = None,
+    ) -> Tensor:
+        """Embeddings ``(B, T, H, E)``; more than ``max_classes`` classes use mixed-radix digits.
+
+        Padded serving: ``y_train`` covers the train bucket, ``n_train`` / ``n_features`` are
+        0-d tensors with the real counts and ``num_classes`` is passed in (reading it from the
+        labels would synchronise with the host).
+        """
+        cells = self.cells(X, n_features)
+        rows = y_train.shape[1]
+        if num_classes is None:
+            num_classes = int(y_train.max().item()) + 1 if self.max_classes > 0 else 0
         if num_classes <= self.max_classes:
-            out, _ = self.tf_col(self._with_labels(cells, y_train), n_train)
+            out, _ = self.tf_col(self._with_labels(cells, y_train, n_train), rows, n_train)
         else:
             bases = mixed_radix_bases(num_classes, self.max_classes)
             out = torch.zeros_like(cells)
             for digit in mixed_radix_digits(y_train, bases):
-                out = out + self.tf_col(self._with_labels(cells, digit), n_train)[0]
+                out = out + self.tf_col(self._with_labels(cells, digit, n_train), rows, n_train)[0]
             out = out / len(bases)
         return out.transpose(1, 2)
 
-    def build_cache(self, X_train: Tensor, y_train: Tensor) -> tuple[Tensor, list[KeyValue]]:
+    def build_cache(
+        self,
+        X_train: Tensor,
+        y_train: Tensor,
+        n_train: Tensor | None = None,
+        n_features: Tensor | None = None,
+    ) -> tuple[Tensor, list[KeyValue]]:
         """Train-only pass: train embeddings ``(B, N, H, E)`` and the column K/V cache."""
         out, summaries = self.tf_col(
-            self._with_labels(self.cells(X_train), y_train), y_train.shape[1]
+            self._with_labels(self.cells(X_train, n_features), y_train, n_train),
+            y_train.shape[1],
+            n_train,
         )
         return out.transpose(1, 2), summaries
 
-    def forward_cached(self, X_test: Tensor, summaries: Sequence[KeyValue]) -> Tensor:
+    def forward_cached(
+        self, X_test: Tensor, summaries: Sequence[KeyValue], n_features: Tensor | None = None
+    ) -> Tensor:
         """Test-only pass against the column cache: ``(B, M, H) -> (B, M, H, E)``."""
-        return self.tf_col.forward_cached(self.cells(X_test), summaries).transpose(1, 2)
+        cells = self.cells(X_test, n_features)
+        return self.tf_col.forward_cached(cells, summaries).transpose(1, 2)

@@ -2,8 +2,14 @@
 
 They reproduce the reference ``tabicl`` 2.2.0 wrappers (same parameter names and defaults where
 they mean the same thing, same preprocessing and ensembling, see :mod:`.preprocessing`) on top of
-our model. Differences: ``model_path`` is required (no download), inference is always fp32 (no
-AMP / FlashAttention-3), and preprocessing transforms run as tensor maths on ``device``.
+our model. Differences: ``model_path`` is required (no download), inference runs the serving
+``recipe`` (default: fp32 eager, the exact path; no FlashAttention-3), and preprocessing transforms
+run as tensor maths on ``device``.
+
+``recipe``: a name of :data:`.recipes.RECIPES` (``"fp16-buckets-compile"``, ...), a
+:class:`.recipes.Recipe`, or ``"auto"`` (what the benchmark driver measured fastest on this device
+for the closest workload; fp32 eager with a warning when nothing was measured). ``bucket_grid``:
+the :class:`tabserve.buckets.BucketGrid` of bucketed recipes (default grid when None).
 """
 
 from __future__ import annotations
@@ -19,6 +25,8 @@ from sklearn.utils.validation import check_is_fitted
 from torch import Tensor
 
 from .model import TabICLv2, TabICLv2Cache
+from .recipes import auto_recipe
+from .serving import serve
 from .preprocessing import (
     ConstantFeatureFilter,
     MemberPreprocessor,
@@ -96,7 +104,7 @@ class _TabICLBase(BaseEstimator):
                 f"X columns {names} differ from the columns seen at fit {list(fitted)}"
             )
 
-    def _load_model(self) -> TabICLv2:
+    def _load_model(self, n_train: int) -> TabICLv2:
         if self.model_path is None:
             raise ValueError(
                 "model_path is required: the path of a TabICLv2 .ckpt or tabserve .safetensors file"
@@ -107,7 +115,10 @@ class _TabICLBase(BaseEstimator):
             raise ValueError(
                 f"{self.model_path} is a {kind} checkpoint; {type(self).__name__} needs the other kind"
             )
-        return model
+        recipe = self.recipe
+        if isinstance(recipe, str) and recipe == "auto":
+            recipe = auto_recipe(self.device_, n_train, self.n_features_in_, bool(self.kv_cache))
+        return serve(model, recipe, self.bucket_grid)
 
     def _fit_members(self, X, y: Tensor, n_classes: int) -> None:
         if self.n_estimators < 1:
@@ -197,7 +208,8 @@ class TabICLClassifier(ClassifierMixin, _TabICLBase):
     ``["none", "power"]``), ``feat_shuffle_method="latin"``, ``class_shuffle_method="shift"``,
     ``outlier_threshold=4.0``, ``softmax_temperature=0.9``, ``average_logits=True``,
     ``support_many_classes=True``, ``batch_size=8`` (members per model call), ``kv_cache=False``,
-    ``model_path`` (required), ``device=None`` (CUDA if available), ``random_state=42``.
+    ``model_path`` (required), ``device=None`` (CUDA if available), ``random_state=42``;
+    tabserve's own: ``recipe=None`` (fp32 eager) and ``bucket_grid=None`` (module docstring).
     """
 
     _classification = True
@@ -217,6 +229,8 @@ class TabICLClassifier(ClassifierMixin, _TabICLBase):
         model_path: str | Path | None = None,
         device: str | torch.device | None = None,
         random_state: int | None = 42,
+        recipe=None,
+        bucket_grid=None,
     ):
         self.n_estimators = n_estimators
         self.norm_methods = norm_methods
@@ -231,6 +245,8 @@ class TabICLClassifier(ClassifierMixin, _TabICLBase):
         self.model_path = model_path
         self.device = device
         self.random_state = random_state
+        self.recipe = recipe
+        self.bucket_grid = bucket_grid
 
     @_atomic_fit
     def fit(self, X, y) -> TabICLClassifier:
@@ -259,7 +275,7 @@ class TabICLClassifier(ClassifierMixin, _TabICLBase):
             )
         self.n_classes_ = len(self.classes_)
         self.device_ = _resolve_device(self.device)
-        self.model_ = self._load_model()
+        self.model_ = self._load_model(_num_rows(X))
         max_classes = self.model_.config.max_classes
         if self.n_classes_ > max_classes and self.kv_cache:
             raise ValueError(
@@ -325,6 +341,8 @@ class TabICLRegressor(RegressorMixin, _TabICLBase):
         model_path: str | Path | None = None,
         device: str | torch.device | None = None,
         random_state: int | None = 42,
+        recipe=None,
+        bucket_grid=None,
     ):
         self.n_estimators = n_estimators
         self.norm_methods = norm_methods
@@ -335,6 +353,8 @@ class TabICLRegressor(RegressorMixin, _TabICLBase):
         self.model_path = model_path
         self.device = device
         self.random_state = random_state
+        self.recipe = recipe
+        self.bucket_grid = bucket_grid
 
     @_atomic_fit
     def fit(self, X, y) -> TabICLRegressor:
@@ -358,7 +378,7 @@ class TabICLRegressor(RegressorMixin, _TabICLBase):
         std = float(np.std(y, dtype=np.float64))
         self.y_scale_ = std if std >= 10 * np.finfo(np.float64).eps else 1.0
         self.device_ = _resolve_device(self.device)
-        self.model_ = self._load_model()
+        self.model_ = self._load_model(_num_rows(X))
         y_scaled = ((y - np.float32(self.y_mean_)) / np.float32(self.y_scale_)).astype(np.float32)
         self._fit_members(X, torch.as_tensor(y_scaled, dtype=torch.float64, device=self.device_), 0)
         return self

@@ -52,13 +52,17 @@ class RowInteraction(nn.Module):
         self.cls_tokens = nn.Parameter(torch.empty(num_cls, dim))
         self.out_ln = nn.LayerNorm(dim, bias=ln_bias)
 
-    def forward(self, embeddings: Tensor) -> Tensor:
+    def forward(self, embeddings: Tensor, n_features: Tensor | None = None) -> Tensor:
+        """``n_features`` (padded serving, 0-d tensor): the real column tokens; the tokens past
+        ``num_cls + n_features`` are feature padding and are masked out as keys. They sit after
+        every real token, so the real tokens keep their RoPE positions."""
         batch, rows = embeddings.shape[:2]
+        n_keys = None if n_features is None else n_features + self.num_cls
         cls = self.cls_tokens.to(embeddings.dtype).expand(batch, rows, *self.cls_tokens.shape)
         tokens = torch.cat([cls, embeddings], dim=2)
         rope = self.tf_row.rope
         *inner, last = self.tf_row.blocks
         for block in inner:
-            tokens = block(tokens, rope=rope)
-        cls_out = last(tokens[..., : self.num_cls, :], tokens, rope=rope)
+            tokens = block(tokens, rope=rope, n_keys=n_keys)
+        cls_out = last(tokens[..., : self.num_cls, :], tokens, rope=rope, n_keys=n_keys)
         return self.out_ln(cls_out).flatten(-2)

@@ -117,10 +117,20 @@ class Attention(nn.Module):
         return k, v
 
     def forward(
-        self, q: Tensor, kv: KeyValue | None = None, rope: RotaryEmbedding | None = None
+        self,
+        q: Tensor,
+        kv: KeyValue | None = None,
+        rope: RotaryEmbedding | None = None,
+        n_keys: Tensor | None = None,
     ) -> Tensor:
         """q: normalised query tokens ``(..., Lq, E)``; kv from ``project_kv`` (broadcastable),
-        or None for self-attention over ``q``."""
+        or None for self-attention over ``q``.
+
+        ``n_keys`` (padded serving): a 0-d integer tensor on q's device; only the first n keys
+        are real (the rest is bucket padding). Attention then runs over those n keys and QASSMax
+        uses ln n, through :func:`tabserve.ops.prefix_attention` / ``qassmax_scale``, so the
+        shapes stay the bucket's and n never reaches the host.
+        """
         dim = q.shape[-1]
         if kv is None:  # one packed projection, as the reference's self-attention does
             packed = F.linear(q, self.in_proj_weight, self.in_proj_bias).chunk(3, dim=-1)
@@ -136,14 +146,53 @@ class Attention(nn.Module):
             query = rope(query)
         if self.ssmax_layer is not None:
             # Before broadcasting: the scale depends only on the query and the number of keys.
-            query = self.ssmax_layer(query, k.shape[-2])
+            query = (
+                self.ssmax_layer(query, k.shape[-2])
+                if n_keys is None
+                else _padded_ops().qassmax_scale(
+                    query, n_keys, self.ssmax_layer.base_mlp, self.ssmax_layer.query_mlp
+                )
+            )
         batch_shape = torch.broadcast_shapes(query.shape[:-3], k.shape[:-3])
         query = query.expand(*batch_shape, *query.shape[-3:]).reshape(-1, *query.shape[-3:])
         k = k.expand(*batch_shape, *k.shape[-3:]).reshape(-1, *k.shape[-3:])
         v = v.expand(*batch_shape, *v.shape[-3:]).reshape(-1, *v.shape[-3:])
-        out = F.scaled_dot_product_attention(query, k, v)
+        if n_keys is None:
+            out = F.scaled_dot_product_attention(query, k, v)
+        else:
+            out = prefix_sdpa(query, k, v, n_keys)
         out = out.view(*batch_shape, *out.shape[-3:]).transpose(-3, -2).flatten(-2)
         return self.out_proj(out)
+
+
+#: Batch limit of the fused CUDA prefix-attention kernels (grid dimension).
+_PREFIX_ATTENTION_MAX_BATCH = 65_535
+
+
+def _padded_ops():
+    # Imported lazily: the reference-parity path must not need the compiled extension.
+    from tabserve import ops
+
+    return ops
+
+
+def prefix_sdpa(q: Tensor, k: Tensor, v: Tensor, n_keys: Tensor) -> Tensor:
+    """SDPA of ``q (B, heads, Lq, D)`` over the first ``n_keys`` keys of ``k``/``v``.
+
+    :func:`tabserve.ops.prefix_attention`, in batch chunks that fit its CUDA grid limit (the row
+    stage's batch is tables x rows). Chunk bounds are shapes, not data: a compiled or captured
+    graph holds them fixed.
+    """
+    prefix_attention = _padded_ops().prefix_attention
+    if q.device.type != "cuda" or q.shape[0] <= _PREFIX_ATTENTION_MAX_BATCH:
+        return prefix_attention(q, k, v, n_keys)
+    step = _PREFIX_ATTENTION_MAX_BATCH
+    return torch.cat(
+        [
+            prefix_attention(q[i : i + step], k[i : i + step], v[i : i + step], n_keys)
+            for i in range(0, q.shape[0], step)
+        ]
+    )
 
 
 class AttentionBlock(nn.Module):
@@ -174,12 +223,14 @@ class AttentionBlock(nn.Module):
         kv_rows: int | None = None,
         rope: RotaryEmbedding | None = None,
         return_kv: bool = False,
+        n_keys: Tensor | None = None,
     ):
         """Attend from raw query tokens ``q (..., Lq, E)``.
 
         Keys/values come from ``cached_kv`` if given, else from ``kv`` (raw tokens), else from the
         first ``kv_rows`` tokens of ``q`` (all of them if None: self-attention). With
-        ``return_kv`` also returns the K/V pair used.
+        ``return_kv`` also returns the K/V pair used. ``n_keys``: padded keys, see
+        :meth:`Attention.forward`.
         """
         q_normed = self.norm1(q)
         if cached_kv is not None:
@@ -190,6 +241,6 @@ class AttentionBlock(nn.Module):
             keys_values = self.attn.project_kv(q_normed, rope) if return_kv else None
         else:
             keys_values = self.key_value(kv, rope)
-        x = q + self.attn(q_normed, keys_values, rope)
+        x = q + self.attn(q_normed, keys_values, rope, n_keys)
         x = x + self.linear2(F.gelu(self.linear1(self.norm2(x))))
         return (x, keys_values) if return_kv else x

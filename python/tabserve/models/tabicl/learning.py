@@ -87,30 +87,39 @@ class InContextLearner(nn.Module):
             )
         return self.y_encoder(y.unsqueeze(-1))
 
-    def build_cache(self, R_train: Tensor, y_train: Tensor) -> list[KeyValue]:
-        """K/V of the labelled train rows at every block: ``(B, heads, N, head_dim)`` pairs."""
+    def build_cache(
+        self, R_train: Tensor, y_train: Tensor, n_train: Tensor | None = None
+    ) -> list[KeyValue]:
+        """K/V of the labelled train rows at every block: ``(B, heads, N, head_dim)`` pairs.
+
+        Padded serving: ``n_train`` (0-d tensor) real rows of the ``N``-row train bucket are keys.
+        """
         x = R_train + self.label_embedding(y_train)
         blocks = self.tf_icl.blocks
         cache = []
         for i, block in enumerate(blocks):
             if i + 1 < len(blocks):
-                x, kv = block(x, kv_rows=x.shape[-2], return_kv=True)
+                x, kv = block(x, kv_rows=x.shape[-2], return_kv=True, n_keys=n_train)
             else:  # the last block's train outputs are never used
                 kv = block.key_value(x)
             cache.append(kv)
         return cache
 
-    def forward_cached(self, R_test: Tensor, cache: Sequence[KeyValue]) -> Tensor:
-        """Raw head outputs ``(B, M, out_dim)`` of test rows against the ICL cache."""
+    def forward_cached(
+        self, R_test: Tensor, cache: Sequence[KeyValue], n_train: Tensor | None = None
+    ) -> Tensor:
+        """Raw head outputs ``(B, M, out_dim)`` of test rows against the ICL cache (of which the
+        first ``n_train`` rows are real, when given)."""
         x = R_test
         for block, kv in zip(self.tf_icl.blocks, cache):
-            x = block(x, cached_kv=kv)
+            x = block(x, cached_kv=kv, n_keys=n_train)
         return self.decoder(self.ln(x))
 
-    def forward(self, R: Tensor, y_train: Tensor) -> Tensor:
+    def forward(self, R: Tensor, y_train: Tensor, n_train: Tensor | None = None) -> Tensor:
         """Raw head outputs ``(B, M, out_dim)`` for the test rows of ``R (B, N + M, D)``."""
-        n_train = y_train.shape[1]
-        return self.forward_cached(R[:, n_train:], self.build_cache(R[:, :n_train], y_train))
+        rows = y_train.shape[1]
+        cache = self.build_cache(R[:, :rows], y_train, n_train)
+        return self.forward_cached(R[:, rows:], cache, n_train)
 
     def _node_probs(
         self, R_train: Tensor, labels: Tensor, R_test: Tensor, num_labels: int

@@ -289,6 +289,58 @@ class TabICLv2(nn.Module):
         self._require_regressor()
         return quantile_stats(self(X, y_train), output_type, alphas)
 
+    # ------------------------------------------------------------------ padded (bucketed) core
+    # The serving layer (:mod:`.serving`) checks and pads tables and calls these; they take the
+    # real train-row and feature counts as 0-d device tensors so that one compiled or captured
+    # graph serves every table of a bucket. No checks, no host synchronisation in here.
+    def padded_representations(
+        self,
+        X: Tensor,
+        y_train: Tensor,
+        n_train: Tensor,
+        n_features: Tensor,
+        num_classes: int | None = None,
+    ) -> Tensor:
+        """Row representations ``(B, Nb + Mb, D)`` of a padded table.
+
+        ``X (B, Nb + Mb, Hb)``: train rows at ``[0, n_train)``, test rows from ``Nb``, features at
+        ``[0, n_features)``; ``y_train (B, Nb)`` with any valid label in the padded slots.
+        ``num_classes`` only matters past ``max_classes`` (mixed-radix column embedding).
+        """
+        if num_classes is None:
+            num_classes = self.config.max_classes
+        E = self.col_embedder(X, y_train, n_train, n_features, num_classes)
+        return self.row_interactor(E, n_features)
+
+    def padded_forward(
+        self, X: Tensor, y_train: Tensor, n_train: Tensor, n_features: Tensor
+    ) -> Tensor:
+        """Raw head outputs ``(B, Mb, out_dim)`` of the test block of a padded table (at most
+        ``max_classes`` classes; see :meth:`padded_representations` for the layout)."""
+        R = self.padded_representations(X, y_train, n_train, n_features)
+        return self.icl_predictor(R, y_train, n_train)
+
+    def padded_build_cache(
+        self, X_train: Tensor, y_train: Tensor, n_train: Tensor, n_features: Tensor
+    ) -> tuple[list[KeyValue], list[KeyValue]]:
+        """Column and ICL K/V of a padded train block ``(B, Nb, Hb)`` (padded keys included)."""
+        embeddings, col = self.col_embedder.build_cache(X_train, y_train, n_train, n_features)
+        R = self.row_interactor(embeddings, n_features)
+        return col, self.icl_predictor.build_cache(R, y_train, n_train)
+
+    def padded_forward_cached(
+        self,
+        X_test: Tensor,
+        col: Sequence[KeyValue],
+        icl: Sequence[KeyValue],
+        n_train: Tensor,
+        n_features: Tensor,
+    ) -> Tensor:
+        """Raw head outputs ``(B, Mb, out_dim)`` of padded test rows against a padded cache."""
+        embeddings = self.col_embedder.forward_cached(X_test, col, n_features)
+        R = self.row_interactor(embeddings, n_features)
+        return self.icl_predictor.forward_cached(R, icl, n_train)
+
     # ------------------------------------------------------------------ KV cache
     @torch.no_grad()
     def build_cache(self, X_train: Tensor, y_train: Tensor) -> TabICLv2Cache:

@@ -1,0 +1,291 @@
+"""Serving recipes as data: how a :class:`TabICLv2` runs (precision, attention, compile, buckets).
+
+A :class:`Recipe` is a named configuration; :data:`RECIPES` holds the named ones, the estimators
+take ``recipe=<name | Recipe | "auto">`` and :mod:`.serving` turns a recipe into callables.
+``recipe="auto"`` reads the promotions the benchmark driver (``python -m tabserve.bench``) wrote
+to ``benchmarks/results/recipes.json`` for this device and picks the route measured on the
+workload closest to the table; without a measurement it warns and serves :data:`DEFAULT_RECIPE`.
+
+Fields:
+    precision: ``fp32`` (TF32 off for matmul and cuDNN), ``tf32``, ``bf16`` / ``fp16`` autocast.
+    attention: ``{stage: backend}`` (stages ``col``, ``row``, ``icl``; backends ``math``,
+        ``flash``, ``efficient``, ``cudnn``), applied with ``torch.nn.attention.sdpa_kernel``
+        around each stage's SDPA calls. Padded (bucketed) attention goes through
+        :func:`tabserve.ops.prefix_attention`, which picks its own kernel; the choice then applies
+        to the unpadded calls only.
+    compile: ``none`` (eager), ``default`` / ``max-autotune-no-cudagraphs`` (whole model,
+        ``torch.compile(fullgraph=True)``; static per bucket with ``buckets``) or ``regional``
+        (every transformer block compiled on its own, one compiled code object reused by the
+        blocks; Dynamo's recompile limit raised to what the blocks times buckets need).
+    buckets: pad every table onto the smallest bucket of a :class:`tabserve.buckets.BucketGrid`
+        that holds it (padding changes no prediction), so compiled graphs are reused.
+    cuda_graphs: capture one CUDA graph per bucket (needs ``buckets``, CUDA only), all sharing
+        one memory pool; inputs are copied into the captured buffers before a replay.
+    compile_backend: the ``torch.compile`` backend (``inductor``; tests use ``aot_eager`` to
+        count recompiles without code generation).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+PRECISIONS = ("fp32", "tf32", "bf16", "fp16")
+#: ``torch.nn.attention.SDPBackend`` members by the names recipes use.
+ATTENTION_BACKENDS = {
+    "math": "MATH",
+    "flash": "FLASH_ATTENTION",
+    "efficient": "EFFICIENT_ATTENTION",
+    "cudnn": "CUDNN_ATTENTION",
+}
+#: The model's stages, in the order data flows through them (``stage -> submodule``).
+STAGES = {"col": "col_embedder", "row": "row_interactor", "icl": "icl_predictor"}
+COMPILE_MODES = ("none", "default", "max-autotune-no-cudagraphs", "regional")
+
+#: Where the benchmark driver writes its promotions (``TABSERVE_RECIPES`` overrides).
+RECIPES_PATH = Path(__file__).resolve().parents[4] / "benchmarks" / "results" / "recipes.json"
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """One serving configuration (see the module docstring for the fields)."""
+
+    name: str
+    precision: str = "fp32"
+    attention: dict = field(default_factory=dict)
+    compile: str = "none"
+    buckets: bool = False
+    cuda_graphs: bool = False
+    compile_backend: str = "inductor"
+    description: str = ""
+
+    def __post_init__(self):
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"recipe {self.name}: precision must be one of {PRECISIONS}")
+        if self.compile not in COMPILE_MODES:
+            raise ValueError(f"recipe {self.name}: compile must be one of {COMPILE_MODES}")
+        for stage, backend in self.attention.items():
+            if stage not in STAGES or backend not in ATTENTION_BACKENDS:
+                raise ValueError(f"recipe {self.name}: bad attention choice {stage}={backend}")
+        if self.cuda_graphs and not self.buckets:
+            raise ValueError(f"recipe {self.name}: CUDA graphs need buckets (fixed shapes)")
+
+    @property
+    def compiled(self) -> bool:
+        return self.compile != "none"
+
+    def replace(self, **changes) -> Recipe:
+        return dataclasses.replace(self, **changes)
+
+    def context(self, device: torch.device | str):
+        """Precision flags and autocast every model call of this recipe runs under."""
+        return precision_context(self.precision, torch.device(device).type)
+
+
+def autocast_dtype(precision: str):
+    """The autocast dtype of a precision (None: no autocast)."""
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+
+
+@contextlib.contextmanager
+def precision_flags(precision: str):
+    """TF32 on for ``tf32``, off (IEEE fp32) for every other precision; restored on exit."""
+    mode = "tf32" if precision == "tf32" else "ieee"
+    matmul, cudnn = torch.backends.cuda.matmul, torch.backends.cudnn
+    saved = (matmul.fp32_precision, cudnn.fp32_precision)
+    matmul.fp32_precision = cudnn.fp32_precision = mode
+    try:
+        yield
+    finally:
+        matmul.fp32_precision, cudnn.fp32_precision = saved
+
+
+@contextlib.contextmanager
+def precision_context(precision: str, device_type: str):
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(precision_flags(precision))
+        dtype = autocast_dtype(precision)
+        if dtype is not None:
+            stack.enter_context(torch.autocast(device_type, dtype=dtype))
+        yield
+
+
+def sdpa_context(backend: str):
+    """``sdpa_kernel`` restricted to one backend of :data:`ATTENTION_BACKENDS`."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([getattr(SDPBackend, ATTENTION_BACKENDS[backend])])
+
+
+def _recipe(name: str, description: str, **fields) -> tuple[str, Recipe]:
+    return name, Recipe(name, description=description, **fields)
+
+
+#: Named recipes. Precision variants x {eager, bucketed compile, regional, CUDA graphs}.
+RECIPES: dict[str, Recipe] = dict(
+    [
+        _recipe("fp32-eager", "eager, fp32 (TF32 off): the exact reference path"),
+        _recipe("tf32-eager", "eager, TF32 matmul and cuDNN", precision="tf32"),
+        _recipe("bf16-eager", "eager, bf16 autocast", precision="bf16"),
+        _recipe("fp16-eager", "eager, fp16 autocast", precision="fp16"),
+        _recipe(
+            "fp16-efficient-row",
+            "fp16, memory-efficient attention in the row stage (perf-anchors section 6)",
+            precision="fp16",
+            attention={"row": "efficient"},
+        ),
+        _recipe("fp32-buckets", "eager on padded buckets, fp32", buckets=True),
+        _recipe(
+            "fp32-buckets-compile",
+            "torch.compile(fullgraph) per bucket, fp32",
+            buckets=True,
+            compile="default",
+        ),
+        _recipe(
+            "fp16-buckets-compile",
+            "torch.compile(fullgraph) per bucket, fp16 autocast",
+            precision="fp16",
+            buckets=True,
+            compile="default",
+        ),
+        _recipe(
+            "fp16-buckets-max-autotune",
+            "torch.compile max-autotune-no-cudagraphs per bucket, fp16",
+            precision="fp16",
+            buckets=True,
+            compile="max-autotune-no-cudagraphs",
+        ),
+        _recipe(
+            "fp32-buckets-regional",
+            "regional (per-block) compile on buckets, fp32",
+            buckets=True,
+            compile="regional",
+        ),
+        _recipe(
+            "fp16-buckets-regional",
+            "regional (per-block) compile on buckets, fp16",
+            precision="fp16",
+            buckets=True,
+            compile="regional",
+        ),
+        _recipe(
+            "fp16-regional",
+            "regional (per-block) compile, unpadded, fp16",
+            precision="fp16",
+            compile="regional",
+        ),
+        _recipe(
+            "fp16-buckets-cudagraphs",
+            "one CUDA graph per bucket (shared pool), eager kernels, fp16 (CUDA only)",
+            precision="fp16",
+            buckets=True,
+            cuda_graphs=True,
+        ),
+        _recipe(
+            "fp32-buckets-cudagraphs",
+            "one CUDA graph per bucket (shared pool), fp32 (CUDA only)",
+            buckets=True,
+            cuda_graphs=True,
+        ),
+    ]
+)
+DEFAULT_RECIPE = "fp32-eager"
+
+
+def get_recipe(recipe: str | Recipe | dict | None) -> Recipe:
+    """A :class:`Recipe` from a name in :data:`RECIPES`, a Recipe, or a benchmark cell's recipe
+    dict (``Cell.recipe()``). ``None`` gives :data:`DEFAULT_RECIPE`. ``"auto"`` is resolved by
+    :func:`auto_recipe`, not here. Raises ValueError for unknown names or fields."""
+    if recipe is None:
+        return RECIPES[DEFAULT_RECIPE]
+    if isinstance(recipe, Recipe):
+        return recipe
+    if isinstance(recipe, dict):
+        return recipe_from_cell(recipe)
+    if recipe in RECIPES:
+        return RECIPES[recipe]
+    raise ValueError(f"unknown recipe {recipe!r}; known: auto, {', '.join(RECIPES)}")
+
+
+def recipe_from_cell(fields: dict, name: str | None = None) -> Recipe:
+    """The recipe of a benchmark cell's fields (``tabserve.bench.cells.Cell.recipe()``)."""
+    if fields.get("engine", "tabserve") != "tabserve":
+        raise ValueError("only tabserve cells describe a tabserve recipe")
+    if fields.get("dynamic"):
+        raise ValueError("dynamic-shape compile is a benchmark cell, not a serving recipe yet")
+    compile_mode = "regional" if fields.get("regional") else (fields.get("compile") or "none")
+    return Recipe(
+        name or fields.get("name", "measured"),
+        precision=fields.get("precision", "fp32"),
+        attention=dict(fields.get("attention") or {}),
+        compile=compile_mode,
+        buckets=bool(fields.get("buckets")),
+        cuda_graphs=bool(fields.get("cuda_graphs")),
+        description="promoted by the benchmark driver",
+    )
+
+
+def device_key(device: torch.device | str) -> str:
+    """The key the benchmark driver files a device under: the GPU name, or ``"cpu"``."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return "cpu"
+
+
+def auto_recipe(
+    device: torch.device | str,
+    n_train: int,
+    n_features: int,
+    kv_cache: bool = False,
+    path: Path | str | None = None,
+) -> Recipe:
+    """The recipe the benchmark driver promoted on this device for the closest workload.
+
+    Closest = smallest distance in log2 of train rows and features. Route ``kv_predict`` with a
+    KV cache, else ``one_shot``. No file, no entry for the device or an unusable entry: warns and
+    returns :data:`DEFAULT_RECIPE`.
+    """
+    path = Path(path or os.environ.get("TABSERVE_RECIPES", RECIPES_PATH))
+    key = device_key(device)
+    try:
+        workloads = json.loads(path.read_text())["devices"][key]["workloads"]
+    except (OSError, ValueError, KeyError, TypeError):
+        workloads = {}
+    route = "kv_predict" if kv_cache else "one_shot"
+    candidates = [
+        (entry["shape"], entry[route])
+        for entry in workloads.values()
+        if isinstance(entry, dict) and entry.get(route) and entry.get("shape")
+    ]
+    if not candidates:
+        warnings.warn(
+            f"recipe='auto': no {route} measurement for device {key!r} in {path}; serving "
+            f"{DEFAULT_RECIPE!r} (run python -m tabserve.bench on this machine to measure)",
+            stacklevel=3,
+        )
+        return RECIPES[DEFAULT_RECIPE]
+
+    def distance(shape: dict) -> float:
+        return abs(math.log2(shape["n_train"] / n_train)) + abs(
+            math.log2(shape["n_features"] / n_features)
+        )
+
+    shape, promoted = min(candidates, key=lambda c: distance(c[0]))
+    try:
+        return recipe_from_cell(promoted["recipe"], name=promoted.get("cell"))
+    except (KeyError, ValueError) as e:
+        warnings.warn(
+            f"recipe='auto': promoted entry {promoted.get('cell')!r} is unusable ({e}); serving "
+            f"{DEFAULT_RECIPE!r}",
+            stacklevel=3,
+        )
+        return RECIPES[DEFAULT_RECIPE]

@@ -1,0 +1,400 @@
+"""Serving a :class:`TabICLv2` with a recipe: padded buckets, compiled graphs, CUDA graphs.
+
+:class:`ServedTabICL` wraps a model and has its inference API (``__call__`` / ``forward``,
+``predict_stats``, ``build_cache``, ``forward_with_cache``, ``predict_stats_with_cache``), so the
+estimators use it in place of the model. With a bucketed recipe every table is padded onto the
+smallest bucket of a :class:`~tabserve.buckets.BucketGrid` that holds it:
+
+* train rows at ``[0, n_train)`` of a ``train_rows`` block, test rows in their own
+  ``test_rows`` block, features at ``[0, n_features)`` of ``features`` columns
+  (:func:`tabserve.ops.pad_to_bucket`, padded with the skip sentinel ``-100``);
+* the real train-row and feature counts travel as 0-d device tensors into
+  :meth:`TabICLv2.padded_forward` and friends: column-stage inducing points and ICL attend to the
+  real train rows only and QASSMax uses ln(real n) (:func:`tabserve.ops.prefix_attention`,
+  :func:`tabserve.ops.qassmax_scale`); feature groups take their +1/+2/+4 offsets modulo the real
+  feature count and the row stage masks padded feature tokens as keys;
+* padded test rows are dropped from the output.
+
+So one compiled graph (or CUDA graph) per bucket serves every table that fits it, and the
+predictions equal the unpadded ones (fp32 CPU: within 1e-6, ``test_padded_inference.py``).
+Tables past the grid run unpadded; test rows past the largest test bucket are split. More than
+``max_classes`` classes: the column and row stages run padded (eager), the class hierarchy runs
+eagerly on the real rows (its tree is data-dependent).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from tabserve.buckets import Bucket, BucketGrid
+
+from .layers import SKIP_VALUE, AttentionBlock
+from .learning import HIERARCHY_LOG_EPS
+from .model import TabICLv2, TabICLv2Cache
+from .quantiles import quantile_stats
+from .recipes import STAGES, Recipe, get_recipe, sdpa_context
+
+#: Compiled variants one transformer block needs per bucket under regional compile (attention
+#: with / without cached K/V, self-attention, CLS-only queries, ...), with margin.
+REGIONAL_VARIANTS_PER_BUCKET = 16
+#: CUDA graphs of KV-cached prediction kept per served model (each holds its cache alive).
+MAX_CACHED_GRAPHS = 32
+
+
+def raise_recompile_limit(entries: int) -> None:
+    """Lets every compiled code object hold at least ``entries`` graphs (Dynamo's per-frame
+    ``recompile_limit``, default 8, and the global ``accumulated_recompile_limit``); never lowers
+    them."""
+    config = torch._dynamo.config
+    config.recompile_limit = max(config.recompile_limit, entries)
+    config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, entries)
+
+
+@dataclass
+class PaddedCache(TabICLv2Cache):
+    """A KV cache built on a padded train block (:meth:`ServedTabICL.build_cache`).
+
+    ``col`` / ``icl`` have the bucket's shapes (``features`` columns, ``train_rows`` keys);
+    ``n_train`` / ``n_features`` are the real counts, ``n_train_t`` / ``n_features_t`` the same
+    as 0-d device tensors.
+    """
+
+    bucket: Bucket | None = None
+    n_train_t: Tensor | None = None
+    n_features_t: Tensor | None = None
+
+    def to(self, device=None, dtype=None) -> PaddedCache:
+        moved = super().to(device, dtype)
+        return dataclasses.replace(
+            moved, n_train_t=self.n_train_t.to(device), n_features_t=self.n_features_t.to(device)
+        )
+
+
+def _counts(device: torch.device, n_train: int, n_features: int) -> tuple[Tensor, Tensor]:
+    return (
+        torch.tensor(n_train, dtype=torch.int64, device=device),
+        torch.tensor(n_features, dtype=torch.int64, device=device),
+    )
+
+
+class _BucketGraph:
+    """One CUDA graph of ``fn`` at fixed input buffers; inputs are copied in before a replay.
+
+    Warmed up on a side stream (lazy initialisation must not be captured), captured into the
+    shared ``pool``. ``static`` inputs are used in place (not copied): the KV cache.
+    """
+
+    def __init__(self, fn, inputs: Sequence[Tensor], static: Sequence = (), pool=None):
+        self.inputs = [t.clone() for t in inputs]
+        self.static = static
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                fn(*self.inputs, *static)
+        torch.cuda.current_stream().wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=pool):
+            self.output = fn(*self.inputs, *static)
+
+    def __call__(self, *inputs: Tensor) -> Tensor:
+        for buffer, value in zip(self.inputs, inputs):
+            buffer.copy_(value)
+        self.graph.replay()
+        return self.output
+
+
+class ServedTabICL:
+    """A :class:`TabICLv2` served with a :class:`Recipe` (see the module docstring).
+
+    Args:
+        model: the network; regional compile compiles its blocks in place (give each served
+            instance its own model).
+        recipe: a name from :data:`recipes.RECIPES`, a :class:`Recipe` or a benchmark cell's
+            recipe dict; None = fp32 eager.
+        grid: the bucket grid of bucketed recipes (default ``BucketGrid()``).
+
+    Raises:
+        ValueError for a CUDA-graph recipe on a non-CUDA model, or an unknown recipe.
+    """
+
+    def __init__(self, model: TabICLv2, recipe=None, grid: BucketGrid | None = None):
+        self.model = model
+        self.recipe: Recipe = get_recipe(recipe)
+        self.grid = grid or BucketGrid()
+        self.device = model.icl_predictor.ln.weight.device
+        if self.recipe.cuda_graphs and self.device.type != "cuda":
+            raise ValueError(f"recipe {self.recipe.name} captures CUDA graphs; the model is on {self.device}")
+        self.captures = 0
+        self._graphs: dict = {}
+        self._cached_graphs: OrderedDict = OrderedDict()
+        self._pool = torch.cuda.graph_pool_handle() if self.recipe.cuda_graphs else None
+        self._pin_stage_attention()
+        self._forward, self._build_cache, self._forward_cached = self._core_callables()
+        self._unpadded_forward_cached = model.forward_with_cache
+
+    # ------------------------------------------------------------------ recipe -> callables
+    def _compile_options(self) -> dict:
+        mode = self.recipe.compile
+        return {
+            "fullgraph": True,
+            "dynamic": False if self.recipe.buckets else None,
+            "mode": None if mode in ("default", "regional") else mode,
+            "backend": self.recipe.compile_backend,
+        }
+
+    def _core_callables(self):
+        model, recipe = self.model, self.recipe
+        cores = (model.padded_forward, model.padded_build_cache, model.padded_forward_cached)
+        if recipe.compile == "regional":
+            buckets = len(self.grid.buckets()) if recipe.buckets else 8
+            raise_recompile_limit(REGIONAL_VARIANTS_PER_BUCKET * buckets)
+            for block in model.modules():
+                if isinstance(block, AttentionBlock):
+                    block.compile(**self._compile_options())
+        elif recipe.compiled:
+            if recipe.buckets:
+                raise_recompile_limit(len(self.grid.buckets()))
+                cores = tuple(torch.compile(fn, **self._compile_options()) for fn in cores)
+            else:
+                model.compile(**self._compile_options())
+        return cores
+
+    def _pin_stage_attention(self) -> None:
+        """Per-stage SDPA backends: each stage module runs under its ``sdpa_kernel``."""
+        for stage, backend in self.recipe.attention.items():
+            module = getattr(self.model, STAGES[stage])
+            for name in ("forward", "build_cache", "forward_cached", "hierarchical_probs"):
+                method = getattr(module, name, None)
+                if method is None:
+                    continue
+
+                @functools.wraps(method)
+                def pinned(*args, __method=method, __backend=backend, **kwargs):
+                    with sdpa_context(__backend):
+                        return __method(*args, **kwargs)
+
+                setattr(module, name, pinned)
+
+    def _run(self, key, fn, inputs: Sequence[Tensor], static: Sequence = ()):
+        """``fn(*inputs, *static)``, replayed from a per-``key`` CUDA graph with CUDA graphs."""
+        if not self.recipe.cuda_graphs:
+            return fn(*inputs, *static)
+        graphs = self._graphs if not static else self._cached_graphs
+        graph = graphs.get(key)
+        if graph is None:
+            graph = _BucketGraph(fn, inputs, static, self._pool)
+            graphs[key] = graph
+            self.captures += 1
+            if static and len(graphs) > MAX_CACHED_GRAPHS:
+                graphs.popitem(last=False)
+        elif static:
+            graphs.move_to_end(key)
+        return graph(*inputs)
+
+    # ------------------------------------------------------------------ model API
+    @property
+    def config(self):
+        return self.model.config
+
+    @property
+    def is_regressor(self) -> bool:
+        return self.model.is_regressor
+
+    def __getattr__(self, name):
+        # Everything else (state_dict, parameters, ...) is the model's.
+        if name == "model":
+            raise AttributeError(name)
+        return getattr(self.model, name)
+
+    def __call__(self, *args, **kwargs):
+        return self.forward(*args, **kwargs)
+
+    def _finish(self, raw: Tensor, num_classes: int, return_logits: bool, temperature: float):
+        if self.is_regressor:
+            return raw
+        logits = raw[..., :num_classes]
+        return logits if return_logits else torch.softmax(logits / temperature, dim=-1)
+
+    @torch.no_grad()
+    def forward(
+        self,
+        X: Tensor,
+        y_train: Tensor,
+        return_logits: bool = True,
+        softmax_temperature: float = 0.9,
+    ) -> Tensor:
+        """As :meth:`TabICLv2.forward` (same checks, same output), served with the recipe."""
+        model = self.model
+        if not self.recipe.buckets:
+            with self.recipe.context(self.device):
+                return model(X, y_train, return_logits, softmax_temperature)
+        X = model._check_table(X)
+        num_classes = model._check_labels(X, y_train)
+        y_train = y_train.to(X.dtype)
+        n_train, n_features = y_train.shape[1], X.shape[2]
+        n_test = X.shape[1] - n_train
+        chunks = self.grid.plan(n_train, n_test, n_features)
+        if chunks[0].bucket is None:  # past the grid: unpadded
+            with self.recipe.context(self.device):
+                return model(X, y_train, return_logits, softmax_temperature)
+        counts = _counts(X.device, n_train, n_features)
+        with self.recipe.context(self.device):
+            if num_classes > self.config.max_classes:
+                return self._many_classes(
+                    X, y_train, counts, chunks[0].bucket, num_classes, return_logits,
+                    softmax_temperature,
+                )
+            outputs = []
+            for chunk in chunks:
+                table = X if len(chunks) == 1 else _train_and_test(X, n_train, chunk)
+                padded, labels = self._pad(table, y_train, chunk.bucket)
+                raw = self._run(chunk.bucket, self._forward, (padded, labels, *counts))
+                outputs.append(raw[:, : chunk.stop - chunk.start])
+        return self._finish(torch.cat(outputs, 1), num_classes, return_logits, softmax_temperature)
+
+    def _pad(self, X: Tensor, y_train: Tensor, bucket: Bucket) -> tuple[Tensor, Tensor]:
+        from tabserve import ops
+
+        padded = ops.pad_to_bucket(
+            X, y_train.shape[1], bucket.train_rows, bucket.test_rows, bucket.features, SKIP_VALUE
+        )
+        return padded, ops.pad_labels(y_train, bucket.train_rows)
+
+    def _many_classes(self, X, y_train, counts, bucket, num_classes, return_logits, temperature):
+        """Padded column and row stages, then the class hierarchy on the real rows (eager)."""
+        n_train, n_test = y_train.shape[1], X.shape[1] - y_train.shape[1]
+        padded, labels = self._pad(X, y_train, bucket)
+        R = self.model.padded_representations(padded, labels, *counts, num_classes=num_classes)
+        R = torch.cat(
+            [R[:, :n_train], R[:, bucket.train_rows : bucket.train_rows + n_test]], dim=1
+        )
+        probs = self.model.icl_predictor.hierarchical_probs(R, y_train)
+        return temperature * torch.log(probs + HIERARCHY_LOG_EPS) if return_logits else probs
+
+    @torch.no_grad()
+    def predict_stats(self, X, y_train, output_type="mean", alphas=None):
+        """As :meth:`TabICLv2.predict_stats`."""
+        self.model._require_regressor()
+        return quantile_stats(self(X, y_train), output_type, alphas)
+
+    # ------------------------------------------------------------------ KV cache
+    @torch.no_grad()
+    def build_cache(self, X_train: Tensor, y_train: Tensor) -> TabICLv2Cache:
+        """As :meth:`TabICLv2.build_cache`; bucketed recipes return a :class:`PaddedCache` on the
+        train-row and feature buckets (a plain cache past the grid)."""
+        model = self.model
+        if not self.recipe.buckets:
+            with self.recipe.context(self.device):
+                return model.build_cache(X_train, y_train)
+        X_train = model._check_table(X_train, "X_train")
+        num_classes = model._check_labels(X_train, y_train)
+        n_train, n_features = X_train.shape[1], X_train.shape[2]
+        if y_train.shape[1] != n_train or num_classes > self.config.max_classes:
+            return model.build_cache(X_train, y_train)  # raises the model's error
+        bucket = self.grid.bucket_for(n_train, 0, n_features)
+        if bucket is None:  # past the grid: unpadded
+            with self.recipe.context(self.device):
+                return model.build_cache(X_train, y_train)
+        bucket = Bucket(bucket.train_rows, 0, bucket.features)
+        padded, labels = self._pad(X_train, y_train.to(X_train.dtype), bucket)
+        counts = _counts(X_train.device, n_train, n_features)
+        with self.recipe.context(self.device):
+            col, icl = self._run(("cache", bucket), self._build_cache, (padded, labels, *counts))
+            if self.recipe.cuda_graphs:  # the graph's output buffers are reused by the next replay
+                col = [(k.clone(), v.clone()) for k, v in col]
+                icl = [(k.clone(), v.clone()) for k, v in icl]
+        return PaddedCache(col, icl, n_train, n_features, num_classes, bucket, *counts)
+
+    @torch.no_grad()
+    def forward_with_cache(
+        self,
+        X_test: Tensor,
+        cache: TabICLv2Cache,
+        return_logits: bool = True,
+        softmax_temperature: float = 0.9,
+    ) -> Tensor:
+        """As :meth:`TabICLv2.forward_with_cache`, for plain and padded caches."""
+        model = self.model
+        if not isinstance(cache, PaddedCache):
+            with self.recipe.context(self.device):
+                return self._unpadded_forward_cached(
+                    X_test, cache, return_logits, softmax_temperature
+                )
+        X_test = model._check_table(X_test, "X_test")
+        if X_test.shape[0] != cache.batch_size or X_test.shape[2] != cache.n_features:
+            raise ValueError(
+                f"X_test {tuple(X_test.shape)} does not match the cache ({cache.batch_size} "
+                f"tables, {cache.n_features} features)"
+            )
+        bucket = cache.bucket
+        chunks = self.grid.plan(cache.n_train, X_test.shape[1], cache.n_features)
+        outputs = []
+        with self.recipe.context(self.device):
+            for chunk in chunks:
+                test_bucket = chunk.bucket.test_rows if chunk.bucket else X_test.shape[1]
+                key = (test_bucket, *_storage_key(cache))
+                table = _pad_test(X_test[:, chunk.start : chunk.stop], test_bucket, bucket.features)
+                raw = self._run(
+                    key,
+                    self._forward_cached,
+                    (table,),
+                    (cache.col, cache.icl, cache.n_train_t, cache.n_features_t),
+                )
+                outputs.append(raw[:, : chunk.stop - chunk.start])
+        return self._finish(
+            torch.cat(outputs, 1), cache.num_classes, return_logits, softmax_temperature
+        )
+
+    @torch.no_grad()
+    def predict_stats_with_cache(self, X_test, cache, output_type="mean", alphas=None):
+        """As :meth:`TabICLv2.predict_stats_with_cache`."""
+        self.model._require_regressor()
+        return quantile_stats(self.forward_with_cache(X_test, cache), output_type, alphas)
+
+    # ------------------------------------------------------------------ warm-up
+    @torch.no_grad()
+    def warm_up(self, buckets: Sequence[Bucket] | None = None, tables: int = 1) -> int:
+        """Runs (compiles / captures) each bucket once on random data with ``tables`` tables and
+        2 classes (0 targets for regression). Returns the number of buckets warmed."""
+        buckets = self.grid.buckets() if buckets is None else buckets
+        generator = torch.Generator().manual_seed(0)
+        for bucket in buckets:
+            rows = bucket.train_rows + bucket.test_rows
+            X = torch.randn(tables, rows, bucket.features, generator=generator)
+            y = torch.arange(bucket.train_rows).remainder(2).float().expand(tables, -1)
+            if self.is_regressor:
+                y = torch.randn(tables, bucket.train_rows, generator=generator)
+            self.forward(X.to(self.device), y.to(self.device))
+        return len(buckets)
+
+
+def _train_and_test(X: Tensor, n_train: int, chunk) -> Tensor:
+    return torch.cat([X[:, :n_train], X[:, n_train + chunk.start : n_train + chunk.stop]], dim=1)
+
+
+def _pad_test(X_test: Tensor, test_rows: int, features: int) -> Tensor:
+    from tabserve import ops
+
+    return ops.pad_to_bucket(X_test, 0, 0, test_rows, features, SKIP_VALUE)
+
+
+def _storage_key(cache: PaddedCache) -> tuple:
+    """Identifies the memory a cache lives in (a captured graph reads it in place)."""
+    tensors = [t for kv in cache.col + cache.icl for t in kv]
+    return tuple((t.data_ptr(), tuple(t.shape), t.stride()) for t in tensors)
+
+
+def serve(model: TabICLv2, recipe=None, grid: BucketGrid | None = None) -> TabICLv2 | ServedTabICL:
+    """``model`` itself for the plain fp32 eager recipe, else a :class:`ServedTabICL`."""
+    resolved = get_recipe(recipe)
+    if resolved == get_recipe(None):
+        return model
+    return ServedTabICL(model, resolved, grid)

@@ -1,0 +1,245 @@
+"""Padded (bucketed) TabICLv2 inference equals unpadded inference (CPU, fp32).
+
+``ServedTabICL`` with a bucketed recipe pads every table onto its bucket (train rows, test rows
+and features separately) and passes the real counts as device tensors; predictions must equal the
+plain model's within 1e-6 absolute with the same argmax, one-shot and KV-cached, for classifiers
+(incl. more than 10 classes) and the regressor. Small ("tiny") random-weight checkpoints.
+"""
+
+from __future__ import annotations
+
+import random
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from tabicl_helpers import our_model, random_table, reference_checkpoint
+
+from tabserve.buckets import BucketGrid
+from tabserve.models.tabicl import recipes
+from tabserve.models.tabicl.serving import PaddedCache, ServedTabICL, serve
+
+ATOL = 1e-6
+#: Small grid: every case below lands in a bucket that pads at least one axis, or past the grid.
+GRID = BucketGrid(
+    train_rows=(4, 8, 16, 32, 64), test_rows=(1, 2, 4, 8, 16), features=(1, 2, 3, 4, 6, 8, 12)
+)
+
+#: (n_train, n_test, n_features, n_classes); n_classes 0 = regression.
+EDGE_CASES = [
+    (3, 4, 5, 3),  # one train row per class
+    (2, 1, 1, 2),  # one test row, one feature, one train row per class
+    (9, 1, 2, 2),  # two features; train rows just past a bucket edge (8 -> 16)
+    (17, 5, 5, 4),  # features just past an edge (4 -> 6), train 16 -> 32
+    (33, 9, 9, 3),  # features past 8 -> 12, test rows past 8 -> 16
+    (12, 20, 7, 2),  # test rows past the grid: split into 16 + 4
+    (70, 3, 4, 2),  # train rows past the grid: unpadded
+    (5, 3, 13, 2),  # features past the grid: unpadded
+    (40, 6, 3, 13),  # more than 10 classes (mixed radix + hierarchy)
+    (60, 3, 6, 25),  # 25 classes: three hierarchy groups
+    (1, 3, 4, 0),  # regression, one train row
+    (9, 2, 1, 0),  # regression, one feature
+    (20, 7, 7, 0),
+]
+
+
+def _random_cases(count: int, seed: int):
+    rng = random.Random(seed)
+    cases = []
+    for _ in range(count):
+        k = rng.choice([0, 2, 3, 5, 10])
+        cases.append(
+            (rng.randint(max(k, 1), 64), rng.randint(1, 16), rng.randint(1, 12), k)
+        )
+    return cases
+
+
+CASES = EDGE_CASES + _random_cases(8, seed=5)
+
+
+def _task(n_classes: int) -> str:
+    return "reg" if n_classes == 0 else "clf"
+
+
+def _served(task: str, recipe: str = "fp32-buckets") -> ServedTabICL:
+    return ServedTabICL(our_model(task, "tiny"), recipe, GRID)
+
+
+def _assert_same(unpadded: torch.Tensor, padded: torch.Tensor, classify: bool) -> None:
+    """Probabilities: 1e-6 absolute. Raw logits / quantiles (size up to a few units): 1e-6 times
+    the largest magnitude, i.e. a few fp32 ulp (GEMMs of 1 vs 4 rows may take different kernels
+    and sum in another order)."""
+    assert padded.shape == unpadded.shape
+    assert (padded - unpadded).abs().max().item() <= ATOL * max(1.0, unpadded.abs().max().item())
+    if classify:
+        assert torch.equal(padded.argmax(-1), unpadded.argmax(-1))
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "n{}-m{}-h{}-k{}".format(*c))
+def test_padded_forward_equals_unpadded(case):
+    n_train, n_test, n_features, n_classes = case
+    X, y = random_table(sum(case), 2, n_train, n_test, n_features, n_classes)
+    model, served = our_model(_task(n_classes), "tiny"), _served(_task(n_classes))
+    _assert_same(model(X, y), served(X, y), n_classes > 0)
+    if n_classes:
+        probs = served(X, y, return_logits=False, softmax_temperature=0.7)
+        _assert_same(model(X, y, return_logits=False, softmax_temperature=0.7), probs, True)
+
+
+@pytest.mark.parametrize(
+    "case", [c for c in CASES if c[3] <= 10], ids=lambda c: "n{}-m{}-h{}-k{}".format(*c)
+)
+def test_padded_cache_equals_unpadded(case):
+    n_train, n_test, n_features, n_classes = case
+    X, y = random_table(sum(case) + 1, 2, n_train, n_test, n_features, n_classes)
+    model, served = our_model(_task(n_classes), "tiny"), _served(_task(n_classes))
+    cache, padded_cache = model.build_cache(X[:, :n_train], y), served.build_cache(X[:, :n_train], y)
+    expected = model.forward_with_cache(X[:, n_train:], cache)
+    _assert_same(expected, served.forward_with_cache(X[:, n_train:], padded_cache), n_classes > 0)
+    _assert_same(model(X, y), served.forward_with_cache(X[:, n_train:], padded_cache), n_classes > 0)
+    if isinstance(padded_cache, PaddedCache):
+        # The real part of the cache equals the unpadded cache (internal values of size ~1-10:
+        # 1e-6 relative to the largest entry).
+        def close(padded, unpadded):
+            assert (padded - unpadded).abs().max() <= ATOL * max(1.0, unpadded.abs().max())
+
+        for (k, v), (pk, pv) in zip(cache.icl, padded_cache.icl):
+            close(pk[:, :, :n_train], k)
+            close(pv[:, :, :n_train], v)
+        for (k, v), (pk, pv) in zip(cache.col, padded_cache.col):
+            close(pk[:, :n_features], k)
+            close(pv[:, :n_features], v)
+    else:
+        assert GRID.bucket_for(n_train, 0, n_features) is None
+
+
+def test_regressor_stats_padded():
+    X, y = random_table(3, 2, 13, 5, 3)
+    model, served = our_model("reg", "tiny"), _served("reg")
+    kinds = ["mean", "median", "variance", "quantiles"]
+    expected, got = model.predict_stats(X, y, kinds), served.predict_stats(X, y, kinds)
+    for kind in kinds:
+        assert (expected[kind] - got[kind]).abs().max() <= 1e-5  # variance: squares of ~1
+
+
+def test_sentinel_column_still_skipped_when_padded():
+    # A column whose every cell is the skip sentinel is skipped by the ISAB blocks; padding
+    # (sentinel-filled, without label embedding on padded train rows) must keep that.
+    X, y = random_table(4, 1, 6, 2, 3, 2)
+    X[:, :, 1] = -100.0
+    model, served = our_model("clf", "tiny"), _served("clf")
+    _assert_same(model(X, y), served(X, y), True)
+
+
+def test_padded_path_refuses_what_the_model_refuses():
+    served = _served("clf")
+    X, y = random_table(0, 1, 4, 2, 3, 2)
+    with pytest.raises(ValueError, match="NaN"):
+        served(torch.where(X > 0, torch.nan, X), y)
+    with pytest.raises(ValueError, match="0..K-1"):
+        served(X, y + 1)
+    with pytest.raises(ValueError, match="does not match the cache"):
+        served.forward_with_cache(X[:, 4:, :2], served.build_cache(X[:, :4], y))
+
+
+def test_counts_reach_the_model_as_tensors(monkeypatch):
+    served = _served("clf")
+    seen = []
+    real = served.model.padded_forward
+
+    def spy(X, y, n_train, n_features):
+        seen.append((X.shape, n_train, n_features))
+        return real(X, y, n_train, n_features)
+
+    served._forward = spy
+    X, y = random_table(1, 2, 10, 3, 5, 2)
+    served(X, y)
+    (shape, n_train, n_features), = seen
+    assert shape == (2, 16 + 4, 6)
+    assert isinstance(n_train, torch.Tensor) and int(n_train) == 10
+    assert isinstance(n_features, torch.Tensor) and int(n_features) == 5
+
+
+def test_estimator_with_bucketed_recipe_matches_default():
+    from tabserve.models.tabicl import TabICLClassifier, TabICLRegressor
+
+    rng = np.random.default_rng(0)
+    X, Xt = rng.normal(size=(37, 5)), rng.normal(size=(11, 5))
+    y = rng.integers(0, 3, size=37)
+    ckpt = reference_checkpoint("clf", "tiny")
+    for kv in (False, True):
+        common = dict(n_estimators=4, model_path=ckpt, device="cpu", kv_cache=kv)
+        plain = TabICLClassifier(**common).fit(X, y)
+        padded = TabICLClassifier(recipe="fp32-buckets", bucket_grid=GRID, **common).fit(X, y)
+        assert isinstance(padded.model_, ServedTabICL)
+        np.testing.assert_allclose(padded.predict_proba(Xt), plain.predict_proba(Xt), atol=ATOL)
+    yr = rng.normal(size=37)
+    ckpt = reference_checkpoint("reg", "tiny")
+    plain = TabICLRegressor(n_estimators=2, model_path=ckpt, device="cpu").fit(X, yr)
+    padded = TabICLRegressor(n_estimators=2, model_path=ckpt, device="cpu", recipe="fp32-buckets")
+    np.testing.assert_allclose(padded.fit(X, yr).predict(Xt), plain.predict(Xt), atol=1e-5)
+
+
+# ---------------------------------------------------------------------- recipes as data
+def test_recipes_are_valid_and_named():
+    for name, recipe in recipes.RECIPES.items():
+        assert recipe.name == name and recipe.description
+    assert recipes.get_recipe(None).name == recipes.DEFAULT_RECIPE
+    with pytest.raises(ValueError, match="unknown recipe"):
+        recipes.get_recipe("fp64-warp-speed")
+    with pytest.raises(ValueError, match="CUDA graphs need buckets"):
+        recipes.Recipe("bad", cuda_graphs=True)
+    with pytest.raises(ValueError, match="precision"):
+        recipes.Recipe("bad", precision="fp12")
+    with pytest.raises(ValueError, match="CUDA graph"):
+        ServedTabICL(our_model("clf", "tiny"), "fp16-buckets-cudagraphs")
+    model = our_model("clf", "tiny")
+    assert serve(model, None) is model and serve(model, "fp32-eager") is model
+
+
+def test_recipe_from_benchmark_cell():
+    from tabserve.bench.cells import CELLS
+
+    for cell in CELLS:
+        if cell.engine != "tabserve" or cell.dynamic or cell.precision == "fp8":
+            continue
+        recipe = recipes.recipe_from_cell(cell.recipe(), name=cell.name)
+        assert recipe.buckets == bool(cell.buckets)
+        assert recipe.cuda_graphs == cell.cuda_graphs
+        assert (recipe.compile == "regional") == cell.regional
+
+
+def test_auto_recipe_reads_measurements(tmp_path):
+    path = tmp_path / "recipes.json"
+    with pytest.warns(UserWarning, match="no one_shot measurement"):
+        assert recipes.auto_recipe("cpu", 100, 8, path=path).name == recipes.DEFAULT_RECIPE
+    entry = lambda cell, **f: {"cell": cell, "median_ms": 1.0, "recipe": {"engine": "tabserve", **f}}
+    path.write_text(
+        __import__("json").dumps(
+            {
+                "schema": "tabserve.recipes/1",
+                "devices": {
+                    "cpu": {
+                        "workloads": {
+                            "small": {
+                                "one_shot": entry("c16", precision="fp32", compile="default", buckets="default"),
+                                "shape": {"n_train": 512, "n_features": 8},
+                            },
+                            "large": {
+                                "one_shot": entry("c2", precision="fp32"),
+                                "kv_predict": entry("c13", precision="fp32", kv_cache=True),
+                                "shape": {"n_train": 8192, "n_features": 64},
+                            },
+                        }
+                    }
+                },
+            }
+        )
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        small = recipes.auto_recipe("cpu", 400, 10, path=path)
+        assert (small.name, small.buckets, small.compile) == ("c16", True, "default")
+        assert recipes.auto_recipe("cpu", 6000, 50, path=path).name == "c2"
+        assert recipes.auto_recipe("cpu", 400, 10, kv_cache=True, path=path).name == "c13"
