@@ -152,7 +152,7 @@ def test_a_cell_whose_model_does_not_load_is_a_failed_result(tmp_path):
     )
     assert out["status"] == "failed" and out["reason"].startswith("loading:")
     pending = runner.run_cell(
-        cell_by_name("c16-fp16-buckets-compile"),
+        cell_by_name("c20-fp16-buckets-warm-cache"),
         workload_by_name("small-quick"),
         run_dir=tmp_path,
         device="cuda",
@@ -254,7 +254,7 @@ def test_table_is_fixed_width():
 def test_quick_cpu_run_writes_schema_table_plot_and_recipes(tmp_path, capsys):
     out = tmp_path / "bench.json"
     argv = ["--device", "cpu", "--quick", "--model-size", "tiny", "--workloads", "small-quick"]
-    argv += ["--cells", "c0-ref-fp32", "c2-fp32", "c5-fp16", "c16*", "--budget", "0.05"]
+    argv += ["--cells", "c0-ref-fp32", "c2-fp32", "c5-fp16", "c16*", "c22*", "--budget", "0.05"]
     argv += ["--out", str(out), "--quiet", "--timeout", "120"]
     assert main(argv) == 0
     printed = capsys.readouterr().out
@@ -272,10 +272,10 @@ def test_quick_cpu_run_writes_schema_table_plot_and_recipes(tmp_path, capsys):
         "status": "skipped",
         "reason": "skipped: no CUDA device",
     }
-    assert by_cell["c16-fp16-buckets-compile"]["reason"].startswith("skipped: not implemented")
-    for name in ("c0-ref-fp32", "c2-fp32"):
+    assert by_cell["c16-fp16-buckets-compile"]["reason"] == "skipped: no CUDA device"
+    for name in ("c0-ref-fp32", "c2-fp32", "c22-fp32-buckets"):
         result = by_cell[name]
-        assert result["status"] == "ok", result.get("log_tail")
+        assert result["status"] == "ok", (name, result.get("reason"), result.get("log_tail"))
         one = result["one_shot"]
         assert 0 < one["p20_ms"] <= one["median_ms"] <= one["p80_ms"]
         assert one["repeats"] >= 3 and isinstance(one["noisy"], bool)
@@ -285,13 +285,16 @@ def test_quick_cpu_run_writes_schema_table_plot_and_recipes(tmp_path, capsys):
     gate = by_cell["c2-fp32"]["gate"]
     assert gate["passed"] is True and gate["one_shot"]["max_prob_diff"] < 1e-4
     assert by_cell["c2-fp32"]["speedup"]["one_shot"]["ref32"] > 0
-    assert document["promotion"]["small-quick"]["one_shot"]["cell"] == "c2-fp32"
+    padded = by_cell["c22-fp32-buckets"]["gate"]
+    assert padded["passed"] is True and padded["padded"]["max_prob_diff"] <= 1e-6
+    promoted = document["promotion"]["small-quick"]["one_shot"]["cell"]
+    assert promoted in ("c2-fp32", "c22-fp32-buckets")
 
     assert "Latency (ms" in printed and "c2-fp32" in printed and "Skipped cells:" in printed
-    assert "small-quick: one_shot c2-fp32" in printed
+    assert f"small-quick: one_shot {promoted}" in printed
     assert out.with_suffix(".png").stat().st_size > 1000
     recipes = json.loads((tmp_path / "recipes.json").read_text())
-    assert recipes["devices"]["cpu"]["workloads"]["small-quick"]["one_shot"]["cell"] == "c2-fp32"
+    assert recipes["devices"]["cpu"]["workloads"]["small-quick"]["one_shot"]["cell"] == promoted
 
 
 def test_ab_mode_alternates_two_cells_on_one_model(tmp_path):

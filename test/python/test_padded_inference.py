@@ -243,3 +243,37 @@ def test_auto_recipe_reads_measurements(tmp_path):
         assert (small.name, small.buckets, small.compile) == ("c16", True, "default")
         assert recipes.auto_recipe("cpu", 6000, 50, path=path).name == "c2"
         assert recipes.auto_recipe("cpu", 400, 10, kv_cache=True, path=path).name == "c13"
+
+
+# ---------------------------------------------------------------------- CUDA
+def _cuda_model(task: str):
+    import copy
+
+    return copy.deepcopy(our_model(task, "tiny")).cuda()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("recipe", ["fp32-buckets", "fp32-buckets-cudagraphs"])
+def test_cuda_padded_equals_unpadded(recipe):
+    """fp32 on the GPU (TF32 off): padded (eager or replayed CUDA graphs) against unpadded,
+    two tables per bucket so a replay must see its new inputs, then KV-cached."""
+    model = _cuda_model("clf")
+    served = ServedTabICL(_cuda_model("clf"), recipe, GRID)
+    with recipes.precision_flags("fp32"):
+        for seed, case in enumerate([(10, 5, 5, 3), (12, 3, 6, 3), (9, 8, 5, 2), (2, 1, 1, 2)]):
+            n_train, n_test, n_features, n_classes = case
+            X, y = (t.cuda() for t in random_table(seed, 2, n_train, n_test, n_features, n_classes))
+            expected = model(X, y, return_logits=False)
+            got = served(X, y, return_logits=False)
+            assert (got - expected).abs().max() <= 1e-5
+            assert torch.equal(got.argmax(-1), expected.argmax(-1))
+            cache = served.build_cache(X[:, :n_train], y)
+            cached = served.forward_with_cache(X[:, n_train:], cache, return_logits=False)
+            assert (cached - expected).abs().max() <= 1e-5
+            again = served.forward_with_cache(X[:, n_train:].flip(1), cache, return_logits=False)
+            assert (again - expected.flip(1)).abs().max() <= 1e-5
+    if recipe.endswith("cudagraphs"):
+        # One-shot buckets (16, 8, 6) twice, (16, 4, 6), (4, 1, 1); cache builds on (16, 6) and
+        # (4, 1); one cached-predict graph per cache (the flipped rows replay it).
+        assert len(served._graphs) == 3 + 2 and served.captures == 3 + 2 + 4

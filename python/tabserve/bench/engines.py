@@ -3,8 +3,10 @@
 An :class:`Engine` owns one loaded model and runs every call inside the cell's context (TF32
 flags, autocast, ``sdpa_kernel``). The reference engine drives ``tabicl`` 2.2.0 the way its own
 wrappers do (``InferenceConfig`` with ``use_amp`` for its fp16 path); the tabserve engine applies
-the recipe fields to :class:`tabserve.models.tabicl.TabICLv2`. Outputs are what a user receives:
-class probabilities (classification) or raw quantiles (regression).
+the recipe fields to :class:`tabserve.models.tabicl.TabICLv2`; cells with buckets, regional
+compile or CUDA graphs run through :class:`tabserve.models.tabicl.serving.ServedTabICL` with the
+cell's recipe (``recipes.recipe_from_cell``). Outputs are what a user receives: class
+probabilities (classification) or raw quantiles (regression).
 """
 
 from __future__ import annotations
@@ -39,8 +41,11 @@ class Engine:
     def __init__(self, cell: Cell, workload: Workload, checkpoint: Path, device: torch.device):
         self.cell, self.workload, self.device = cell, workload, torch.device(device)
         self.checkpoint = Path(checkpoint)
-        #: CUDA graphs captured so far (engines that capture report them; None = not applicable).
-        self.captures = None
+
+    @property
+    def captures(self) -> int | None:
+        """CUDA graphs captured so far (engines that capture report them; None = not applicable)."""
+        return None
 
     def _outer_autocast(self) -> bool:
         return True
@@ -61,6 +66,11 @@ class Engine:
 
     def one_shot(self, X, y_train):
         raise NotImplementedError
+
+    def padding_gate(self, X, y_train):
+        """``(padded, unpadded)`` fp32 eager outputs for the padded-vs-unpadded gate, or None
+        when the cell does not pad."""
+        return None
 
     def build_cache(self, X_train, y_train):
         raise NotImplementedError
@@ -145,17 +155,59 @@ class ReferenceEngine(Engine):
 
 
 class TabserveEngine(Engine):
-    """:class:`TabICLv2` with the cell's precision, attention choices and compile mode."""
+    """:class:`TabICLv2` with the cell's precision, attention choices and compile mode; served
+    through :class:`ServedTabICL` when the cell pads (buckets), compiles regionally or captures
+    CUDA graphs."""
 
     def __init__(self, cell, workload, checkpoint, device):
         super().__init__(cell, workload, checkpoint, device)
         from tabserve.models.tabicl import TabICLv2
 
-        unsupported = [f for f in ("buckets", "regional", "cuda_graphs") if getattr(cell, f)]
-        if unsupported or cell.precision == "fp8":
-            raise UnsupportedRecipe(f"not implemented: {', '.join(unsupported) or 'fp8'}")
+        if cell.precision == "fp8":
+            raise UnsupportedRecipe("not implemented: fp8")
+        if cell.cuda_graphs and self.device.type != "cuda":
+            raise UnsupportedRecipe("CUDA graphs need a CUDA device")
         self.model = TabICLv2.from_checkpoint(self.checkpoint, device=self.device)
-        self._forward_cached = self._prepare(self.model)
+        self.served = self._serve(self.model) if self._uses_serving else None
+        if self.served is not None:
+            self.model = self.served
+            self._forward_cached = self.served.forward_with_cache
+        else:
+            self._forward_cached = self._prepare(self.model)
+
+    @property
+    def _uses_serving(self) -> bool:
+        cell = self.cell
+        return bool(cell.buckets or cell.regional or cell.cuda_graphs)
+
+    def _recipe(self):
+        from tabserve.models.tabicl.recipes import recipe_from_cell
+
+        return recipe_from_cell(self.cell.recipe(), name=self.cell.name)
+
+    def _serve(self, model):
+        from tabserve.models.tabicl.serving import ServedTabICL
+
+        return ServedTabICL(model, self._recipe(), _bucket_grid(self.cell.buckets))
+
+    @property
+    def captures(self) -> int | None:
+        return self.served.captures if self.cell.cuda_graphs else None
+
+    def padding_gate(self, X, y_train):
+        if not self.cell.buckets:
+            return None
+        from tabserve.models.tabicl import TabICLv2
+        from tabserve.models.tabicl.serving import ServedTabICL
+
+        plain = TabICLv2.from_checkpoint(self.checkpoint, device=self.device)
+        exact = self._recipe().replace(
+            precision="fp32", compile="none", cuda_graphs=False, attention={}
+        )
+        padded = ServedTabICL(plain, exact, _bucket_grid(self.cell.buckets))
+        kwargs = {} if self.workload.task == "reg" else {"return_logits": False}
+        with torch.no_grad(), precision_flags("fp32"):
+            return padded(X, y_train, **kwargs), plain(X, y_train, **kwargs)
 
     def _prepare(self, model):
         """Applies per-stage attention and compilation to ``model`` in place; returns the cached
@@ -199,10 +251,15 @@ class TabserveEngine(Engine):
             device=self.device,
             kv_cache=self.cell.kv_cache,
             random_state=0,
+            recipe=self._recipe() if self._uses_serving else None,
+            bucket_grid=_bucket_grid(self.cell.buckets),
         )
         with self.context():
             estimator.fit(X_train, y_train)
-        forward_cached = self._prepare(estimator.model_)
+        if self._uses_serving:
+            forward_cached = estimator.model_.forward_with_cache
+        else:
+            forward_cached = self._prepare(estimator.model_)
         estimator.model_ = _ModelInContext(estimator.model_, self.context, forward_cached)
         return estimator
 
@@ -260,6 +317,17 @@ def _pin_stage_attention(module, backend: str) -> None:
                 return __method(*args, **kwargs)
 
         setattr(module, name, pinned)
+
+
+def _bucket_grid(name: str | None):
+    """The bucket grid a cell names (``"default"``: ``BucketGrid()``), None without buckets."""
+    if name is None:
+        return None
+    from tabserve.buckets import BucketGrid
+
+    if name != "default":
+        raise UnsupportedRecipe(f"unknown bucket grid {name!r}")
+    return BucketGrid()
 
 
 def make_engine(cell: Cell, workload: Workload, checkpoint: Path, device) -> Engine:

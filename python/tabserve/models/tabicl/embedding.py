@@ -136,6 +136,8 @@ class ColumnEmbedding(nn.Module):
                 f"only feature groups of size {len(GROUP_OFFSETS)} are supported, got {group_size}"
             )
         self.max_classes = max_classes
+        # A buffer, not a tensor built per call: no host-to-device copy (CUDA-graph capturable).
+        self.register_buffer("group_offsets", torch.tensor(GROUP_OFFSETS), persistent=False)
         self.in_linear = nn.Linear(group_size, dim)
         self.tf_col = SetTransformer(num_blocks, dim, num_heads, ff_dim, num_inds, ln_bias)
         self.y_encoder = nn.Linear(max_classes if max_classes > 0 else 1, dim)
@@ -147,7 +149,7 @@ class ColumnEmbedding(nn.Module):
         offsets modulo it, so real groups never read padded features and equal the unpadded
         groups; the groups past it are padding (masked in the row stage).
         """
-        offsets = torch.tensor(GROUP_OFFSETS, device=X.device)
+        offsets = self.group_offsets
         modulus = X.shape[-1] if n_features is None else n_features
         index = (torch.arange(X.shape[-1], device=X.device)[:, None] + offsets) % modulus
         grouped = X.transpose(1, 2)[:, index]  # (B, H, 3, T)

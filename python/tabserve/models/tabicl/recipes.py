@@ -86,8 +86,12 @@ class Recipe:
         return dataclasses.replace(self, **changes)
 
     def context(self, device: torch.device | str):
-        """Precision flags and autocast every model call of this recipe runs under."""
-        return precision_context(self.precision, torch.device(device).type)
+        """Precision flags and autocast every model call of this recipe runs under. With CUDA
+        graphs autocast's cast cache is off: cached weight casts live outside the graph's pool
+        and die with the autocast context, so a replay would read freed memory."""
+        return precision_context(
+            self.precision, torch.device(device).type, cast_cache=not self.cuda_graphs
+        )
 
 
 def autocast_dtype(precision: str):
@@ -109,12 +113,15 @@ def precision_flags(precision: str):
 
 
 @contextlib.contextmanager
-def precision_context(precision: str, device_type: str):
+def precision_context(precision: str, device_type: str, cast_cache: bool = True):
+    """:func:`precision_flags` plus autocast for ``bf16`` / ``fp16``."""
     with contextlib.ExitStack() as stack:
         stack.enter_context(precision_flags(precision))
         dtype = autocast_dtype(precision)
         if dtype is not None:
-            stack.enter_context(torch.autocast(device_type, dtype=dtype))
+            stack.enter_context(
+                torch.autocast(device_type, dtype=dtype, cache_enabled=cast_cache)
+            )
         yield
 
 

@@ -44,6 +44,9 @@ from .recipes import STAGES, Recipe, get_recipe, sdpa_context
 #: Compiled variants one transformer block needs per bucket under regional compile (attention
 #: with / without cached K/V, self-attention, CLS-only queries, ...), with margin.
 REGIONAL_VARIANTS_PER_BUCKET = 16
+#: Batch sizes (tables per call: ensemble members) one bucket is expected to see; the batch is a
+#: shape too, so each is one more compiled graph per bucket.
+BATCH_SIZES_PER_BUCKET = 4
 #: CUDA graphs of KV-cached prediction kept per served model (each holds its cache alive).
 MAX_CACHED_GRAPHS = 32
 
@@ -155,13 +158,13 @@ class ServedTabICL:
         cores = (model.padded_forward, model.padded_build_cache, model.padded_forward_cached)
         if recipe.compile == "regional":
             buckets = len(self.grid.buckets()) if recipe.buckets else 8
-            raise_recompile_limit(REGIONAL_VARIANTS_PER_BUCKET * buckets)
+            raise_recompile_limit(REGIONAL_VARIANTS_PER_BUCKET * BATCH_SIZES_PER_BUCKET * buckets)
             for block in model.modules():
                 if isinstance(block, AttentionBlock):
                     block.compile(**self._compile_options())
         elif recipe.compiled:
             if recipe.buckets:
-                raise_recompile_limit(len(self.grid.buckets()))
+                raise_recompile_limit(BATCH_SIZES_PER_BUCKET * len(self.grid.buckets()))
                 cores = tuple(torch.compile(fn, **self._compile_options()) for fn in cores)
             else:
                 model.compile(**self._compile_options())
@@ -266,7 +269,9 @@ class ServedTabICL:
         padded = ops.pad_to_bucket(
             X, y_train.shape[1], bucket.train_rows, bucket.test_rows, bucket.features, SKIP_VALUE
         )
-        return padded, ops.pad_labels(y_train, bucket.train_rows)
+        # Contiguous: strides are guarded like shapes (a table already on its bucket comes back
+        # as it was given).
+        return padded.contiguous(), ops.pad_labels(y_train, bucket.train_rows).contiguous()
 
     def _many_classes(self, X, y_train, counts, bucket, num_classes, return_logits, temperature):
         """Padded column and row stages, then the class hierarchy on the real rows (eager)."""
@@ -361,18 +366,26 @@ class ServedTabICL:
 
     # ------------------------------------------------------------------ warm-up
     @torch.no_grad()
-    def warm_up(self, buckets: Sequence[Bucket] | None = None, tables: int = 1) -> int:
-        """Runs (compiles / captures) each bucket once on random data with ``tables`` tables and
-        2 classes (0 targets for regression). Returns the number of buckets warmed."""
+    def warm_up(
+        self, buckets: Sequence[Bucket] | None = None, tables: int = 1, kv_cache: bool = False
+    ) -> int:
+        """Runs (compiles / captures) each bucket once on random data with ``tables`` tables
+        (the batch is a shape too: use the serving batch, e.g. the estimator's members per call)
+        and 2 classes (random targets for regression); with ``kv_cache`` also builds a cache on
+        the bucket and predicts from it. Returns the number of buckets warmed."""
         buckets = self.grid.buckets() if buckets is None else buckets
         generator = torch.Generator().manual_seed(0)
         for bucket in buckets:
             rows = bucket.train_rows + bucket.test_rows
-            X = torch.randn(tables, rows, bucket.features, generator=generator)
-            y = torch.arange(bucket.train_rows).remainder(2).float().expand(tables, -1)
+            X = torch.randn(tables, rows, bucket.features, generator=generator).to(self.device)
+            y = torch.arange(bucket.train_rows).remainder(2).float().repeat(tables, 1)
             if self.is_regressor:
                 y = torch.randn(tables, bucket.train_rows, generator=generator)
-            self.forward(X.to(self.device), y.to(self.device))
+            y = y.to(self.device)
+            self.forward(X, y)
+            if kv_cache:
+                cache = self.build_cache(X[:, : bucket.train_rows], y)
+                self.forward_with_cache(X[:, bucket.train_rows :], cache)
         return len(buckets)
 
 
@@ -383,7 +396,7 @@ def _train_and_test(X: Tensor, n_train: int, chunk) -> Tensor:
 def _pad_test(X_test: Tensor, test_rows: int, features: int) -> Tensor:
     from tabserve import ops
 
-    return ops.pad_to_bucket(X_test, 0, 0, test_rows, features, SKIP_VALUE)
+    return ops.pad_to_bucket(X_test, 0, 0, test_rows, features, SKIP_VALUE).contiguous()
 
 
 def _storage_key(cache: PaddedCache) -> tuple:
