@@ -50,6 +50,9 @@ python3 -m pytest -q -p no:cacheprovider -p no:logging -rfE "${DESELECT[@]}" "$@
   2>&1 | tee "$OUT/pytest_ops.log" | tail -25
 python3 -m pytest -q -p no:cacheprovider -p no:logging -rfE -m cuda "${DESELECT[@]}" \
   test/python/test_tabicl_model.py test/python/test_tabicl_estimators.py \
+  test/python/test_padded_inference.py \
   2>&1 | tee "$OUT/pytest_tabicl_cuda.log" | tail -8
 timeout 150 python3 benchmarks/align_categories.py --device cuda --budget 0.2 \
   --out "$OUT/align_categories_h200.json" 2>&1 | tee "$OUT/align.log" | tail -25
+timeout 300 python3 scripts/serving_check.py --out "$OUT/serving_check.json" 2>&1 \
+  | tee "$OUT/serving_check.log" | tail -12

@@ -15,7 +15,6 @@ import numpy as np
 import pytest
 import torch
 from tabicl_helpers import our_model, random_table, reference_checkpoint
-
 from tabserve.buckets import BucketGrid
 from tabserve.models.tabicl import recipes
 from tabserve.models.tabicl.serving import PaddedCache, ServedTabICL, serve
@@ -49,9 +48,7 @@ def _random_cases(count: int, seed: int):
     cases = []
     for _ in range(count):
         k = rng.choice([0, 2, 3, 5, 10])
-        cases.append(
-            (rng.randint(max(k, 1), 64), rng.randint(1, 16), rng.randint(1, 12), k)
-        )
+        cases.append((rng.randint(max(k, 1), 64), rng.randint(1, 16), rng.randint(1, 12), k))
     return cases
 
 
@@ -94,10 +91,15 @@ def test_padded_cache_equals_unpadded(case):
     n_train, n_test, n_features, n_classes = case
     X, y = random_table(sum(case) + 1, 2, n_train, n_test, n_features, n_classes)
     model, served = our_model(_task(n_classes), "tiny"), _served(_task(n_classes))
-    cache, padded_cache = model.build_cache(X[:, :n_train], y), served.build_cache(X[:, :n_train], y)
+    cache, padded_cache = (
+        model.build_cache(X[:, :n_train], y),
+        served.build_cache(X[:, :n_train], y),
+    )
     expected = model.forward_with_cache(X[:, n_train:], cache)
     _assert_same(expected, served.forward_with_cache(X[:, n_train:], padded_cache), n_classes > 0)
-    _assert_same(model(X, y), served.forward_with_cache(X[:, n_train:], padded_cache), n_classes > 0)
+    _assert_same(
+        model(X, y), served.forward_with_cache(X[:, n_train:], padded_cache), n_classes > 0
+    )
     if isinstance(padded_cache, PaddedCache):
         # The real part of the cache equals the unpadded cache (internal values of size ~1-10:
         # 1e-6 relative to the largest entry).
@@ -155,7 +157,7 @@ def test_counts_reach_the_model_as_tensors(monkeypatch):
     served._forward = spy
     X, y = random_table(1, 2, 10, 3, 5, 2)
     served(X, y)
-    (shape, n_train, n_features), = seen
+    ((shape, n_train, n_features),) = seen
     assert shape == (2, 16 + 4, 6)
     assert isinstance(n_train, torch.Tensor) and int(n_train) == 10
     assert isinstance(n_features, torch.Tensor) and int(n_features) == 5
@@ -169,7 +171,7 @@ def test_estimator_with_bucketed_recipe_matches_default():
     y = rng.integers(0, 3, size=37)
     ckpt = reference_checkpoint("clf", "tiny")
     for kv in (False, True):
-        common = dict(n_estimators=4, model_path=ckpt, device="cpu", kv_cache=kv)
+        common = {"n_estimators": 4, "model_path": ckpt, "device": "cpu", "kv_cache": kv}
         plain = TabICLClassifier(**common).fit(X, y)
         padded = TabICLClassifier(recipe="fp32-buckets", bucket_grid=GRID, **common).fit(X, y)
         assert isinstance(padded.model_, ServedTabICL)
@@ -214,7 +216,11 @@ def test_auto_recipe_reads_measurements(tmp_path):
     path = tmp_path / "recipes.json"
     with pytest.warns(UserWarning, match="no one_shot measurement"):
         assert recipes.auto_recipe("cpu", 100, 8, path=path).name == recipes.DEFAULT_RECIPE
-    entry = lambda cell, **f: {"cell": cell, "median_ms": 1.0, "recipe": {"engine": "tabserve", **f}}
+    entry = lambda cell, **f: {
+        "cell": cell,
+        "median_ms": 1.0,
+        "recipe": {"engine": "tabserve", **f},
+    }
     path.write_text(
         __import__("json").dumps(
             {
@@ -223,7 +229,9 @@ def test_auto_recipe_reads_measurements(tmp_path):
                     "cpu": {
                         "workloads": {
                             "small": {
-                                "one_shot": entry("c16", precision="fp32", compile="default", buckets="default"),
+                                "one_shot": entry(
+                                    "c16", precision="fp32", compile="default", buckets="default"
+                                ),
                                 "shape": {"n_train": 512, "n_features": 8},
                             },
                             "large": {

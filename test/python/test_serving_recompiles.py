@@ -15,11 +15,10 @@ import random
 import pytest
 import torch
 from tabicl_helpers import our_model, random_table
-from torch._dynamo.utils import counters
-
 from tabserve.buckets import BucketGrid
 from tabserve.models.tabicl import recipes
 from tabserve.models.tabicl.serving import ServedTabICL
+from torch._dynamo.utils import counters
 
 GRID = BucketGrid(train_rows=(8, 16), test_rows=(8,), features=(6,))
 TABLES = 2  # ensemble members per call: the batch is a shape too

@@ -70,7 +70,7 @@ class Engine:
     def padding_gate(self, X, y_train):
         """``(padded, unpadded)`` fp32 eager outputs for the padded-vs-unpadded gate, or None
         when the cell does not pad."""
-        return None
+        return
 
     def build_cache(self, X_train, y_train):
         raise NotImplementedError

@@ -41,9 +41,7 @@ class InducedSetBlock(nn.Module):
         Padded serving: ``n_train`` is the train bucket and ``n_keys`` (0-d tensor) the real
         train-row count, which the inducing points attend to and QASSMax scales by.
         """
-        hidden = self.multihead_attn1(
-            self.ind_vectors, cells[..., :n_train, :], n_keys=n_keys
-        )
+        hidden = self.multihead_attn1(self.ind_vectors, cells[..., :n_train, :], n_keys=n_keys)
         return self.multihead_attn2.key_value(hidden)
 
     def forward(self, cells: Tensor, summary: KeyValue) -> Tensor:

@@ -25,8 +25,6 @@ from sklearn.utils.validation import check_is_fitted
 from torch import Tensor
 
 from .model import TabICLv2, TabICLv2Cache
-from .recipes import auto_recipe
-from .serving import serve
 from .preprocessing import (
     ConstantFeatureFilter,
     MemberPreprocessor,
@@ -35,6 +33,8 @@ from .preprocessing import (
     member_labels,
     member_tables,
 )
+from .recipes import auto_recipe
+from .serving import serve
 
 DEFAULT_NORM_METHODS = ("none", "power")
 

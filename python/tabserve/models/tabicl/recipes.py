@@ -119,9 +119,7 @@ def precision_context(precision: str, device_type: str, cast_cache: bool = True)
         stack.enter_context(precision_flags(precision))
         dtype = autocast_dtype(precision)
         if dtype is not None:
-            stack.enter_context(
-                torch.autocast(device_type, dtype=dtype, cache_enabled=cast_cache)
-            )
+            stack.enter_context(torch.autocast(device_type, dtype=dtype, cache_enabled=cast_cache))
         yield
 
 
@@ -286,7 +284,7 @@ def auto_recipe(
             math.log2(shape["n_features"] / n_features)
         )
 
-    shape, promoted = min(candidates, key=lambda c: distance(c[0]))
+    _, promoted = min(candidates, key=lambda c: distance(c[0]))
     try:
         return recipe_from_cell(promoted["recipe"], name=promoted.get("cell"))
     except (KeyError, ValueError) as e:

@@ -134,7 +134,9 @@ class ServedTabICL:
         self.grid = grid or BucketGrid()
         self.device = model.icl_predictor.ln.weight.device
         if self.recipe.cuda_graphs and self.device.type != "cuda":
-            raise ValueError(f"recipe {self.recipe.name} captures CUDA graphs; the model is on {self.device}")
+            raise ValueError(
+                f"recipe {self.recipe.name} captures CUDA graphs; the model is on {self.device}"
+            )
         self.captures = 0
         self._graphs: dict = {}
         self._cached_graphs: OrderedDict = OrderedDict()
@@ -252,7 +254,12 @@ class ServedTabICL:
         with self.recipe.context(self.device):
             if num_classes > self.config.max_classes:
                 return self._many_classes(
-                    X, y_train, counts, chunks[0].bucket, num_classes, return_logits,
+                    X,
+                    y_train,
+                    counts,
+                    chunks[0].bucket,
+                    num_classes,
+                    return_logits,
                     softmax_temperature,
                 )
             outputs = []
@@ -278,9 +285,7 @@ class ServedTabICL:
         n_train, n_test = y_train.shape[1], X.shape[1] - y_train.shape[1]
         padded, labels = self._pad(X, y_train, bucket)
         R = self.model.padded_representations(padded, labels, *counts, num_classes=num_classes)
-        R = torch.cat(
-            [R[:, :n_train], R[:, bucket.train_rows : bucket.train_rows + n_test]], dim=1
-        )
+        R = torch.cat([R[:, :n_train], R[:, bucket.train_rows : bucket.train_rows + n_test]], dim=1)
         probs = self.model.icl_predictor.hierarchical_probs(R, y_train)
         return temperature * torch.log(probs + HIERARCHY_LOG_EPS) if return_logits else probs
 
