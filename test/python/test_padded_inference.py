@@ -18,6 +18,7 @@ from tabicl_helpers import our_model, random_table, reference_checkpoint
 from tabserve.buckets import BucketGrid
 from tabserve.models.tabicl import recipes
 from tabserve.models.tabicl.serving import PaddedCache, ServedTabICL, serve
+from torch.utils._pytree import tree_leaves
 
 ATOL = 1e-6
 #: Small grid: every case below lands in a bucket that pads at least one axis, or past the grid.
@@ -251,6 +252,53 @@ def test_auto_recipe_reads_measurements(tmp_path):
         assert (small.name, small.buckets, small.compile) == ("c16", True, "default")
         assert recipes.auto_recipe("cpu", 6000, 50, path=path).name == "c2"
         assert recipes.auto_recipe("cpu", 400, 10, kv_cache=True, path=path).name == "c13"
+
+
+# ---------------------------------------------------------------------- CUDA-graph plumbing
+class _ReplayOnCPU:
+    """Stands in for ``serving._BucketGraph`` on the CPU: captured input buffers updated in place
+    and one output buffer overwritten by every replay, as a CUDA graph does."""
+
+    def __init__(self, fn, inputs, static=(), pool=None):
+        self.fn, self.static = fn, static
+        self.inputs = [t.clone() for t in inputs]
+        self.output = fn(*self.inputs, *static)
+
+    def __call__(self, *inputs):
+        for buffer, value in zip(self.inputs, inputs):
+            buffer.copy_(value)
+        fresh = self.fn(*self.inputs, *self.static)
+        for buffer, value in zip(tree_leaves(self.output), tree_leaves(fresh)):
+            buffer.copy_(value)
+        return self.output
+
+
+def test_graph_replay_plumbing_on_cpu(monkeypatch):
+    """Per-(bucket, batch) graphs, inputs copied in, outputs copied out, cached predicts keyed by
+    the cache's storage: the logic of the CUDA-graph recipe, run with a CPU stand-in."""
+    from tabserve.models.tabicl import serving
+
+    monkeypatch.setattr(serving, "_BucketGraph", _ReplayOnCPU)
+    model = our_model("clf", "tiny")
+    served = ServedTabICL(model, "fp32-buckets", GRID)
+    served.recipe = served.recipe.replace(cuda_graphs=True)
+    cases = [(10, 5, 5, 3, 2), (12, 6, 6, 3, 2), (10, 5, 5, 3, 3), (2, 1, 1, 2, 2)]
+    results = []
+    for seed, (n_train, n_test, n_features, n_classes, tables) in enumerate(cases):
+        X, y = random_table(seed, tables, n_train, n_test, n_features, n_classes)
+        got = served(X, y)
+        _assert_same(model(X, y), got, True)
+        results.append((got.clone(), got))
+        cache = served.build_cache(X[:, :n_train], y)
+        for rows in (X[:, n_train:], X[:, n_train:].flip(1)):
+            expected = model.forward_with_cache(rows, model.build_cache(X[:, :n_train], y))
+            _assert_same(expected, served.forward_with_cache(rows, cache), True)
+    for before, returned in results:  # later replays did not overwrite earlier results
+        assert torch.equal(before, returned)
+    # One-shot: (16, 8, 6) x 2 tables, again, x 3 tables, (4, 1, 1); cache builds on (16, 6) x
+    # {2, 3} tables and (4, 1); one cached-predict graph per cache.
+    assert len(served._graphs) == 3 + 3 and len(served._cached_graphs) == 4
+    assert served.captures == 3 + 3 + 4
 
 
 # ---------------------------------------------------------------------- CUDA

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+from torch.utils._pytree import tree_map
 
 from tabserve.buckets import Bucket, BucketGrid
 
@@ -189,7 +190,11 @@ class ServedTabICL:
                 setattr(module, name, pinned)
 
     def _run(self, key, fn, inputs: Sequence[Tensor], static: Sequence = ()):
-        """``fn(*inputs, *static)``, replayed from a per-``key`` CUDA graph with CUDA graphs."""
+        """``fn(*inputs, *static)``, replayed from a per-``key`` CUDA graph with CUDA graphs.
+
+        ``key`` must pin every input shape (bucket and batch size). A replay's outputs are the
+        graph's own buffers, overwritten by the next replay: they are returned as copies.
+        """
         if not self.recipe.cuda_graphs:
             return fn(*inputs, *static)
         graphs = self._graphs if not static else self._cached_graphs
@@ -202,7 +207,7 @@ class ServedTabICL:
                 graphs.popitem(last=False)
         elif static:
             graphs.move_to_end(key)
-        return graph(*inputs)
+        return tree_map(torch.clone, graph(*inputs))
 
     # ------------------------------------------------------------------ model API
     @property
@@ -266,7 +271,8 @@ class ServedTabICL:
             for chunk in chunks:
                 table = X if len(chunks) == 1 else _train_and_test(X, n_train, chunk)
                 padded, labels = self._pad(table, y_train, chunk.bucket)
-                raw = self._run(chunk.bucket, self._forward, (padded, labels, *counts))
+                key = (chunk.bucket, padded.shape[0])
+                raw = self._run(key, self._forward, (padded, labels, *counts))
                 outputs.append(raw[:, : chunk.stop - chunk.start])
         return self._finish(torch.cat(outputs, 1), num_classes, return_logits, softmax_temperature)
 
@@ -317,10 +323,8 @@ class ServedTabICL:
         padded, labels = self._pad(X_train, y_train.to(X_train.dtype), bucket)
         counts = _counts(X_train.device, n_train, n_features)
         with self.recipe.context(self.device):
-            col, icl = self._run(("cache", bucket), self._build_cache, (padded, labels, *counts))
-            if self.recipe.cuda_graphs:  # the graph's output buffers are reused by the next replay
-                col = [(k.clone(), v.clone()) for k, v in col]
-                icl = [(k.clone(), v.clone()) for k, v in icl]
+            key = ("cache", bucket, padded.shape[0])
+            col, icl = self._run(key, self._build_cache, (padded, labels, *counts))
         return PaddedCache(col, icl, n_train, n_features, num_classes, bucket, *counts)
 
     @torch.no_grad()
