@@ -333,3 +333,40 @@ def test_cuda_padded_equals_unpadded(recipe):
         # One-shot buckets (16, 8, 6) twice, (16, 4, 6), (4, 1, 1); cache builds on (16, 6) and
         # (4, 1); one cached-predict graph per cache (the flipped rows replay it).
         assert len(served._graphs) == 3 + 2 and served.captures == 3 + 2 + 4
+
+
+def test_stage_attention_choice_reaches_padded_attention():
+    import copy
+
+    from tabserve.models.tabicl.layers import Attention
+
+    recipe = recipes.RECIPES["fp32-buckets"].replace(attention={"row": "efficient", "icl": "cudnn"})
+    served = ServedTabICL(copy.deepcopy(our_model("clf", "tiny")), recipe, GRID)
+    kernels = {
+        stage: {
+            m.prefix_backend
+            for m in getattr(served.model, module).modules()
+            if isinstance(m, Attention)
+        }
+        for stage, module in recipes.STAGES.items()
+    }
+    assert kernels == {"col": {"auto"}, "row": {"efficient"}, "icl": {"masked"}}
+    # On the CPU only the math SDPA backend exists; prefix_attention computes exact maths there.
+    recipe = recipe.replace(attention={"row": "math", "icl": "math"})
+    served = ServedTabICL(copy.deepcopy(our_model("clf", "tiny")), recipe, GRID)
+    X, y = random_table(7, 2, 10, 3, 4, 3)
+    _assert_same(our_model("clf", "tiny")(X, y), served(X, y), True)
+
+
+def test_estimator_auto_recipe_without_measurements_serves_fp32_eager(tmp_path, monkeypatch):
+    from tabserve.models.tabicl import TabICLClassifier, TabICLv2
+
+    monkeypatch.setenv("TABSERVE_RECIPES", str(tmp_path / "none.json"))
+    rng = np.random.default_rng(1)
+    X, y = rng.normal(size=(20, 3)), rng.integers(0, 2, size=20)
+    clf = TabICLClassifier(
+        n_estimators=2, model_path=reference_checkpoint("clf", "tiny"), device="cpu", recipe="auto"
+    )
+    with pytest.warns(UserWarning, match="fp32-eager"):
+        clf.fit(X, y)
+    assert type(clf.model_) is TabICLv2

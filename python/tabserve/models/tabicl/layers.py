@@ -103,6 +103,9 @@ class Attention(nn.Module):
         self.in_proj_bias = nn.Parameter(torch.empty(3 * dim))
         self.out_proj = nn.Linear(dim, dim)
         self.ssmax_layer = QASSMax(num_heads, self.head_dim) if qassmax else None
+        #: Kernel of padded attention (``tabserve.ops.prefix_attention``'s ``backend``); a
+        #: serving recipe may set it per stage.
+        self.prefix_backend = "auto"
 
     def _split_heads(self, x: Tensor) -> Tensor:
         return x.unflatten(-1, (self.num_heads, self.head_dim)).transpose(-3, -2)
@@ -160,7 +163,7 @@ class Attention(nn.Module):
         if n_keys is None:
             out = F.scaled_dot_product_attention(query, k, v)
         else:
-            out = prefix_sdpa(query, k, v, n_keys)
+            out = prefix_sdpa(query, k, v, n_keys, self.prefix_backend)
         out = out.view(*batch_shape, *out.shape[-3:]).transpose(-3, -2).flatten(-2)
         return self.out_proj(out)
 
@@ -176,7 +179,7 @@ def _padded_ops():
     return ops
 
 
-def prefix_sdpa(q: Tensor, k: Tensor, v: Tensor, n_keys: Tensor) -> Tensor:
+def prefix_sdpa(q: Tensor, k: Tensor, v: Tensor, n_keys: Tensor, backend: str = "auto") -> Tensor:
     """SDPA of ``q (B, heads, Lq, D)`` over the first ``n_keys`` keys of ``k``/``v``.
 
     :func:`tabserve.ops.prefix_attention`, in batch chunks that fit its CUDA grid limit (the row
@@ -185,11 +188,13 @@ def prefix_sdpa(q: Tensor, k: Tensor, v: Tensor, n_keys: Tensor) -> Tensor:
     """
     prefix_attention = _padded_ops().prefix_attention
     if q.device.type != "cuda" or q.shape[0] <= _PREFIX_ATTENTION_MAX_BATCH:
-        return prefix_attention(q, k, v, n_keys)
+        return prefix_attention(q, k, v, n_keys, backend=backend)
     step = _PREFIX_ATTENTION_MAX_BATCH
     return torch.cat(
         [
-            prefix_attention(q[i : i + step], k[i : i + step], v[i : i + step], n_keys)
+            prefix_attention(
+                q[i : i + step], k[i : i + step], v[i : i + step], n_keys, backend=backend
+            )
             for i in range(0, q.shape[0], step)
         ]
     )

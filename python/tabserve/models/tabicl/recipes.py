@@ -10,9 +10,8 @@ Fields:
     precision: ``fp32`` (TF32 off for matmul and cuDNN), ``tf32``, ``bf16`` / ``fp16`` autocast.
     attention: ``{stage: backend}`` (stages ``col``, ``row``, ``icl``; backends ``math``,
         ``flash``, ``efficient``, ``cudnn``), applied with ``torch.nn.attention.sdpa_kernel``
-        around each stage's SDPA calls. Padded (bucketed) attention goes through
-        :func:`tabserve.ops.prefix_attention`, which picks its own kernel; the choice then applies
-        to the unpadded calls only.
+        around each stage's SDPA calls. Padded attention (:func:`tabserve.ops.prefix_attention`)
+        takes the matching kernel from :data:`PREFIX_BACKENDS`.
     compile: ``none`` (eager), ``default`` / ``max-autotune-no-cudagraphs`` (whole model,
         ``torch.compile(fullgraph=True)``; static per bucket with ``buckets``) or ``regional``
         (every transformer block compiled on its own, one compiled code object reused by the
@@ -46,6 +45,10 @@ ATTENTION_BACKENDS = {
     "efficient": "EFFICIENT_ATTENTION",
     "cudnn": "CUDNN_ATTENTION",
 }
+#: ``prefix_attention`` backend of padded attention for each SDPA backend: flash / efficient have
+#: varlen kernels reading n on the device; cuDNN and math run SDPA with a key mask (``masked``),
+#: under the stage's ``sdpa_kernel``.
+PREFIX_BACKENDS = {"flash": "flash", "efficient": "efficient", "cudnn": "masked", "math": "masked"}
 #: The model's stages, in the order data flows through them (``stage -> submodule``).
 STAGES = {"col": "col_embedder", "row": "row_interactor", "icl": "icl_predictor"}
 COMPILE_MODES = ("none", "default", "max-autotune-no-cudagraphs", "regional")

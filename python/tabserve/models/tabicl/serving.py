@@ -36,11 +36,11 @@ from torch.utils._pytree import tree_map
 
 from tabserve.buckets import Bucket, BucketGrid
 
-from .layers import SKIP_VALUE, AttentionBlock
+from .layers import SKIP_VALUE, Attention, AttentionBlock
 from .learning import HIERARCHY_LOG_EPS
 from .model import TabICLv2, TabICLv2Cache
 from .quantiles import quantile_stats
-from .recipes import STAGES, Recipe, get_recipe, sdpa_context
+from .recipes import PREFIX_BACKENDS, STAGES, Recipe, get_recipe, sdpa_context
 
 #: Compiled variants one transformer block needs per bucket under regional compile (attention
 #: with / without cached K/V, self-attention, CLS-only queries, ...), with margin.
@@ -174,9 +174,13 @@ class ServedTabICL:
         return cores
 
     def _pin_stage_attention(self) -> None:
-        """Per-stage SDPA backends: each stage module runs under its ``sdpa_kernel``."""
+        """Per-stage SDPA backends: each stage module runs under its ``sdpa_kernel``, and its
+        padded attention uses the matching ``prefix_attention`` kernel."""
         for stage, backend in self.recipe.attention.items():
             module = getattr(self.model, STAGES[stage])
+            for attention in module.modules():
+                if isinstance(attention, Attention):
+                    attention.prefix_backend = PREFIX_BACKENDS[backend]
             for name in ("forward", "build_cache", "forward_cached", "hierarchical_probs"):
                 method = getattr(module, name, None)
                 if method is None:
