@@ -370,3 +370,14 @@ def test_estimator_auto_recipe_without_measurements_serves_fp32_eager(tmp_path, 
     with pytest.warns(UserWarning, match="fp32-eager"):
         clf.fit(X, y)
     assert type(clf.model_) is TabICLv2
+
+
+def test_unpadded_compile_recipe_runs():
+    """A promoted unpadded compile cell (c10) served as a recipe: the model's host-side input
+    checks are graph breaks there, so it compiles without ``fullgraph``."""
+    import copy
+
+    recipe = recipes.Recipe("c10-like", compile="default", compile_backend="eager")
+    served = ServedTabICL(copy.deepcopy(our_model("clf", "tiny")), recipe)
+    X, y = random_table(8, 2, 10, 3, 4, 3)
+    _assert_same(our_model("clf", "tiny")(X, y), served(X, y), True)

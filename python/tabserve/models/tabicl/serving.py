@@ -150,7 +150,9 @@ class ServedTabICL:
     def _compile_options(self) -> dict:
         mode = self.recipe.compile
         return {
-            "fullgraph": True,
+            # The unpadded model's forward checks its inputs on the host (graph breaks); the
+            # padded cores and the blocks have no host work.
+            "fullgraph": self.recipe.buckets or mode == "regional",
             "dynamic": False if self.recipe.buckets else None,
             "mode": None if mode in ("default", "regional") else mode,
             "backend": self.recipe.compile_backend,
@@ -234,8 +236,7 @@ class ServedTabICL:
     def _finish(self, raw: Tensor, num_classes: int, return_logits: bool, temperature: float):
         if self.is_regressor:
             return raw
-        logits = raw[..., :num_classes]
-        return logits if return_logits else torch.softmax(logits / temperature, dim=-1)
+        return self.model._classify(raw, num_classes, return_logits, temperature)
 
     @torch.no_grad()
     def forward(
