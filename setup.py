@@ -50,13 +50,17 @@ def _extension():
     sources = sorted(glob.glob("csrc/ops/*.cpp")) + ["csrc/python_module.cpp"]
     # No -std flag: torch.utils.cpp_extension adds the standard its own headers need (C++17 or
     # C++20 depending on the torch release); forcing one can break the ABI with another torch.
-    cxx = ["-O3", "-fdiagnostics-color=always"]
+    # -fopenmp: at::parallel_for is an inline template that only runs in parallel when the
+    # extension itself is compiled with OpenMP (torch's libgomp serves it at run time).
+    cxx = ["-O3", "-fopenmp", "-fdiagnostics-color=always"]
+    link = ["-fopenmp"]
     if not _with_cuda():
         return CppExtension("tabserve._C", sources, extra_compile_args={"cxx": cxx},
-                            py_limited_api=False)
+                            extra_link_args=link, py_limited_api=False)
     sources += sorted(glob.glob("csrc/ops/cuda/*.cu"))
     nvcc = ["-O3", "--expt-relaxed-constexpr", "-lineinfo"]
-    return CUDAExtension("tabserve._C", sources, extra_compile_args={"cxx": cxx, "nvcc": nvcc})
+    return CUDAExtension("tabserve._C", sources, extra_compile_args={"cxx": cxx, "nvcc": nvcc},
+                         extra_link_args=link)
 
 
 setup(
