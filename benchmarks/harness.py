@@ -27,7 +27,6 @@ from __future__ import annotations
 import ctypes
 import json
 import os
-import platform
 import statistics
 import threading
 import time
@@ -37,7 +36,7 @@ from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 import torch
-from tabserve.bench.report import cpu_name, git_commit
+from tabserve.bench.report import environment as bench_environment
 from tabserve.bench.timing import percentile
 from tabserve.bench.timing import synchronize as _sync
 from tabserve.bench.timing import time_cpu as _time_cpu
@@ -188,23 +187,9 @@ def _cpu_peak(fn) -> tuple[Optional[int], str, dict]:
 
 
 def environment() -> dict:
-    """Versions and hardware of this run, recorded in every JSON result."""
-    env = {
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "cpu": cpu_name(),
-        "cpu_count": os.cpu_count(),
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-        "git_commit": git_commit(),
-    }
-    for module in ("numpy", "pyarrow", "pandas", "tabserve"):
-        try:
-            env[module] = __import__(module).__version__
-        except Exception as error:  # a missing optional package is recorded, not fatal
-            env[module] = f"unavailable ({type(error).__name__})"
-    return env
+    """Versions and hardware of this run, recorded in every JSON result (the driver's record plus
+    the data libraries the preprocessing benchmarks compare against)."""
+    return bench_environment(extra_modules=("pyarrow", "pandas"))
 
 
 def write_json(path: str | os.PathLike, payload: dict) -> None:

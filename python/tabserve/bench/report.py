@@ -35,8 +35,8 @@ MiB = 1024 * 1024
 # Environment
 
 
-def environment() -> dict:
-    """Library versions and hardware of this run."""
+def environment(extra_modules: tuple[str, ...] = ()) -> dict:
+    """Library versions and hardware of this run (plus the versions of ``extra_modules``)."""
     cuda = torch.cuda.is_available()
     env = {
         "python": platform.python_version(),
@@ -59,6 +59,7 @@ def environment() -> dict:
         "triton",
         "transformer_engine",
         "flash_attn_interface",
+        *extra_modules,
     ):
         env[module] = _version(module)
     return env
