@@ -199,9 +199,17 @@ def main(argv=None) -> int:
         workloads = [w for w in WORKLOADS if w.name in args.workloads]
     start = time.perf_counter()
     records = []
+
+    def write(records: list) -> None:  # after every workload: a killed run keeps what it measured
+        harness.write_json(args.out, {"benchmark": "align_categories", "command": " ".join(sys.argv),
+                                      "device": args.device, "total_s": round(time.perf_counter() - start, 1),
+                                      "workloads": records,
+                                      "failures": [m for r in records for m in r["mismatches"]]})
+
     for workload in workloads:
         record = run_workload(workload, args)
         records.append(record)
+        write(records)
         print(f"{workload.name}: graphs {record['compiled_graphs']}, breaks {record['graph_breaks']}, "
               f"mismatches {len(record['mismatches'])}", flush=True)
     names = list(records[0]["methods"])
@@ -217,9 +225,7 @@ def main(argv=None) -> int:
         rows,
     )
     failures = [m for r in records for m in r["mismatches"]]
-    harness.write_json(args.out, {"benchmark": "align_categories", "command": " ".join(sys.argv),
-                                  "device": args.device, "total_s": round(time.perf_counter() - start, 1),
-                                  "workloads": records, "failures": failures})
+    write(records)
     print(f"{len(records)} workloads in {time.perf_counter() - start:.1f} s; JSON: {args.out}")
     if failures:
         print("MISMATCHES:", failures)

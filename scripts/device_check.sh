@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# GPU-machine check in one call (device tool): build, probe the C++ error path, run the CUDA-relevant
-# test files and a quick align benchmark. Logs go to $OUT (or ./device-out).
-#   bash scripts/device_check.sh [PYTEST ARGS...]
+# GPU-machine check in one call (device tool): build, probe the C++ error path, then the stages:
+# the CUDA-relevant test files, a quick align benchmark, the serving check, compute-sanitizer.
+# Logs go to $OUT (or ./device-out).
+#   STAGES="tests align" DEADLINE=500 bash scripts/device_check.sh [PYTEST ARGS...]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/device-out}
@@ -44,15 +45,46 @@ if [ -x /usr/bin/g++ ]; then build CC=/usr/bin/gcc CXX=/usr/bin/g++; else build;
 DESELECT=()
 probe || { echo "!! C++ errors crash: deselecting error-path tests"; DESELECT=(-k "not reject and not bad and not raise and not error"); }
 
-python3 -m pytest -q -p no:cacheprovider -p no:logging -rfE "${DESELECT[@]}" "$@" \
-  test/python/test_string_lookup.py test/python/test_tables.py test/python/test_align.py \
-  test/python/test_encoding.py test/python/test_padding_ops.py test/python/test_buckets.py \
-  2>&1 | tee "$OUT/pytest_ops.log" | tail -25
-python3 -m pytest -q -p no:cacheprovider -p no:logging -rfE -m cuda "${DESELECT[@]}" \
-  test/python/test_tabicl_model.py test/python/test_tabicl_estimators.py \
-  test/python/test_padded_inference.py \
-  2>&1 | tee "$OUT/pytest_tabicl_cuda.log" | tail -8
-timeout 150 python3 benchmarks/align_categories.py --device cuda --budget 0.2 \
-  --out "$OUT/align_categories_h200.json" 2>&1 | tee "$OUT/align.log" | tail -25
-timeout 300 python3 scripts/serving_check.py --out "$OUT/serving_check.json" 2>&1 \
-  | tee "$OUT/serving_check.log" | tail -12
+# Stages after the build, each skipped once $DEADLINE seconds (default 540) have passed, so one
+# device call (10 min at most) always ends with its logs written. STAGES picks them (default all).
+STAGES=${STAGES:-"tests align serving sanitize"}
+DEADLINE=${DEADLINE:-540}
+stage() { [[ " $STAGES " == *" $1 "* ]] || return 1
+  if (( SECONDS > DEADLINE )); then echo "== $1: skipped (${SECONDS}s > ${DEADLINE}s)"; return 1; fi
+  echo "== $1 (${SECONDS}s)"; }
+
+if stage tests; then
+  python3 -m pytest -q -p no:cacheprovider -p no:logging -rfE "${DESELECT[@]}" "$@" \
+    test/python/test_string_lookup.py test/python/test_tables.py test/python/test_align.py \
+    test/python/test_encoding.py test/python/test_padding_ops.py test/python/test_buckets.py \
+    2>&1 | tee "$OUT/pytest_ops.log" | tail -25
+  python3 -m pytest -q -p no:cacheprovider -p no:logging -rfE -m cuda "${DESELECT[@]}" \
+    test/python/test_tabicl_model.py test/python/test_tabicl_estimators.py \
+    test/python/test_padded_inference.py \
+    2>&1 | tee "$OUT/pytest_tabicl_cuda.log" | tail -8
+fi
+if stage align; then
+  timeout 150 python3 benchmarks/align_categories.py --device cuda --budget 0.2 \
+    --out "$OUT/align_categories_h200.json" 2>&1 | tee "$OUT/align.log" | tail -25
+fi
+if stage serving; then
+  timeout 300 python3 scripts/serving_check.py --out "$OUT/serving_check.json" 2>&1 \
+    | tee "$OUT/serving_check.log" | tail -12
+fi
+# compute-sanitizer over the CUDA tests of our kernels (docs/reliability.md); SAN_TIMEOUT seconds
+# (default 90) per tool at most; SAN_TOOLS picks the tools.
+if stage sanitize; then
+  CS=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
+  SAN_TESTS=(test/python/test_string_lookup.py test/python/test_padding_ops.py)
+  for tool in ${SAN_TOOLS:-memcheck racecheck initcheck synccheck}; do
+    (( SECONDS > DEADLINE )) && { echo "-- $tool: skipped (time)"; continue; }
+    extra=(); [ $tool = memcheck ] && extra=(--leak-check full)
+    [ $tool = racecheck ] && extra=(--racecheck-report all)
+    nocache=(); [ $tool = memcheck ] || [ $tool = initcheck ] && nocache=(PYTORCH_NO_CUDA_MEMORY_CACHING=1)
+    env "${nocache[@]}" timeout "${SAN_TIMEOUT:-90}" "$CS" --tool $tool "${extra[@]}" --error-exitcode 1 --target-processes all \
+      python3 -m pytest -q -p no:cacheprovider -p no:logging -k cuda "${SAN_TESTS[@]}" \
+      >"$OUT/sanitize_$tool.log" 2>&1
+    echo "-- $tool rc=$? $(grep -E 'passed|failed' "$OUT/sanitize_$tool.log" | tail -1) $(grep -m1 'ERROR SUMMARY' "$OUT/sanitize_$tool.log")"
+  done
+fi
+echo "== done (${SECONDS}s)"

@@ -315,3 +315,15 @@ def test_ab_mode_alternates_two_cells_on_one_model(tmp_path):
     assert ab["status"] == "ok" and ab["bitwise_equal"] is True
     assert len(ab["slots_ms"]["A"]) == 4 and ab["summary"]["windows"] == 2
     assert "outputs bitwise equal: True" in report.render_ab(ab)
+
+
+def test_deadline_reports_unstarted_jobs_as_skipped_and_still_writes_the_report(tmp_path):
+    out = tmp_path / "bench.json"
+    argv = ["--device", "cpu", "--quick", "--model-size", "tiny", "--workloads", "small-quick"]
+    argv += ["--cells", "c2-fp32", "c13-fp32-kv", "--deadline", "0", "--out", str(out)]
+    assert main(argv + ["--quiet", "--no-plot"]) == 0
+    results = json.loads(out.read_text())["results"]
+    assert [r["cell"] for r in results] == ["c2-fp32", "c13-fp32-kv"]
+    for result in results:
+        assert result["status"] == "skipped"
+        assert result["reason"] == "skipped: the run's --deadline of 0 s had passed"

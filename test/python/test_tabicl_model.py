@@ -269,3 +269,24 @@ def test_cuda_matches_reference(case):
         torch.testing.assert_close(got.cpu(), ours.cpu()(X, y), atol=1e-4, rtol=0)
     finally:
         ours.cpu()
+
+
+@pytest.mark.cuda
+@requires_cuda
+def test_cuda_attention_beyond_the_grid_batch_limit_with_flash():
+    """The row stage's batch (members x rows) passes 65,535 on large tables; flash must still
+    run (chunked) and equal the math kernel."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from tabserve.models.tabicl.layers import batched_sdpa
+
+    generator = torch.Generator(device="cuda").manual_seed(7)
+    q, k, v = (
+        torch.randn(70_000, 2, 5, 16, device="cuda", dtype=torch.float16, generator=generator)
+        for _ in range(3)
+    )
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        got = batched_sdpa(q, k, v)
+    with sdpa_kernel(SDPBackend.MATH):
+        expected = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float())
+    torch.testing.assert_close(got.float(), expected, atol=2e-3, rtol=2e-3)

@@ -31,6 +31,14 @@ constexpr int kWarpsPerBlock = kThreadsPerBlock / kWarp;
 constexpr unsigned kFullMask = 0xffffffffu;
 constexpr int kMaxColumnsPerLaunch = 32;  // keeps QueryBatch well inside the kernel-parameter limit
 
+// One label's bytes and the bounds of the buffer that holds them (the loads stay inside it).
+struct Label {
+  const uint8_t* bytes;
+  int64_t length;
+  const uint8_t* buffer_begin;
+  const uint8_t* buffer_end;
+};
+
 struct DeviceStrings {
   const uint8_t* data;
   int64_t data_size;
@@ -46,6 +54,10 @@ struct DeviceStrings {
     return min(max(offsets[row + 1], begin(row)), data_size);
   }
   __device__ bool is_valid(int64_t row) const { return valid == nullptr || valid[row]; }
+  __device__ Label label(int64_t row) const {
+    const int64_t b = begin(row);
+    return {data + b, end(row) - b, data, data + data_size};
+  }
 };
 
 DeviceStrings device_strings(const at::Tensor& data, const at::Tensor& offsets,
@@ -54,44 +66,48 @@ DeviceStrings device_strings(const at::Tensor& data, const at::Tensor& offsets,
           valid.has_value() ? valid->data_ptr<bool>() : nullptr, offsets.numel() - 1};
 }
 
-// Word k of a label (bytes [8k, 8k + 8), zero-padded), from at most two aligned 8-byte loads.
-// Each aligned word read holds at least one byte of the label, so it never crosses into a page
-// or an allocation block that the label does not touch.
-__device__ __forceinline__ uint64_t load_word(const uint8_t* label, int64_t length, int64_t k) {
-  const uintptr_t address = reinterpret_cast<uintptr_t>(label) + k * core::kWordBytes;
-  const int64_t remaining = length - k * core::kWordBytes;
-  const unsigned misalignment = static_cast<unsigned>(address & 7u);
-  const uint64_t* aligned = reinterpret_cast<const uint64_t*>(address - misalignment);
-  uint64_t word = __ldg(aligned) >> (8u * misalignment);
-  if (misalignment != 0 && remaining > 8 - static_cast<int64_t>(misalignment)) {
-    word |= __ldg(aligned + 1) << (64u - 8u * misalignment);
+// Word k of a label (bytes [8k, 8k + 8), zero-padded). Inside the label's buffer it comes from at
+// most two aligned 8-byte loads; where those would reach past either end of the buffer (the first
+// or last label of a tensor that does not start or end on an 8-byte boundary) it is read byte by
+// byte, so no load touches memory outside the tensor (compute-sanitizer memcheck and initcheck).
+__device__ __forceinline__ uint64_t load_word(const Label& label, int64_t k) {
+  const uint8_t* start = label.bytes + k * core::kWordBytes;
+  const int64_t count = min(label.length - k * core::kWordBytes, int64_t{core::kWordBytes});
+  const unsigned misalignment = static_cast<unsigned>(reinterpret_cast<uintptr_t>(start) & 7u);
+  const uint8_t* first = start - misalignment;
+  const bool two_words = misalignment + count > 8;
+  if (first < label.buffer_begin || first + (two_words ? 16 : 8) > label.buffer_end) {
+    uint64_t word = 0;
+    for (int64_t i = 0; i < count; ++i) word |= uint64_t{__ldg(start + i)} << (8 * i);
+    return word;
   }
-  if (remaining < 8) word &= (uint64_t{1} << (8 * remaining)) - 1;
+  const uint64_t* aligned = reinterpret_cast<const uint64_t*>(first);
+  uint64_t word = __ldg(aligned) >> (8u * misalignment);
+  if (two_words) word |= __ldg(aligned + 1) << (64u - 8u * misalignment);
+  if (count < 8) word &= (uint64_t{1} << (8 * count)) - 1;
   return word;
 }
 
-__device__ uint64_t warp_hash(const uint8_t* label, int64_t length, int64_t column,
-                              int64_t hash_bits, int lane) {
+__device__ uint64_t warp_hash(const Label& label, int64_t column, int64_t hash_bits, int lane) {
   uint64_t sum = 0;
-  const int64_t words = word_count(length);
-  for (int64_t k = lane; k < words; k += kWarp) sum += word_term(load_word(label, length, k), k);
+  const int64_t words = word_count(label.length);
+  for (int64_t k = lane; k < words; k += kWarp) sum += word_term(load_word(label, k), k);
   for (int step = kWarp / 2; step > 0; step /= 2) sum += __shfl_xor_sync(kFullMask, sum, step);
-  return finish_hash(sum, length, column, hash_bits);
+  return finish_hash(sum, label.length, column, hash_bits);
 }
 
-__device__ bool warp_same_bytes(const uint8_t* a, const uint8_t* b, int64_t length, int lane) {
+// a and b have the same length (the callers compare lengths first).
+__device__ bool warp_same_bytes(const Label& a, const Label& b, int lane) {
   bool same = true;
-  const int64_t words = word_count(length);
-  for (int64_t k = lane; k < words && same; k += kWarp) {
-    same = load_word(a, length, k) == load_word(b, length, k);
-  }
+  const int64_t words = word_count(a.length);
+  for (int64_t k = lane; k < words && same; k += kWarp) same = load_word(a, k) == load_word(b, k);
   return __all_sync(kFullMask, same);
 }
 
-__device__ bool thread_same_bytes(const uint8_t* a, const uint8_t* b, int64_t length) {
-  const int64_t words = word_count(length);
+__device__ bool thread_same_bytes(const Label& a, const Label& b) {
+  const int64_t words = word_count(a.length);
   for (int64_t k = 0; k < words; ++k) {
-    if (load_word(a, length, k) != load_word(b, length, k)) return false;
+    if (load_word(a, k) != load_word(b, k)) return false;
   }
   return true;
 }
@@ -112,9 +128,8 @@ __global__ void hash_rows_kernel(DeviceStrings vocabulary, const int64_t* segmen
   const int64_t warps = static_cast<int64_t>(gridDim.x) * kWarpsPerBlock;
   for (int64_t row = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / kWarp;
        row < vocabulary.rows; row += warps) {
-    const int64_t begin = vocabulary.begin(row);
-    const uint64_t h = warp_hash(vocabulary.data + begin, vocabulary.end(row) - begin,
-                                 column_of(segments, columns, row), hash_bits, lane);
+    const uint64_t h =
+        warp_hash(vocabulary.label(row), column_of(segments, columns, row), hash_bits, lane);
     if (lane == 0) hashes[row] = static_cast<int64_t>(h);
   }
 }
@@ -130,8 +145,7 @@ __global__ void insert_rows_kernel(DeviceStrings vocabulary, const int64_t* segm
   const int64_t first = segments[column];
   const int64_t last = segments[column + 1];
   const uint64_t h = static_cast<uint64_t>(hashes[row]);
-  const int64_t begin = vocabulary.begin(row);
-  const int64_t length = vocabulary.end(row) - begin;
+  const Label label = vocabulary.label(row);
   const uint64_t mask = static_cast<uint64_t>(capacity - 1);
   for (uint64_t p = h & mask;; p = (p + 1) & mask) {
     auto* slot = reinterpret_cast<unsigned long long*>(slot_row + p);
@@ -139,9 +153,8 @@ __global__ void insert_rows_kernel(DeviceStrings vocabulary, const int64_t* segm
         atomicCAS(slot, static_cast<unsigned long long>(-1LL), static_cast<unsigned long long>(row)));
     if (held < 0) return;
     if (static_cast<uint64_t>(hashes[held]) == h && held >= first && held < last) {
-      const int64_t held_begin = vocabulary.begin(held);
-      if (vocabulary.end(held) - held_begin == length &&
-          thread_same_bytes(vocabulary.data + held_begin, vocabulary.data + begin, length)) {
+      const Label held_label = vocabulary.label(held);
+      if (held_label.length == label.length && thread_same_bytes(held_label, label)) {
         atomicMax(reinterpret_cast<long long*>(slot_row + p), static_cast<long long>(row));
         return;
       }
@@ -183,11 +196,9 @@ __global__ void lookup_kernel(DeviceStrings vocabulary, const int64_t* segments,
     if (batch.valid[c] == nullptr || batch.valid[c][r]) {
       const DeviceStrings query{batch.data[c], batch.data_size[c], batch.offsets[c], nullptr,
                                 0};
-      const int64_t begin = query.begin(r);
-      const int64_t length = query.end(r) - begin;
-      const uint8_t* label = query.data + begin;
+      const Label label = query.label(r);
       const int64_t column = batch.first_column + c;
-      const uint64_t h = warp_hash(label, length, column, hash_bits, lane);
+      const uint64_t h = warp_hash(label, column, hash_bits, lane);
       const int64_t first = segments[column];
       const int64_t last = segments[column + 1];
       uint64_t p = h & mask;
@@ -198,9 +209,8 @@ __global__ void lookup_kernel(DeviceStrings vocabulary, const int64_t* segments,
             row >= vocabulary.rows) {
           continue;
         }
-        const int64_t row_begin = vocabulary.begin(row);
-        if (vocabulary.end(row) - row_begin == length &&
-            warp_same_bytes(vocabulary.data + row_begin, label, length, lane)) {
+        const Label candidate = vocabulary.label(row);
+        if (candidate.length == label.length && warp_same_bytes(candidate, label, lane)) {
           code = row - first;
           break;
         }

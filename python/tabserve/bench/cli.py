@@ -10,6 +10,7 @@ import json
 import shutil
 import sys
 import tempfile
+import time
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -54,7 +55,14 @@ def parse_args(argv):
         help="size of the random-weight checkpoints made without --checkpoint",
     )
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per (cell, workload) job")
+    p.add_argument(
+        "--deadline",
+        type=float,
+        help="seconds for the whole run: jobs not started by then are reported as skipped "
+        "(the report is still written; for machines lent by the minute)",
+    )
     p.add_argument("--budget", type=float, help="timing budget per measurement, seconds")
+    p.add_argument("--min-repeats", type=int, help="timed repeats per measurement, at least")
     p.add_argument("--seed", type=int, default=0, help="input seed")
     p.add_argument("--ab", nargs=2, metavar=("CELL_A", "CELL_B"), help="ABBA-compare two cells")
     p.add_argument("--windows", type=int, default=12, help="ABBA windows")
@@ -156,6 +164,8 @@ def main(argv=None) -> int:
     timing = dict(TIMING["quick" if quick else "full"])
     if args.budget is not None:
         timing["budget_s"] = args.budget
+    if args.min_repeats is not None:
+        timing["min_repeats"] = args.min_repeats
     run_dir = Path(args.work_dir or tempfile.mkdtemp(prefix="tabserve-bench-"))
     run_dir.mkdir(parents=True, exist_ok=True)
     try:
@@ -196,11 +206,17 @@ def main(argv=None) -> int:
 def _run_cells(args, cells, workloads, device, checkpoints, run_dir, timing) -> list:
     jobs = [(w, c) for w in workloads for c in cells]
     results = []
+    started = time.monotonic()
     with _progress(args.quiet, len(jobs)) as progress:
         task = progress.add_task("cells", total=len(jobs)) if progress else None
         for workload, cell in jobs:
             if progress:
                 progress.update(task, description=f"{workload.name} / {cell.name}")
+            if args.deadline is not None and time.monotonic() - started > args.deadline:
+                results.append(_past_deadline(cell, workload, args.deadline))
+                if progress:
+                    progress.advance(task)
+                continue
             result = run_cell(
                 cell,
                 workload,
@@ -220,6 +236,11 @@ def _run_cells(args, cells, workloads, device, checkpoints, run_dir, timing) -> 
                         f"{result.get('reason', '')}"
                     )
     return results
+
+
+def _past_deadline(cell, workload, deadline: float) -> dict:
+    reason = f"skipped: the run's --deadline of {deadline:g} s had passed"
+    return {"cell": cell.name, "workload": workload.name, "status": "skipped", "reason": reason}
 
 
 def _run_ab(args, cells, workload, device, checkpoints, run_dir, settings) -> int:

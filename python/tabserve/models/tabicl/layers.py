@@ -161,15 +161,31 @@ class Attention(nn.Module):
         k = k.expand(*batch_shape, *k.shape[-3:]).reshape(-1, *k.shape[-3:])
         v = v.expand(*batch_shape, *v.shape[-3:]).reshape(-1, *v.shape[-3:])
         if n_keys is None:
-            out = F.scaled_dot_product_attention(query, k, v)
+            out = batched_sdpa(query, k, v)
         else:
             out = prefix_sdpa(query, k, v, n_keys, self.prefix_backend)
         out = out.view(*batch_shape, *out.shape[-3:]).transpose(-3, -2).flatten(-2)
         return self.out_proj(out)
 
 
-#: Batch limit of the fused CUDA prefix-attention kernels (grid dimension).
-_PREFIX_ATTENTION_MAX_BATCH = 65_535
+#: Batch limit of the fused CUDA attention kernels (a grid dimension).
+_CUDA_ATTENTION_MAX_BATCH = 65_535
+
+
+def batched_sdpa(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    """``F.scaled_dot_product_attention`` over ``(B, heads, L, D)``, in batch chunks of at most
+    65,535 on CUDA: the flash kernel puts the batch on a grid dimension of that limit and fails
+    to launch beyond it (the row stage of 8 members x 10,240 rows, seen on the H200 with flash
+    forced). One call, as before, wherever the batch fits."""
+    if q.device.type != "cuda" or q.shape[0] <= _CUDA_ATTENTION_MAX_BATCH:
+        return F.scaled_dot_product_attention(q, k, v)
+    step = _CUDA_ATTENTION_MAX_BATCH
+    return torch.cat(
+        [
+            F.scaled_dot_product_attention(q[i : i + step], k[i : i + step], v[i : i + step])
+            for i in range(0, q.shape[0], step)
+        ]
+    )
 
 
 def _padded_ops():
@@ -187,9 +203,9 @@ def prefix_sdpa(q: Tensor, k: Tensor, v: Tensor, n_keys: Tensor, backend: str = 
     graph holds them fixed.
     """
     prefix_attention = _padded_ops().prefix_attention
-    if q.device.type != "cuda" or q.shape[0] <= _PREFIX_ATTENTION_MAX_BATCH:
+    if q.device.type != "cuda" or q.shape[0] <= _CUDA_ATTENTION_MAX_BATCH:
         return prefix_attention(q, k, v, n_keys, backend=backend)
-    step = _PREFIX_ATTENTION_MAX_BATCH
+    step = _CUDA_ATTENTION_MAX_BATCH
     return torch.cat(
         [
             prefix_attention(
