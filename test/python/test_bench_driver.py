@@ -6,6 +6,7 @@ workload; everything else is unit-level (subprocess failures are provoked with `
 
 import json
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -151,8 +152,8 @@ def test_a_cell_whose_model_does_not_load_is_a_failed_result(tmp_path):
         timing={},
     )
     assert out["status"] == "failed" and out["reason"].startswith("loading:")
-    pending = runner.run_cell(
-        cell_by_name("c20-fp16-buckets-warm-cache"),
+    skipped = runner.run_cell(
+        cell_by_name("c21-fp8-te"),
         workload_by_name("small-quick"),
         run_dir=tmp_path,
         device="cuda",
@@ -160,7 +161,40 @@ def test_a_cell_whose_model_does_not_load_is_a_failed_result(tmp_path):
         timeout_s=1,
         timing={},
     )
-    assert pending["status"] == "skipped" and "not implemented" in pending["reason"]
+    assert skipped["status"] == "skipped"
+
+
+def test_warm_cache_cell_primes_then_restarts_from_the_saved_artifacts(tmp_path, monkeypatch):
+    """c20: a priming process saves the artifacts, the measured process loads them; both start
+    with their own empty compile caches. The processes are stubbed: the wiring is under test."""
+    calls = []
+
+    def fake_run(command, result_path, timeout_s, env):
+        spec = json.loads(Path(command[-1]).read_text())
+        calls.append((spec, env))
+        if spec.get("compile_cache_mode") == "save":
+            return {"status": "ok", "cold": {"first_call_ms": 30_000.0}, "wall_s": 40.0,
+                    "compile_cache": {"bytes": 10, "artifacts": {"inductor": 2}}}
+        return {"status": "ok", "cold": {"first_call_ms": 900.0}}
+
+    monkeypatch.setattr(runner, "run_isolated", fake_run)
+    cell = cell_by_name("c20-fp16-buckets-warm-cache")
+    args = dict(run_dir=tmp_path, device="cuda", checkpoint=tmp_path / "m.ckpt", timeout_s=9,
+                timing={})
+    result = runner.run_cell(cell, workload_by_name("small"), **args)
+    (prime, prime_env), (measured, measured_env) = calls
+    assert prime["compile_cache_mode"] == "save" and measured["compile_cache_mode"] == "load"
+    assert prime["compile_cache"] == measured["compile_cache"] and prime["outputs"] is None
+    assert prime_env["TORCHINDUCTOR_CACHE_DIR"] != measured_env["TORCHINDUCTOR_CACHE_DIR"]
+    assert result["status"] == "ok" and result["priming"]["cold_ms"] == 30_000.0
+    assert result["priming"]["compile_cache"]["artifacts"] == {"inductor": 2}
+
+    def failing_prime(command, result_path, timeout_s, env):
+        return {"status": "failed", "reason": "priming: nothing compiled"}
+
+    monkeypatch.setattr(runner, "run_isolated", failing_prime)
+    failed = runner.run_cell(cell, workload_by_name("small"), **args)
+    assert failed["status"] == "failed" and failed["reason"].startswith("priming the compile cache")
 
 
 # -- gates and promotion ------------------------------------------------------------------------

@@ -402,6 +402,24 @@ class ServedTabICL:
                 self.forward_with_cache(X[:, bucket.train_rows :], cache)
         return len(buckets)
 
+    def save_compile_cache(self, path) -> dict:
+        """Saves this process's compile-cache artifacts (call it after :meth:`warm_up`), tagged
+        with the recipe and the grid (:func:`tabserve.compile_cache.save`)."""
+        from tabserve import compile_cache
+
+        return compile_cache.save(
+            path, recipe=self.recipe.name, grid=dataclasses.asdict(self.grid)
+        )
+
+    @staticmethod
+    def load_compile_cache(path) -> dict:
+        """Loads artifacts saved by :meth:`save_compile_cache` (in a restarted process, before
+        the first call or :meth:`warm_up`); returns the file's header. Load only files your own
+        deployment wrote: artifacts are code (:mod:`tabserve.compile_cache`)."""
+        from tabserve import compile_cache
+
+        return compile_cache.load(path)
+
 
 def _train_and_test(X: Tensor, n_train: int, chunk) -> Tensor:
     return torch.cat([X[:, :n_train], X[:, n_train + chunk.start : n_train + chunk.stop]], dim=1)
