@@ -325,6 +325,7 @@ def test_quick_cpu_run_writes_schema_table_plot_and_recipes(tmp_path, capsys):
     assert promoted in ("c2-fp32", "c22-fp32-buckets")
 
     assert "Latency (ms" in printed and "c2-fp32" in printed and "Skipped cells:" in printed
+    assert "  c5-fp16 (small-quick): skipped: no CUDA device" in printed
     assert f"small-quick: one_shot {promoted}" in printed
     assert out.with_suffix(".png").stat().st_size > 1000
     recipes = json.loads((tmp_path / "recipes.json").read_text())

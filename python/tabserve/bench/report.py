@@ -370,10 +370,12 @@ def render(document: dict) -> str:
         ]
     skipped: dict = {}
     for r in results:
-        if r["status"] == "skipped":
-            skipped.setdefault(r["cell"], r.get("reason", ""))
+        if r["status"] == "skipped":  # one line per (cell, reason), naming the workloads
+            skipped.setdefault((r["cell"], r.get("reason", "")), []).append(r["workload"])
     if skipped:
-        parts += ["", "Skipped cells:"] + [f"  {c}: {why}" for c, why in skipped.items()]
+        parts += ["", "Skipped cells:"] + [
+            f"  {cell} ({', '.join(workloads)}): {why}" for (cell, why), workloads in skipped.items()
+        ]
     if document["promotion"]:
         parts += ["", "Promoted (fastest cell that passed its gate):"]
         for workload, routes in document["promotion"].items():

@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# The H200 measurements still to make, in parts that each fit one device call (10 minutes):
+# builds with scripts/device_check.sh (no test stages), then runs the named parts in order, each
+# bounded by the driver's --deadline. $OUT gets the result JSONs and logs.tgz (the device tool
+# returns 8 files at most); merge the driver JSONs here with `python -m tabserve.bench --merge`.
+#   bash scripts/device_bench.sh large            # one part per call is the safe plan
+#   bash scripts/device_bench.sh medium stream
+# Parts: large, medium, xlarge, stream, soak, sanitize.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-$PWD/device-out}
+LOG=$(mktemp -d /tmp/device-bench.XXXX)
+mkdir -p "$OUT"
+LIMIT=${LIMIT:-560}  # seconds of this call that the parts may use
+left() { local t=$(( $1 - SECONDS )); (( t < 10 )) && t=10; echo $t; }
+
+STAGES=none OUT="$LOG/build" bash scripts/device_check.sh >"$LOG/build_stage.log" 2>&1 || {
+  tail -20 "$LOG/build_stage.log"; exit 1; }
+ls .whl/*.whl >/dev/null 2>&1 && export PYTHONPATH=/tmp/site
+echo "== built (${SECONDS}s)"
+
+bench() {  # bench NAME WORKLOADS... -- CELLS...
+  local name=$1; shift
+  local workloads=() cells=()
+  while [ "$1" != "--" ]; do workloads+=("$1"); shift; done; shift
+  cells=("$@")
+  python3 -m tabserve.bench --device cuda --budget 0.3 --min-repeats 5 --timeout 150 --quiet \
+    --no-plot --workloads "${workloads[@]}" --cells "${cells[@]}" --deadline "$(left $((LIMIT - 120)))" \
+    --out "$OUT/tabiclv2_h200_$name.json" --recipes "$LOG/recipes_$name.json" \
+    >"$LOG/bench_$name.log" 2>&1
+  sed -n '/^Latency/,$p' "$LOG/bench_$name.log" | cut -c1-220
+}
+
+for part in "$@"; do
+  echo "== $part (${SECONDS}s)"
+  case $part in
+    large)  # what the first run's deadline cut, and flash after the chunking fix
+      bench large large -- c2-fp32 c7-fp16-flash c9-fp16-flash-cudnn-icl c14-fp16-kv \
+        c18-fp16-buckets-cudagraphs c19-fp16-buckets-cudagraphs-kv c16-fp16-buckets-compile ;;
+    medium)
+      bench medium medium many-class regression -- c0-ref-fp32 c1-ref-fp16 c5-fp16 \
+        c9-fp16-flash-cudnn-icl c18-fp16-buckets-cudagraphs c19-fp16-buckets-cudagraphs-kv ;;
+    xlarge)
+      bench xlarge xlarge -- c0-ref-fp32 c1-ref-fp16 c5-fp16 c9-fp16-flash-cudnn-icl ;;
+    stream)
+      bench stream stream -- c0-ref-fp32 c5-fp16 c18-fp16-buckets-cudagraphs c16-fp16-buckets-compile ;;
+    soak)
+      timeout "$(left "$LIMIT")" python3 benchmarks/soak.py --device cuda --size full \
+        --json "$OUT/soak-cuda.json" >"$LOG/soak.log" 2>&1
+      echo "soak rc=$?"; tail -30 "$LOG/soak.log" ;;
+    sanitize)
+      STAGES=sanitize SAN_TOOLS="synccheck racecheck memcheck initcheck" SAN_TIMEOUT=120 \
+        DEADLINE=$(left $((LIMIT - 120))) OUT="$LOG/sanitize" bash scripts/device_check.sh 2>&1 | tail -8 ;;
+    *) echo "unknown part $part (large, medium, xlarge, stream, soak, sanitize)"; exit 2 ;;
+  esac
+done
+tar czf "$OUT/logs.tgz" -C "$LOG" . 2>/dev/null
+echo "== done (${SECONDS}s)"
