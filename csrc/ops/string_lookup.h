@@ -6,6 +6,7 @@
 #include <ATen/ATen.h>
 
 #include <optional>
+#include <vector>
 
 namespace tabserve {
 namespace ops {
@@ -35,6 +36,46 @@ void check_column(const at::Tensor& segments, int64_t column);
 // Checks that the multi-column lookup got one query column per vocabulary column.
 void check_query_columns(const at::Tensor& segments, at::TensorList query_data,
                          at::TensorList query_offsets, size_t query_valid_count);
+
+// The device half of both lookup operators: the codes of every query column (query column i
+// against vocabulary column first_column + i), concatenated. One per backend.
+using LookupColumns = at::Tensor (*)(const at::Tensor& vocabulary_data,
+                                     const at::Tensor& vocabulary_offsets,
+                                     const at::Tensor& vocabulary_segments,
+                                     const at::Tensor& slot_hash, const at::Tensor& slot_row,
+                                     at::TensorList query_data, at::TensorList query_offsets,
+                                     const std::vector<std::optional<at::Tensor>>& query_valid,
+                                     int64_t first_column, int64_t hash_bits, bool check_offsets);
+
+// string_lookup on a backend: one query column against vocabulary column `column`.
+template <LookupColumns lookup_columns>
+at::Tensor string_lookup_kernel(const at::Tensor& vocabulary_data,
+                                const at::Tensor& vocabulary_offsets,
+                                const at::Tensor& vocabulary_segments, const at::Tensor& slot_hash,
+                                const at::Tensor& slot_row, const at::Tensor& query_data,
+                                const at::Tensor& query_offsets,
+                                const std::optional<at::Tensor>& query_valid, int64_t column,
+                                int64_t hash_bits, bool check_offsets) {
+  check_column(vocabulary_segments, column);
+  return lookup_columns(vocabulary_data, vocabulary_offsets, vocabulary_segments, slot_hash,
+                        slot_row, {query_data}, {query_offsets}, {query_valid}, column, hash_bits,
+                        check_offsets);
+}
+
+// string_lookup_multi on a backend: query column c against vocabulary column c, for every c.
+template <LookupColumns lookup_columns>
+at::Tensor string_lookup_multi_kernel(const at::Tensor& vocabulary_data,
+                                      const at::Tensor& vocabulary_offsets,
+                                      const at::Tensor& vocabulary_segments,
+                                      const at::Tensor& slot_hash, const at::Tensor& slot_row,
+                                      at::TensorList query_data, at::TensorList query_offsets,
+                                      const c10::List<std::optional<at::Tensor>>& query_valid,
+                                      int64_t hash_bits, bool check_offsets) {
+  check_query_columns(vocabulary_segments, query_data, query_offsets, query_valid.size());
+  const std::vector<std::optional<at::Tensor>> valid(query_valid.begin(), query_valid.end());
+  return lookup_columns(vocabulary_data, vocabulary_offsets, vocabulary_segments, slot_hash,
+                        slot_row, query_data, query_offsets, valid, 0, hash_bits, check_offsets);
+}
 
 }  // namespace ops
 }  // namespace tabserve

@@ -344,39 +344,12 @@ at::Tensor lookup_columns_cuda(const at::Tensor& vocabulary_data,
   return codes;
 }
 
-at::Tensor string_lookup_cuda(const at::Tensor& vocabulary_data,
-                              const at::Tensor& vocabulary_offsets,
-                              const at::Tensor& vocabulary_segments, const at::Tensor& slot_hash,
-                              const at::Tensor& slot_row, const at::Tensor& query_data,
-                              const at::Tensor& query_offsets,
-                              const std::optional<at::Tensor>& query_valid, int64_t column,
-                              int64_t hash_bits, bool check_offsets) {
-  check_column(vocabulary_segments, column);
-  return lookup_columns_cuda(vocabulary_data, vocabulary_offsets, vocabulary_segments, slot_hash,
-                             slot_row, {query_data}, {query_offsets}, {query_valid}, column,
-                             hash_bits, check_offsets);
-}
-
-at::Tensor string_lookup_multi_cuda(const at::Tensor& vocabulary_data,
-                                    const at::Tensor& vocabulary_offsets,
-                                    const at::Tensor& vocabulary_segments,
-                                    const at::Tensor& slot_hash, const at::Tensor& slot_row,
-                                    at::TensorList query_data, at::TensorList query_offsets,
-                                    const c10::List<std::optional<at::Tensor>>& query_valid,
-                                    int64_t hash_bits, bool check_offsets) {
-  check_query_columns(vocabulary_segments, query_data, query_offsets, query_valid.size());
-  std::vector<std::optional<at::Tensor>> valid(query_valid.begin(), query_valid.end());
-  return lookup_columns_cuda(vocabulary_data, vocabulary_offsets, vocabulary_segments, slot_hash,
-                             slot_row, query_data, query_offsets, valid, 0, hash_bits,
-                             check_offsets);
-}
-
 }  // namespace
 
 TORCH_LIBRARY_IMPL(tabserve, CUDA, m) {
   m.impl("string_index_build", &string_index_build_cuda);
-  m.impl("string_lookup", &string_lookup_cuda);
-  m.impl("string_lookup_multi", &string_lookup_multi_cuda);
+  m.impl("string_lookup", &string_lookup_kernel<&lookup_columns_cuda>);
+  m.impl("string_lookup_multi", &string_lookup_multi_kernel<&lookup_columns_cuda>);
 }
 
 }  // namespace ops
