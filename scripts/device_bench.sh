@@ -5,7 +5,7 @@
 # returns 8 files at most); merge the driver JSONs here with `python -m tabserve.bench --merge`.
 #   bash scripts/device_bench.sh large            # one part per call is the safe plan
 #   bash scripts/device_bench.sh medium stream
-# Parts: large, medium, xlarge, stream, soak, sanitize.
+# Parts: small, large, medium, xlarge, stream, soak, sanitize.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
@@ -35,9 +35,13 @@ bench() {  # bench NAME WORKLOADS... -- CELLS...
 for part in "$@"; do
   echo "== $part (${SECONDS}s)"
   case $part in
+    small)  # compile + CUDA graphs against CUDA graphs alone; c20 after its priming change
+      bench small small -- c0-ref-fp32 c1-ref-fp16 c18-fp16-buckets-cudagraphs \
+        c23-fp16-buckets-compile-cudagraphs c20-fp16-buckets-warm-cache ;;
     large)  # what the first run's deadline cut, and flash after the chunking fix
       bench large large -- c2-fp32 c7-fp16-flash c9-fp16-flash-cudnn-icl c14-fp16-kv \
-        c18-fp16-buckets-cudagraphs c19-fp16-buckets-cudagraphs-kv c16-fp16-buckets-compile ;;
+        c18-fp16-buckets-cudagraphs c19-fp16-buckets-cudagraphs-kv c23-fp16-buckets-compile-cudagraphs \
+        c16-fp16-buckets-compile ;;
     medium)
       bench medium medium many-class regression -- c0-ref-fp32 c1-ref-fp16 c5-fp16 \
         c9-fp16-flash-cudnn-icl c18-fp16-buckets-cudagraphs c19-fp16-buckets-cudagraphs-kv ;;
@@ -52,7 +56,7 @@ for part in "$@"; do
     sanitize)
       STAGES=sanitize SAN_TOOLS="synccheck racecheck memcheck initcheck" SAN_TIMEOUT=120 \
         DEADLINE=$(left $((LIMIT - 120))) OUT="$LOG/sanitize" bash scripts/device_check.sh 2>&1 | tail -8 ;;
-    *) echo "unknown part $part (large, medium, xlarge, stream, soak, sanitize)"; exit 2 ;;
+    *) echo "unknown part $part (small, large, medium, xlarge, stream, soak, sanitize)"; exit 2 ;;
   esac
 done
 tar czf "$OUT/logs.tgz" -C "$LOG" . 2>/dev/null

@@ -8,6 +8,7 @@ plain model's within 1e-6 absolute with the same argmax, one-shot and KV-cached,
 
 from __future__ import annotations
 
+import copy
 import random
 import warnings
 
@@ -273,14 +274,18 @@ class _ReplayOnCPU:
         return self.output
 
 
-def test_graph_replay_plumbing_on_cpu(monkeypatch):
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_graph_replay_plumbing_on_cpu(monkeypatch, compiled):
     """Per-(bucket, batch) graphs, inputs copied in, outputs copied out, cached predicts keyed by
-    the cache's storage: the logic of the CUDA-graph recipe, run with a CPU stand-in."""
+    the cache's storage: the logic of the CUDA-graph recipe, run with a CPU stand-in; also with
+    the bucket cores compiled (fp16-buckets-compile-cudagraphs' route; `eager` backend)."""
     from tabserve.models.tabicl import serving
 
     monkeypatch.setattr(serving, "_BucketGraph", _ReplayOnCPU)
+    torch._dynamo.reset()
     model = our_model("clf", "tiny")
-    served = ServedTabICL(model, "fp32-buckets", GRID)
+    recipe = recipes.RECIPES["fp32-buckets-compile" if compiled else "fp32-buckets"]
+    served = ServedTabICL(copy.deepcopy(model), recipe.replace(compile_backend="eager"), GRID)
     served.recipe = served.recipe.replace(cuda_graphs=True)
     cases = [(10, 5, 5, 3, 2), (12, 6, 6, 3, 2), (10, 5, 5, 3, 3), (2, 1, 1, 2, 2)]
     results = []
@@ -310,10 +315,20 @@ def _cuda_model(task: str):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("recipe", ["fp32-buckets", "fp32-buckets-cudagraphs"])
+@pytest.mark.parametrize(
+    "recipe",
+    [
+        recipes.RECIPES["fp32-buckets"],
+        recipes.RECIPES["fp32-buckets-cudagraphs"],
+        recipes.RECIPES["fp32-buckets-compile"].replace(cuda_graphs=True),
+    ],
+    ids=["eager", "cudagraphs", "compile-cudagraphs"],
+)
 def test_cuda_padded_equals_unpadded(recipe):
-    """fp32 on the GPU (TF32 off): padded (eager or replayed CUDA graphs) against unpadded,
-    two tables per bucket so a replay must see its new inputs, then KV-cached."""
+    """fp32 on the GPU (TF32 off): padded (eager, replayed CUDA graphs, replayed compiled
+    kernels) against unpadded, two tables per bucket so a replay must see its new inputs, then
+    KV-cached."""
+    torch._dynamo.reset()
     model = _cuda_model("clf")
     served = ServedTabICL(_cuda_model("clf"), recipe, GRID)
     with recipes.precision_flags("fp32"):
@@ -329,7 +344,7 @@ def test_cuda_padded_equals_unpadded(recipe):
             assert (cached - expected).abs().max() <= 1e-5
             again = served.forward_with_cache(X[:, n_train:].flip(1), cache, return_logits=False)
             assert (again - expected.flip(1)).abs().max() <= 1e-5
-    if recipe.endswith("cudagraphs"):
+    if recipe.cuda_graphs:
         # One-shot buckets (16, 8, 6) twice, (16, 4, 6), (4, 1, 1); cache builds on (16, 6) and
         # (4, 1); one cached-predict graph per cache (the flipped rows replay it).
         assert len(served._graphs) == 3 + 2 and served.captures == 3 + 2 + 4

@@ -263,6 +263,16 @@ CELLS: tuple[Cell, ...] = (
         buckets="default",
         devices=_BOTH,
     ),
+    # Compile and CUDA graphs together: Inductor's fused kernels replayed per bucket.
+    Cell(
+        "c23-fp16-buckets-compile-cudagraphs",
+        "tabserve",
+        "fp16",
+        "fp16, bucket grid + torch.compile, the compiled kernels in a CUDA graph per bucket",
+        compile="default",
+        buckets="default",
+        cuda_graphs=True,
+    ),
 )
 
 

@@ -198,6 +198,15 @@ RECIPES: dict[str, Recipe] = dict(
             cuda_graphs=True,
         ),
         _recipe(
+            "fp16-buckets-compile-cudagraphs",
+            "torch.compile(fullgraph) per bucket, its kernels captured in one CUDA graph per "
+            "bucket (shared pool), fp16 (CUDA only)",
+            precision="fp16",
+            buckets=True,
+            compile="default",
+            cuda_graphs=True,
+        ),
+        _recipe(
             "fp32-buckets-cudagraphs",
             "one CUDA graph per bucket (shared pool), fp32 (CUDA only)",
             buckets=True,
