@@ -290,3 +290,31 @@ def test_cuda_attention_beyond_the_grid_batch_limit_with_flash():
     with sdpa_kernel(SDPBackend.MATH):
         expected = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float())
     torch.testing.assert_close(got.float(), expected, atol=2e-3, rtol=2e-3)
+
+
+@pytest.mark.parametrize("max_tokens", [1, 100])
+def test_row_stage_runs_tall_inputs_in_row_chunks_with_the_same_results(max_tokens):
+    """Rows never interact in the row stage: chunking them (one row per pass, or uneven chunks)
+    changes no prediction, one-shot, KV-cached or padded."""
+    import copy
+
+    from tabserve.buckets import BucketGrid
+    from tabserve.models.tabicl.serving import ServedTabICL
+
+    X, y = random_table(11, 2, 20, 7, 5, 3)
+    whole = our_model("clf", "tiny")
+    chunked = copy.deepcopy(whole)
+    chunked.row_interactor.max_tokens = max_tokens
+    passes = []
+    original = chunked.row_interactor._rows
+    chunked.row_interactor._rows = lambda e, n: passes.append(e.shape[1]) or original(e, n)
+
+    torch.testing.assert_close(chunked(X, y), whole(X, y), atol=1e-6, rtol=0)
+    assert len(passes) > 1 and sum(passes) == 27  # 20 train + 7 test rows, in several passes
+    cache = chunked.build_cache(X[:, :20], y)
+    expected = whole.forward_with_cache(X[:, 20:], whole.build_cache(X[:, :20], y))
+    got = chunked.forward_with_cache(X[:, 20:], cache)
+    torch.testing.assert_close(got, expected, atol=1e-6, rtol=0)
+    grid = BucketGrid(train_rows=(24,), test_rows=(8,), features=(6,))
+    served = ServedTabICL(chunked, "fp32-buckets", grid)
+    torch.testing.assert_close(served(X, y), whole(X, y), atol=1e-6, rtol=0)

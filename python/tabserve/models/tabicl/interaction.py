@@ -3,7 +3,8 @@
 Per row, 4 learned CLS tokens followed by the row's column tokens go through pre-LN blocks with
 rotate-half RoPE (positions 0..3 for the CLS tokens, 4.. for the columns). The last block only
 computes the CLS queries; their outputs are layer-normed and concatenated into one
-``num_cls * E`` row vector. Rows never interact.
+``num_cls * E`` row vector. Rows never interact, so tall inputs run in row chunks
+(:data:`ROW_STAGE_MAX_TOKENS`) with the same result and bounded activations.
 """
 
 from __future__ import annotations
@@ -12,6 +13,12 @@ import torch
 from torch import Tensor, nn
 
 from .layers import AttentionBlock, RotaryEmbedding
+
+#: Tokens (tables x rows x (CLS + column tokens)) the row stage processes in one pass; taller
+#: inputs run in chunks of rows. Its activations (the feed-forward hidden layer is 4 x dim wide
+#: per token) are the model's largest on tall, wide tables: 2**24 tokens keep them to a few GiB,
+#: and every workload up to 8 x 10,240 rows x 64 features runs in one pass.
+ROW_STAGE_MAX_TOKENS = 1 << 24
 
 
 class RowEncoder(nn.Module):
@@ -51,11 +58,26 @@ class RowInteraction(nn.Module):
         self.tf_row = RowEncoder(num_blocks, dim, num_heads, ff_dim, ln_bias, rope_base)
         self.cls_tokens = nn.Parameter(torch.empty(num_cls, dim))
         self.out_ln = nn.LayerNorm(dim, bias=ln_bias)
+        #: Per-instance chunking threshold (tests lower it).
+        self.max_tokens = ROW_STAGE_MAX_TOKENS
 
     def forward(self, embeddings: Tensor, n_features: Tensor | None = None) -> Tensor:
         """``n_features`` (padded serving, 0-d tensor): the real column tokens; the tokens past
         ``num_cls + n_features`` are feature padding and are masked out as keys. They sit after
-        every real token, so the real tokens keep their RoPE positions."""
+        every real token, so the real tokens keep their RoPE positions.
+
+        Inputs of more than ``max_tokens`` tokens run in chunks of rows (chunk bounds are shapes:
+        a compiled or captured graph holds them fixed)."""
+        batch, rows, columns = embeddings.shape[:3]
+        step = max(1, self.max_tokens // (batch * (columns + self.num_cls)))
+        if rows <= step:
+            return self._rows(embeddings, n_features)
+        return torch.cat(
+            [self._rows(embeddings[:, i : i + step], n_features) for i in range(0, rows, step)],
+            dim=1,
+        )
+
+    def _rows(self, embeddings: Tensor, n_features: Tensor | None) -> Tensor:
         batch, rows = embeddings.shape[:2]
         n_keys = None if n_features is None else n_features + self.num_cls
         cls = self.cls_tokens.to(embeddings.dtype).expand(batch, rows, *self.cls_tokens.shape)
