@@ -292,10 +292,12 @@ def test_cuda_attention_beyond_the_grid_batch_limit_with_flash():
     torch.testing.assert_close(got.float(), expected, atol=2e-3, rtol=2e-3)
 
 
-@pytest.mark.parametrize("max_tokens", [1, 100])
-def test_row_stage_runs_tall_inputs_in_row_chunks_with_the_same_results(max_tokens):
-    """Rows never interact in the row stage: chunking them (one row per pass, or uneven chunks)
-    changes no prediction, one-shot, KV-cached or padded."""
+@pytest.mark.parametrize("uneven", [False, True], ids=["one-per-pass", "uneven"])
+@pytest.mark.parametrize("stage", ["row", "column"])
+def test_stages_run_large_inputs_in_chunks_with_the_same_results(stage, uneven):
+    """Rows never interact in the row stage, feature groups never interact in the column stage:
+    chunking them (one per pass, or uneven chunks) changes no prediction, one-shot (also with
+    more classes than the model's maximum), KV-cached or padded."""
     import copy
 
     from tabserve.buckets import BucketGrid
@@ -304,13 +306,27 @@ def test_row_stage_runs_tall_inputs_in_row_chunks_with_the_same_results(max_toke
     X, y = random_table(11, 2, 20, 7, 5, 3)
     whole = our_model("clf", "tiny")
     chunked = copy.deepcopy(whole)
-    chunked.row_interactor.max_tokens = max_tokens
+    module, method, axis, total = (
+        (chunked.row_interactor, "_rows", 1, 27)  # 20 train + 7 test rows
+        if stage == "row"
+        else (chunked.col_embedder.tf_col, "forward", 1, 5)  # 5 feature groups
+    )
+    # Row stage: 2 tables x (5 groups + 4 CLS) tokens per row, so 100 tokens = 5 rows per pass;
+    # column stage: 2 tables x 27 rows cells per group, so 108 cells = 2 groups per pass.
+    if stage == "row":
+        chunked.row_interactor.max_tokens = 100 if uneven else 1
+    else:
+        chunked.col_embedder.max_cells = 108 if uneven else 1
     passes = []
-    original = chunked.row_interactor._rows
-    chunked.row_interactor._rows = lambda e, n: passes.append(e.shape[1]) or original(e, n)
+    original = getattr(module, method)
 
+    def counting(tensor, *args):
+        passes.append(tensor.shape[axis])
+        return original(tensor, *args)
+
+    setattr(module, method, counting)
     torch.testing.assert_close(chunked(X, y), whole(X, y), atol=1e-6, rtol=0)
-    assert len(passes) > 1 and sum(passes) == 27  # 20 train + 7 test rows, in several passes
+    assert len(passes) > 1 and sum(passes) == total
     cache = chunked.build_cache(X[:, :20], y)
     expected = whole.forward_with_cache(X[:, 20:], whole.build_cache(X[:, :20], y))
     got = chunked.forward_with_cache(X[:, 20:], cache)
@@ -318,3 +334,5 @@ def test_row_stage_runs_tall_inputs_in_row_chunks_with_the_same_results(max_toke
     grid = BucketGrid(train_rows=(24,), test_rows=(8,), features=(6,))
     served = ServedTabICL(chunked, "fp32-buckets", grid)
     torch.testing.assert_close(served(X, y), whole(X, y), atol=1e-6, rtol=0)
+    many_X, many_y = random_table(12, 2, 40, 5, 4, 13)  # > max_classes: mixed-radix digits
+    torch.testing.assert_close(chunked(many_X, many_y), whole(many_X, many_y), atol=1e-6, rtol=0)

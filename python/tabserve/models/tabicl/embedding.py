@@ -4,7 +4,8 @@ Every feature group (3 features at cyclic offsets +1, +2, +4) is one set of ``T`
 embedded by a linear layer, train cells get a label embedding, and a stack of induced-set-attention
 blocks (ISAB) mixes each set: 128 learned inducing points attend to the train cells only
 (QASSMax, ``n`` = train rows), then every cell attends to the inducing points. Columns, tables and
-test rows never interact.
+test rows never interact, so wide, tall inputs run in chunks of feature groups
+(:data:`COLUMN_STAGE_MAX_CELLS`) with the same result and bounded activations.
 
 The reference also pushes 4 placeholder columns (the row stage's CLS slots) through this stage and
 discards them; we skip them, which is exact.
@@ -23,6 +24,11 @@ from .layers import SKIP_VALUE, AttentionBlock, KeyValue, sentinel_linear
 
 #: Cyclic feature offsets of one group (``col_feature_group="same"``, group size 3).
 GROUP_OFFSETS: tuple[int, ...] = (1, 2, 4)
+
+#: Cells (tables x feature groups x rows) the set transformer processes in one pass; more run in
+#: chunks of feature groups (the feed-forward hidden layer is 4 x dim wide per cell). Every
+#: workload up to 8 x 10,240 rows x 64 features runs in one pass.
+COLUMN_STAGE_MAX_CELLS = 1 << 24
 
 
 class InducedSetBlock(nn.Module):
@@ -138,6 +144,8 @@ class ColumnEmbedding(nn.Module):
         self.register_buffer("group_offsets", torch.tensor(GROUP_OFFSETS), persistent=False)
         self.in_linear = nn.Linear(group_size, dim)
         self.tf_col = SetTransformer(num_blocks, dim, num_heads, ff_dim, num_inds, ln_bias)
+        #: Per-instance chunking threshold (tests lower it).
+        self.max_cells = COLUMN_STAGE_MAX_CELLS
         self.y_encoder = nn.Linear(max_classes if max_classes > 0 else 1, dim)
 
     def cells(self, X: Tensor, n_features: Tensor | None = None) -> Tensor:
@@ -152,6 +160,30 @@ class ColumnEmbedding(nn.Module):
         index = (torch.arange(X.shape[-1], device=X.device)[:, None] + offsets) % modulus
         grouped = X.transpose(1, 2)[:, index]  # (B, H, 3, T)
         return sentinel_linear(self.in_linear, grouped.transpose(-1, -2))
+
+    def _group_chunks(self, cells: Tensor) -> list:
+        """Slices of the feature-group axis of ``cells (B, H, T, E)``, each at most
+        ``max_cells`` cells (shapes only: a compiled or captured graph holds them fixed)."""
+        batch, groups, rows = cells.shape[:3]
+        step = max(1, self.max_cells // max(1, batch * rows))
+        if groups <= step:
+            return [slice(None)]
+        return [slice(i, i + step) for i in range(0, groups, step)]
+
+    def _set_transformer(
+        self, cells: Tensor, n_train: int, n_keys: Tensor | None
+    ) -> tuple[Tensor, list[KeyValue]]:
+        """``tf_col`` over chunks of feature groups (groups never interact in this stage)."""
+        chunks = self._group_chunks(cells)
+        if len(chunks) == 1:
+            return self.tf_col(cells, n_train, n_keys)
+        parts = [self.tf_col(cells[:, c], n_train, n_keys) for c in chunks]
+        out = torch.cat([p[0] for p in parts], dim=1)
+        summaries = [
+            tuple(torch.cat([p[1][block][i] for p in parts], dim=1) for i in range(2))
+            for block in range(len(parts[0][1]))
+        ]
+        return out, summaries
 
     def label_embedding(self, y: Tensor) -> Tensor:
         """``(B, N)`` labels (class indices or standardised targets) -> ``(B, N, E)``."""
@@ -192,12 +224,14 @@ class ColumnEmbedding(nn.Module):
         if num_classes is None:
             num_classes = int(y_train.max().item()) + 1 if self.max_classes > 0 else 0
         if num_classes <= self.max_classes:
-            out, _ = self.tf_col(self._with_labels(cells, y_train, n_train), rows, n_train)
+            labelled = self._with_labels(cells, y_train, n_train)
+            out, _ = self._set_transformer(labelled, rows, n_train)
         else:
             bases = mixed_radix_bases(num_classes, self.max_classes)
             out = torch.zeros_like(cells)
             for digit in mixed_radix_digits(y_train, bases):
-                out = out + self.tf_col(self._with_labels(cells, digit, n_train), rows, n_train)[0]
+                labelled = self._with_labels(cells, digit, n_train)
+                out = out + self._set_transformer(labelled, rows, n_train)[0]
             out = out / len(bases)
         return out.transpose(1, 2)
 
@@ -209,7 +243,7 @@ class ColumnEmbedding(nn.Module):
         n_features: Tensor | None = None,
     ) -> tuple[Tensor, list[KeyValue]]:
         """Train-only pass: train embeddings ``(B, N, H, E)`` and the column K/V cache."""
-        out, summaries = self.tf_col(
+        out, summaries = self._set_transformer(
             self._with_labels(self.cells(X_train, n_features), y_train, n_train),
             y_train.shape[1],
             n_train,
@@ -221,4 +255,11 @@ class ColumnEmbedding(nn.Module):
     ) -> Tensor:
         """Test-only pass against the column cache: ``(B, M, H) -> (B, M, H, E)``."""
         cells = self.cells(X_test, n_features)
-        return self.tf_col.forward_cached(cells, summaries).transpose(1, 2)
+        chunks = self._group_chunks(cells)
+        if len(chunks) == 1:
+            return self.tf_col.forward_cached(cells, summaries).transpose(1, 2)
+        parts = [
+            self.tf_col.forward_cached(cells[:, c], [(k[:, c], v[:, c]) for k, v in summaries])
+            for c in chunks
+        ]
+        return torch.cat(parts, dim=1).transpose(1, 2)
