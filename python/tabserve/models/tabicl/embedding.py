@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .layers import SKIP_VALUE, AttentionBlock, KeyValue, sentinel_linear
+from .layers import SKIP_VALUE, AttentionBlock, KeyValue, chunk_slices, sentinel_linear
 
 #: Cyclic feature offsets of one group (``col_feature_group="same"``, group size 3).
 GROUP_OFFSETS: tuple[int, ...] = (1, 2, 4)
@@ -163,12 +163,9 @@ class ColumnEmbedding(nn.Module):
 
     def _group_chunks(self, cells: Tensor) -> list:
         """Slices of the feature-group axis of ``cells (B, H, T, E)``, each at most
-        ``max_cells`` cells (shapes only: a compiled or captured graph holds them fixed)."""
+        ``max_cells`` cells."""
         batch, groups, rows = cells.shape[:3]
-        step = max(1, self.max_cells // max(1, batch * rows))
-        if groups <= step:
-            return [slice(None)]
-        return [slice(i, i + step) for i in range(0, groups, step)]
+        return chunk_slices(groups, batch * rows, self.max_cells)
 
     def _set_transformer(
         self, cells: Tensor, n_train: int, n_keys: Tensor | None

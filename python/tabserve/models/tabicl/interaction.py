@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from .layers import AttentionBlock, RotaryEmbedding
+from .layers import AttentionBlock, RotaryEmbedding, chunk_slices
 
 #: Tokens (tables x rows x (CLS + column tokens)) the row stage processes in one pass; taller
 #: inputs run in chunks of rows. Its activations (the feed-forward hidden layer is 4 x dim wide
@@ -69,13 +69,10 @@ class RowInteraction(nn.Module):
         Inputs of more than ``max_tokens`` tokens run in chunks of rows (chunk bounds are shapes:
         a compiled or captured graph holds them fixed)."""
         batch, rows, columns = embeddings.shape[:3]
-        step = max(1, self.max_tokens // (batch * (columns + self.num_cls)))
-        if rows <= step:
+        chunks = chunk_slices(rows, batch * (columns + self.num_cls), self.max_tokens)
+        if len(chunks) == 1:
             return self._rows(embeddings, n_features)
-        return torch.cat(
-            [self._rows(embeddings[:, i : i + step], n_features) for i in range(0, rows, step)],
-            dim=1,
-        )
+        return torch.cat([self._rows(embeddings[:, c], n_features) for c in chunks], dim=1)
 
     def _rows(self, embeddings: Tensor, n_features: Tensor | None) -> Tensor:
         batch, rows = embeddings.shape[:2]

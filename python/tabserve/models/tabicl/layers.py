@@ -172,20 +172,31 @@ class Attention(nn.Module):
 _CUDA_ATTENTION_MAX_BATCH = 65_535
 
 
+def chunk_slices(length: int, cost_per_item: int, budget: int) -> list:
+    """Slices covering ``range(length)`` whose items cost at most ``budget`` together (at least
+    one item per slice); ``[slice(None)]`` when everything fits. Shapes only, never data: a
+    compiled or captured graph holds the chunking fixed."""
+    step = max(1, budget // max(1, cost_per_item))
+    if length <= step:
+        return [slice(None)]
+    return [slice(i, i + step) for i in range(0, length, step)]
+
+
+def _in_cuda_batch_chunks(attend, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    """``attend(q, k, v)`` over ``(B, heads, L, D)``, in batch chunks of at most 65,535 on CUDA:
+    the fused kernels (flash, varlen flash, memory-efficient) put the batch on a grid dimension
+    of that limit and fail to launch beyond it; the row stage's batch is tables x rows (8 x
+    10,240 on the large workload, seen on the H200 with flash forced). One call wherever the
+    batch fits. Chunk bounds are shapes, not data: a compiled or captured graph holds them."""
+    chunks = chunk_slices(q.shape[0], 1, _CUDA_ATTENTION_MAX_BATCH)
+    if q.device.type != "cuda" or len(chunks) == 1:
+        return attend(q, k, v)
+    return torch.cat([attend(q[c], k[c], v[c]) for c in chunks])
+
+
 def batched_sdpa(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-    """``F.scaled_dot_product_attention`` over ``(B, heads, L, D)``, in batch chunks of at most
-    65,535 on CUDA: the flash kernel puts the batch on a grid dimension of that limit and fails
-    to launch beyond it (the row stage of 8 members x 10,240 rows, seen on the H200 with flash
-    forced). One call, as before, wherever the batch fits."""
-    if q.device.type != "cuda" or q.shape[0] <= _CUDA_ATTENTION_MAX_BATCH:
-        return F.scaled_dot_product_attention(q, k, v)
-    step = _CUDA_ATTENTION_MAX_BATCH
-    return torch.cat(
-        [
-            F.scaled_dot_product_attention(q[i : i + step], k[i : i + step], v[i : i + step])
-            for i in range(0, q.shape[0], step)
-        ]
-    )
+    """``F.scaled_dot_product_attention`` within the CUDA batch limit."""
+    return _in_cuda_batch_chunks(F.scaled_dot_product_attention, q, k, v)
 
 
 def _padded_ops():
@@ -196,23 +207,11 @@ def _padded_ops():
 
 
 def prefix_sdpa(q: Tensor, k: Tensor, v: Tensor, n_keys: Tensor, backend: str = "auto") -> Tensor:
-    """SDPA of ``q (B, heads, Lq, D)`` over the first ``n_keys`` keys of ``k``/``v``.
-
-    :func:`tabserve.ops.prefix_attention`, in batch chunks that fit its CUDA grid limit (the row
-    stage's batch is tables x rows). Chunk bounds are shapes, not data: a compiled or captured
-    graph holds them fixed.
-    """
+    """SDPA of ``q (B, heads, Lq, D)`` over the first ``n_keys`` keys of ``k``/``v``
+    (:func:`tabserve.ops.prefix_attention`), within the CUDA batch limit."""
     prefix_attention = _padded_ops().prefix_attention
-    if q.device.type != "cuda" or q.shape[0] <= _CUDA_ATTENTION_MAX_BATCH:
-        return prefix_attention(q, k, v, n_keys, backend=backend)
-    step = _CUDA_ATTENTION_MAX_BATCH
-    return torch.cat(
-        [
-            prefix_attention(
-                q[i : i + step], k[i : i + step], v[i : i + step], n_keys, backend=backend
-            )
-            for i in range(0, q.shape[0], step)
-        ]
+    return _in_cuda_batch_chunks(
+        lambda q, k, v: prefix_attention(q, k, v, n_keys, backend=backend), q, k, v
     )
 
 
