@@ -19,7 +19,7 @@ import torch
 from . import report
 from .cells import CELLS, cell_by_name, select_cells, skip_reason
 from .gates import apply_gates
-from .runner import run_ab, run_cell
+from .runner import run_ab, run_cell, skipped_result
 from .workloads import (
     CHECKPOINT_SEED,
     QUICK_WORKLOADS,
@@ -213,20 +213,19 @@ def _run_cells(args, cells, workloads, device, checkpoints, run_dir, timing) -> 
             if progress:
                 progress.update(task, description=f"{workload.name} / {cell.name}")
             if args.deadline is not None and time.monotonic() - started > args.deadline:
-                results.append(_past_deadline(cell, workload, args.deadline))
-                if progress:
-                    progress.advance(task)
-                continue
-            result = run_cell(
-                cell,
-                workload,
-                run_dir=run_dir,
-                device=device,
-                checkpoint=checkpoints[workload.task],
-                timeout_s=args.timeout,
-                timing=timing,
-                seed=args.seed,
-            )
+                reason = f"skipped: the run's --deadline of {args.deadline:g} s had passed"
+                result = skipped_result(cell, workload, reason)
+            else:
+                result = run_cell(
+                    cell,
+                    workload,
+                    run_dir=run_dir,
+                    device=device,
+                    checkpoint=checkpoints[workload.task],
+                    timeout_s=args.timeout,
+                    timing=timing,
+                    seed=args.seed,
+                )
             results.append(result)
             if progress:
                 progress.advance(task)
@@ -236,11 +235,6 @@ def _run_cells(args, cells, workloads, device, checkpoints, run_dir, timing) -> 
                         f"{result.get('reason', '')}"
                     )
     return results
-
-
-def _past_deadline(cell, workload, deadline: float) -> dict:
-    reason = f"skipped: the run's --deadline of {deadline:g} s had passed"
-    return {"cell": cell.name, "workload": workload.name, "status": "skipped", "reason": reason}
 
 
 def _run_ab(args, cells, workload, device, checkpoints, run_dir, settings) -> int:

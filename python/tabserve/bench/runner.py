@@ -102,6 +102,11 @@ def measure_command(spec_path: Path) -> list:
     return [sys.executable, "-m", "tabserve.bench.measure", str(spec_path)]
 
 
+def skipped_result(cell: Cell, workload: Workload, reason: str) -> dict:
+    """The result of a job that did not run, ``reason`` starting with "skipped: "."""
+    return {"cell": cell.name, "workload": workload.name, "status": "skipped", "reason": reason}
+
+
 def run_cell(
     cell: Cell,
     workload: Workload,
@@ -116,7 +121,7 @@ def run_cell(
     """One (cell, workload) job: skipped here when the cell cannot run, else in a subprocess."""
     reason = skip_reason(cell, device)
     if reason is not None:
-        return {"cell": cell.name, "workload": workload.name, "status": "skipped", "reason": reason}
+        return skipped_result(cell, workload, reason)
     job_dir = Path(run_dir) / "jobs" / f"{workload.name}__{cell.name}"
     job_dir.mkdir(parents=True, exist_ok=True)
     spec = {
