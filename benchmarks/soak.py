@@ -21,10 +21,13 @@ and JSON (``--json``, default benchmarks/results/soak-<device>.json).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import math
 import statistics
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 import torch
@@ -84,18 +87,22 @@ def memory_now(device: torch.device) -> dict:
     return row
 
 
-def soak(model, device, size: str, predictions: int, window: int, seed: int) -> list:
-    """Per-window latency and memory rows over ``predictions`` fresh tables."""
+def soak(
+    model, device, size: str, predictions: int, window: int, seed: int, deadline: float = math.inf
+) -> list:
+    """Per-window latency and memory rows over ``predictions`` fresh tables (fewer when the
+    ``time.monotonic()`` deadline passes first: the last row then closes a partial window)."""
     generator = torch.Generator().manual_seed(seed)
     shapes = SHAPES[size]
     rows, latencies = [], []
     for i in range(predictions):
+        stop = time.monotonic() > deadline
         shape = shapes[int(torch.randint(len(shapes), (1,), generator=generator))]
         X, y = random_table(generator, shape, device)
         ms, out = time_once(lambda X=X, y=y: model(X, y), device)
         assert out.shape[:2] == (1, shape[1]) and bool(torch.isfinite(out).all())
         latencies.append(ms)
-        if (i + 1) % window == 0 or i + 1 == predictions:
+        if (i + 1) % window == 0 or i + 1 == predictions or stop:
             rows.append(
                 {
                     "predictions": i + 1,
@@ -106,17 +113,20 @@ def soak(model, device, size: str, predictions: int, window: int, seed: int) -> 
             )
             print("  ".join(f"{k} {v:.1f}" for k, v in rows[-1].items()), flush=True)
             latencies = []
+        if stop:
+            break
     return rows
 
 
 def verdict(rows: list, warmup_windows: int) -> dict:
     """Growth of the last window over the first one after warm-up."""
-    first, last = rows[min(warmup_windows, len(rows) - 1)], rows[-1]
+    after = rows[min(warmup_windows, len(rows) - 1) :]  # a short run keeps its last window
+    first, last = after[0], rows[-1]
     result = {
         "after_warmup_predictions": first["predictions"],
         "latency_drift": last["median_ms"] / first["median_ms"] - 1,
         "rss_growth_mib": last["rss_mib"] - first["rss_mib"],
-        "rss_peak_growth_mib": max(r["rss_mib"] for r in rows[warmup_windows:]) - first["rss_mib"],
+        "rss_peak_growth_mib": max(r["rss_mib"] for r in after) - first["rss_mib"],
     }
     for key in ("allocated_mib", "reserved_mib"):
         if key in last:
@@ -132,17 +142,23 @@ def verdict(rows: list, warmup_windows: int) -> dict:
     return result
 
 
-def concurrency_check(model, device, size: str, tables: int, seed: int) -> dict:
-    """Two host threads (CUDA: one stream each) against one thread on the same tables."""
+def concurrency_check(
+    model, device, size: str, tables: int, seed: int, precision=contextlib.nullcontext
+) -> dict:
+    """Two host threads (CUDA: one stream each) against one thread on the same tables.
+
+    ``precision()`` gives the context every thread predicts under (autocast state is per
+    thread)."""
     generator = torch.Generator().manual_seed(seed + 1)
     inputs = [random_table(generator, SHAPES[size][i % 2], device) for i in range(tables)]
-    expected = [model(X, y) for X, y in inputs]
+    with precision():
+        expected = [model(X, y) for X, y in inputs]
     results: dict = {}
 
     def serve(worker: int) -> None:
         stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        context = torch.cuda.stream(stream) if stream is not None else _nothing()
-        with context:
+        context = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+        with context, precision():
             results[worker] = [model(X, y) for X, y in inputs[worker::2]]
         if stream is not None:
             stream.synchronize()
@@ -164,14 +180,6 @@ def concurrency_check(model, device, size: str, tables: int, seed: int) -> dict:
     }
 
 
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--predictions", type=int, default=10_000)
@@ -185,6 +193,15 @@ def main(argv=None) -> int:
     parser.add_argument("--warmup-windows", type=int, default=2)
     parser.add_argument("--concurrency-tables", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--precision",
+        choices=("fp32", "fp16", "bf16"),
+        default="fp32",
+        help="fp16 / bf16: autocast, as the reduced-precision serving recipes run",
+    )
+    parser.add_argument(
+        "--max-seconds", type=float, default=math.inf, help="stop the stream early after this"
+    )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     device = torch.device(args.device)
@@ -195,13 +212,25 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as folder:
         path = args.checkpoint or write_checkpoint(size, Path(folder))
         model = TabICLv2.from_checkpoint(path, device=device)
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(args.precision)
+
+    def precision():
+        if dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device.type, dtype=dtype)
+
     start = memory_now(device)
-    rows = soak(model, device, size, predictions, window, args.seed)
+    deadline = time.monotonic() + args.max_seconds
+    with precision():
+        rows = soak(model, device, size, predictions, window, args.seed, deadline)
+    served = rows[-1]["predictions"]
     result = verdict(rows, args.warmup_windows)
-    concurrency = concurrency_check(model, device, size, args.concurrency_tables, args.seed)
+    concurrency = concurrency_check(
+        model, device, size, args.concurrency_tables, args.seed, precision
+    )
 
     print_table(
-        f"soak: {predictions} predictions, TabICLv2 {size} on {device} "
+        f"soak: {served} of {predictions} predictions, TabICLv2 {size} {args.precision} on {device} "
         f"(torch threads {torch.get_num_threads()})",
         list(rows[0]),
         [[f"{v:.2f}" if isinstance(v, float) else v for v in r.values()] for r in rows],
@@ -230,7 +259,10 @@ def main(argv=None) -> int:
             "benchmark": "soak",
             "size": size,
             "device": str(device),
+            "precision": args.precision,
             "predictions": predictions,
+            "served": served,
+            "stopped_early": served < predictions,
             "window": window,
             "windows": rows,
             "memory_at_start": start,
@@ -239,7 +271,7 @@ def main(argv=None) -> int:
         },
     )
     print(f"wrote {out}")
-    return 0 if result["ok"] and concurrency["identical"] else 1
+    return 0 if result["ok"] and concurrency["identical"] and served == predictions else 1
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@
 # returns 8 files at most); merge the driver JSONs here with `python -m tabserve.bench --merge`.
 #   bash scripts/device_bench.sh large            # one part per call is the safe plan
 #   bash scripts/device_bench.sh medium stream
-# Parts: small, large, medium, xlarge, stream, soak, sanitize.
+# Parts: small, large, medium, xlarge, stream, soak, sanitize, profile, cudatests.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
@@ -49,14 +49,27 @@ for part in "$@"; do
       bench xlarge xlarge -- c0-ref-fp32 c1-ref-fp16 c5-fp16 c9-fp16-flash-cudnn-icl ;;
     stream)
       bench stream stream -- c0-ref-fp32 c5-fp16 c18-fp16-buckets-cudagraphs c16-fp16-buckets-compile ;;
+    profile)  # where the time goes (benchmarks/profile_tabiclv2.py), large then small
+      for w in large small; do
+        timeout "$(left $((LIMIT - 60)))" python3 benchmarks/profile_tabiclv2.py --device cuda \
+          --workload $w --cells ${PROFILE_CELLS:-c1-ref-fp16 c5-fp16 c7-fp16-flash c18-fp16-buckets-cudagraphs} \
+          --out "$LOG/profile_$w.txt" --json "$OUT/profile_$w.json" 2>"$LOG/profile_$w.err"
+        echo "profile $w rc=$?"; cat "$OUT/profile_$w.json" 2>/dev/null | tr -d '\n ' | cut -c1-1500; echo
+      done ;;
+    cudatests)  # the CUDA tests of the model, padding and serving (after model changes)
+      timeout "$(left $((LIMIT - 30)))" python3 -m pytest -q -p no:cacheprovider -p no:logging -rfE \
+        -m cuda test/python/test_tabicl_model.py test/python/test_padded_inference.py \
+        test/python/test_padding_ops.py >"$LOG/cudatests.log" 2>&1
+      echo "cudatests rc=$?"; tail -15 "$LOG/cudatests.log" ;;
     soak)
       timeout "$(left "$LIMIT")" python3 benchmarks/soak.py --device cuda --size full \
+        --precision "${SOAK_PRECISION:-fp16}" --max-seconds "${SOAK_SECONDS:-$(left $((LIMIT - 60)))}" \
         --json "$OUT/soak-cuda.json" >"$LOG/soak.log" 2>&1
       echo "soak rc=$?"; tail -30 "$LOG/soak.log" ;;
     sanitize)
-      STAGES=sanitize SAN_TOOLS="synccheck racecheck memcheck initcheck" SAN_TIMEOUT=120 \
+      STAGES=sanitize SAN_TOOLS="${SAN_TOOLS:-synccheck racecheck memcheck initcheck}" SAN_TIMEOUT=${SAN_TIMEOUT:-120} \
         DEADLINE=$(left $((LIMIT - 120))) OUT="$LOG/sanitize" bash scripts/device_check.sh 2>&1 | tail -8 ;;
-    *) echo "unknown part $part (small, large, medium, xlarge, stream, soak, sanitize)"; exit 2 ;;
+    *) echo "unknown part $part (small, large, medium, xlarge, stream, soak, sanitize, profile, cudatests)"; exit 2 ;;
   esac
 done
 tar czf "$OUT/logs.tgz" -C "$LOG" . 2>/dev/null

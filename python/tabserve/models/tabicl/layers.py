@@ -54,9 +54,9 @@ class QASSMax(nn.Module):
 
     def forward(self, q: Tensor, num_keys: int) -> Tensor:
         """q: ``(batch, heads, queries, head_dim)``; returns the scaled queries, same shape."""
-        log_n = torch.tensor(math.log(max(num_keys, 1)), device=q.device, dtype=q.dtype).reshape(
-            1, 1
-        )
+        # torch.full fills on the device: no host-to-device copy, which would synchronise the
+        # host with the GPU once per ICL block and stall kernel launches behind it.
+        log_n = torch.full((1, 1), math.log(max(num_keys, 1)), device=q.device, dtype=q.dtype)
         base = self.base_mlp(log_n).view(1, self.num_heads, 1, self.head_dim)
         modulation = 1 + torch.tanh(self.query_mlp(q))
         return q * (base * modulation)

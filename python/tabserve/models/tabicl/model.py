@@ -227,8 +227,10 @@ class TabICLv2(nn.Module):
         return num_classes
 
     # ------------------------------------------------------------------ forward
-    def _representations(self, X: Tensor, y_train: Tensor) -> Tensor:
-        return self.row_interactor(self.col_embedder(X, y_train))
+    def _representations(self, X: Tensor, y_train: Tensor, num_classes: int) -> Tensor:
+        # num_classes comes from the label checks: reading it again from the labels in the
+        # column stage would stall the host on the GPU.
+        return self.row_interactor(self.col_embedder(X, y_train, num_classes=num_classes))
 
     def _classify(
         self, raw: Tensor, num_classes: int, return_logits: bool, temperature: float
@@ -258,7 +260,7 @@ class TabICLv2(nn.Module):
         X = self._check_table(X)
         num_classes = self._check_labels(X, y_train)
         y_train = y_train.to(X.dtype)
-        R = self._representations(X, y_train)
+        R = self._representations(X, y_train, num_classes)
         if num_classes > self.config.max_classes:
             probs = self.icl_predictor.hierarchical_probs(R, y_train)
             return (

@@ -1,0 +1,168 @@
+"""Where the time of one TabICLv2 call goes, per stage and per kernel, for driver cells.
+
+For each cell (names as in ``python -m tabserve.bench --list``) on one workload: the warm wall time
+of a one-shot call, the GPU time of each stage (column embedding, row interaction, in-context
+learning; CUDA events around the stage modules' methods, so the reference and tabserve split the
+same way), the share of the wall time the GPU is busy, and ``torch.profiler`` tables of the
+kernels by device time and of the operators by host time. Not a benchmark: the driver measures;
+this explains.
+
+    python benchmarks/profile_tabiclv2.py --device cuda --workload large \
+        --cells c1-ref-fp16 c5-fp16 --out profile-large.txt
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from tabserve.bench.cells import cell_by_name
+from tabserve.bench.engines import make_engine
+from tabserve.bench.workloads import make_checkpoint, model_tables, workload_by_name
+
+STAGES = {"col": "col_embedder", "row": "row_interactor", "icl": "icl_predictor"}
+METHODS = ("forward", "build_cache", "forward_cached", "hierarchical_probs")
+
+
+class StageTimer:
+    """CUDA-event (or wall-clock on CPU) time of each stage module's methods, summed per call."""
+
+    def __init__(self, model: torch.nn.Module, device: torch.device):
+        self.device, self.spans = device, []
+        for stage, attribute in STAGES.items():
+            module = getattr(model, attribute, None)
+            for method in METHODS:
+                if module is not None and hasattr(module, method):
+                    setattr(module, method, self._wrap(stage, getattr(module, method)))
+
+    def _wrap(self, stage, fn):
+        def timed(*args, **kwargs):
+            if self.device.type == "cuda":
+                start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+                start.record()
+                out = fn(*args, **kwargs)
+                end.record()
+                self.spans.append((stage, start, end))
+            else:
+                t0 = time.perf_counter()
+                out = fn(*args, **kwargs)
+                self.spans.append((stage, t0, time.perf_counter()))
+            return out
+
+        return timed
+
+    def collect(self) -> dict:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        totals = {stage: 0.0 for stage in STAGES}
+        for stage, start, end in self.spans:
+            ms = start.elapsed_time(end) if self.device.type == "cuda" else (end - start) * 1e3
+            totals[stage] += ms
+        self.spans.clear()
+        return totals
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def profile_cell(name: str, workload, checkpoint: Path, device: torch.device, repeats: int):
+    cell = cell_by_name(name)
+    engine = make_engine(cell, workload, checkpoint, device)
+    X, y = model_tables(workload, seed=1, device=device)
+    for _ in range(3):  # warm-up: compile, capture, cuDNN plans
+        engine.one_shot(X, y)
+    _sync(device)
+    walls = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        engine.one_shot(X, y)
+        _sync(device)
+        walls.append((time.perf_counter() - t0) * 1e3)
+    # Stage split (only where the stage modules run eagerly: compiled or captured cells hide it).
+    model = getattr(engine, "model", None)
+    inner = getattr(model, "model", model)
+    eager = not (cell.compile or cell.regional or cell.cuda_graphs)
+    timer = StageTimer(inner, device) if eager and isinstance(inner, torch.nn.Module) else None
+    stages = []
+    if timer is not None:
+        for _ in range(repeats):
+            engine.one_shot(X, y)
+            stages.append(timer.collect())
+    stage_ms = (
+        {s: round(statistics.median(t[s] for t in stages), 3) for s in STAGES} if stages else {}
+    )
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        engine.one_shot(X, y)
+        _sync(device)
+    events = prof.key_averages()
+    sort_device = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    kernel_us = sum(getattr(e, "self_device_time_total", 0.0) for e in events)
+    wall = statistics.median(walls)
+    result = {
+        "cell": name,
+        "workload": workload.name,
+        "wall_ms_median": round(wall, 3),
+        "wall_ms_all": [round(w, 3) for w in walls],
+        "stage_gpu_ms": stage_ms,
+        "device_busy_ms": round(kernel_us / 1e3, 3),
+        "device_busy_share": round(kernel_us / 1e3 / wall, 3) if wall else None,
+    }
+    tables = (
+        f"-- {name} on {workload.name}: kernels by device time\n"
+        + events.table(sort_by=sort_device, row_limit=30, max_name_column_width=90)
+        + f"\n-- {name} on {workload.name}: operators by host time\n"
+        + events.table(sort_by="self_cpu_time_total", row_limit=20, max_name_column_width=90)
+    )
+    del engine
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return result, tables
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--workload", default="large")
+    parser.add_argument("--cells", nargs="+", default=["c1-ref-fp16", "c5-fp16"])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--checkpoint", type=Path, help="default: random v2 weights (seed 0)")
+    parser.add_argument("--out", type=Path, help="write the profiler tables here")
+    parser.add_argument("--json", type=Path, help="write the per-cell summaries here")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    workload = workload_by_name(args.workload)
+    summaries, texts = [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        checkpoint = args.checkpoint or make_checkpoint(workload.task, Path(tmp) / "v2.ckpt")
+        for name in args.cells:
+            try:
+                summary, text = profile_cell(name, workload, checkpoint, device, args.repeats)
+            except Exception as error:  # one cell failing must not hide the others
+                summary, text = {"cell": name, "error": f"{type(error).__name__}: {error}"}, ""
+            print(json.dumps(summary), flush=True)
+            summaries.append(summary)
+            texts.append(text)
+    if args.out:
+        args.out.write_text("\n".join(texts))
+    else:
+        print("\n".join(texts))
+    if args.json:
+        args.json.write_text(json.dumps(summaries, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    with contextlib.suppress(BrokenPipeError):
+        sys.exit(main())
