@@ -5,7 +5,7 @@
 # returns 8 files at most); merge the driver JSONs here with `python -m tabserve.bench --merge`.
 #   bash scripts/device_bench.sh large            # one part per call is the safe plan
 #   bash scripts/device_bench.sh medium stream
-# Parts: small, large, medium, xlarge, stream, soak, sanitize, profile, cudatests.
+# Parts: small, large, compiled, medium, xlarge, stream, soak, sanitize, profile, cudatests.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
@@ -25,8 +25,8 @@ bench() {  # bench NAME WORKLOADS... -- CELLS...
   local workloads=() cells=()
   while [ "$1" != "--" ]; do workloads+=("$1"); shift; done; shift
   cells=("$@")
-  python3 -m tabserve.bench --device cuda --budget 0.3 --min-repeats 5 --timeout 150 --quiet \
-    --no-plot --workloads "${workloads[@]}" --cells "${cells[@]}" --deadline "$(left $((LIMIT - 120)))" \
+  python3 -m tabserve.bench --device cuda --budget 0.3 --min-repeats 5 --timeout "${CELL_TIMEOUT:-150}" --quiet \
+    --no-plot --workloads "${workloads[@]}" --cells "${cells[@]}" --deadline "${BUDGET:-$(left $((LIMIT - 120)))}" \
     --out "$OUT/tabiclv2_h200_$name.json" --recipes "$LOG/recipes_$name.json" \
     >"$LOG/bench_$name.log" 2>&1
   sed -n '/^Latency/,$p' "$LOG/bench_$name.log" | cut -c1-220
@@ -42,9 +42,11 @@ for part in "$@"; do
       bench large large -- c2-fp32 c7-fp16-flash c9-fp16-flash-cudnn-icl c14-fp16-kv \
         c18-fp16-buckets-cudagraphs c19-fp16-buckets-cudagraphs-kv c23-fp16-buckets-compile-cudagraphs \
         c16-fp16-buckets-compile ;;
+    compiled)  # whole-model compile and compile + CUDA graphs on the large workload
+      BUDGET=${COMPILED_BUDGET:-} bench compiled large -- c10-fp16-compile c23-fp16-buckets-compile-cudagraphs ;;
     medium)
-      bench medium medium many-class regression -- c0-ref-fp32 c1-ref-fp16 c5-fp16 \
-        c9-fp16-flash-cudnn-icl c18-fp16-buckets-cudagraphs c19-fp16-buckets-cudagraphs-kv ;;
+      bench medium medium many-class regression -- ${MEDIUM_CELLS:-c0-ref-fp32 c1-ref-fp16 c5-fp16 \
+        c9-fp16-flash-cudnn-icl c18-fp16-buckets-cudagraphs c19-fp16-buckets-cudagraphs-kv} ;;
     xlarge)
       bench xlarge xlarge -- c0-ref-fp32 c1-ref-fp16 c5-fp16 c9-fp16-flash-cudnn-icl ;;
     stream)
@@ -69,7 +71,7 @@ for part in "$@"; do
     sanitize)
       STAGES=sanitize SAN_TOOLS="${SAN_TOOLS:-synccheck racecheck memcheck initcheck}" SAN_TIMEOUT=${SAN_TIMEOUT:-120} \
         DEADLINE=$(left $((LIMIT - 120))) OUT="$LOG/sanitize" bash scripts/device_check.sh 2>&1 | tail -8 ;;
-    *) echo "unknown part $part (small, large, medium, xlarge, stream, soak, sanitize, profile, cudatests)"; exit 2 ;;
+    *) echo "unknown part $part (small, large, compiled, medium, xlarge, stream, soak, sanitize, profile, cudatests)"; exit 2 ;;
   esac
 done
 tar czf "$OUT/logs.tgz" -C "$LOG" . 2>/dev/null
