@@ -362,3 +362,57 @@ def test_deadline_reports_unstarted_jobs_as_skipped_and_still_writes_the_report(
     for result in results:
         assert result["status"] == "skipped"
         assert result["reason"] == "skipped: the run's --deadline of 0 s had passed"
+
+
+def test_cells_without_an_fp32_cell_get_a_gate_only_reference(tmp_path, capsys):
+    # c13 alone would be unchecked (no fp32 outputs in the run): the driver adds a gate-only
+    # c0-ref-fp32 job (one call, no timing) so the gate runs and the cell can be promoted.
+    out = tmp_path / "bench.json"
+    argv = ["--device", "cpu", "--quick", "--model-size", "tiny", "--workloads", "small-quick"]
+    argv += ["--cells", "c13-fp32-kv", "--budget", "0.02", "--out", str(out)]
+    assert main(argv + ["--quiet", "--no-plot", "--timeout", "120"]) == 0
+    document = json.loads(out.read_text())
+    by_cell = {r["cell"]: r for r in document["results"]}
+    assert list(by_cell) == ["c0-ref-fp32", "c13-fp32-kv"]
+    reference = by_cell["c0-ref-fp32"]
+    assert reference["status"] == "ok" and reference["gate_only"] is True
+    assert reference["cold"]["first_call_ms"] > 0
+    assert "one_shot" not in reference and "kv" not in reference
+    gate = by_cell["c13-fp32-kv"]["gate"]
+    assert gate["reference"] == "c0-ref-fp32" and gate["passed"] is True
+    assert gate["one_shot"]["max_prob_diff"] < 1e-4
+    assert document["promotion"]["small-quick"]["one_shot"]["cell"] == "c13-fp32-kv"
+    assert {c["name"] for c in document["cells"]} == {"c0-ref-fp32", "c13-fp32-kv"}
+    printed = capsys.readouterr().out
+    assert "gate-ref" in printed
+
+    # Opting out leaves the gate unchecked, and nothing is promoted.
+    out2 = tmp_path / "bench2.json"
+    argv2 = argv[:-1] + [str(out2), "--no-gate-reference"]
+    assert main(argv2 + ["--quiet", "--no-plot", "--timeout", "120"]) == 0
+    document = json.loads(out2.read_text())
+    (result,) = document["results"]
+    assert result["gate"]["passed"] is None and document["promotion"] == {}
+
+    # Merging: the gate-only result never replaces the earlier measured one.
+    measured = {"workload": "small-quick", "cell": "c0-ref-fp32", "status": "ok",
+                "one_shot": {"median_ms": 5.0}}
+    first = dict(document, results=[measured])
+    second = dict(document, results=[dict(reference)])
+    paths = [tmp_path / "a.json", tmp_path / "b.json"]
+    for path, doc in zip(paths, (first, second)):
+        path.write_text(json.dumps(doc))
+    merged_out = tmp_path / "merged.json"
+    argv3 = ["--merge", *map(str, paths), "--out", str(merged_out), "--no-plot"]
+    argv3 += ["--recipes", str(tmp_path / "r.json")]
+    assert main(argv3) == 0
+    (kept,) = json.loads(merged_out.read_text())["results"]
+    assert kept["one_shot"]["median_ms"] == 5.0 and not kept.get("gate_only")
+
+
+def test_gate_reference_cell_choice():
+    from tabserve.bench.cli import gate_reference_cell
+
+    assert gate_reference_cell([cell_by_name("c13-fp32-kv")], "cpu").name == "c0-ref-fp32"
+    assert gate_reference_cell([cell_by_name("c2-fp32"), cell_by_name("c13-fp32-kv")], "cpu") is None
+    assert gate_reference_cell([], "cpu") is None

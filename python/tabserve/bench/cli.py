@@ -18,7 +18,7 @@ import torch
 
 from . import report
 from .cells import CELLS, cell_by_name, select_cells, skip_reason
-from .gates import apply_gates
+from .gates import FP32_CELLS, apply_gates
 from .runner import run_ab, run_cell, skipped_result
 from .workloads import (
     CHECKPOINT_SEED,
@@ -60,6 +60,12 @@ def parse_args(argv):
         type=float,
         help="seconds for the whole run: jobs not started by then are reported as skipped "
         "(the report is still written; for machines lent by the minute)",
+    )
+    p.add_argument(
+        "--no-gate-reference",
+        action="store_true",
+        help="do not add a gate-only fp32 job when the selected cells have no fp32 cell (their "
+        "gates are then unchecked and they are never promoted)",
     )
     p.add_argument("--budget", type=float, help="timing budget per measurement, seconds")
     p.add_argument("--min-repeats", type=int, help="timed repeats per measurement, at least")
@@ -192,8 +198,12 @@ def main(argv=None) -> int:
             results, {c.name: c for c in CELLS}, {w.name: w for w in workloads}, _load_outputs
         )
         report.add_speedups(results)
+        extra = {r["cell"] for r in results} - {c.name for c in cells}  # a gate-only reference
         document = report.payload(
-            settings=settings, cells=cells, workloads=workloads, results=results
+            settings=settings,
+            cells=cells + [cell_by_name(name) for name in sorted(extra)],
+            workloads=workloads,
+            results=results,
         )
         out = args.out or _default_out(device, quick, args)
         _publish(document, out, args)
@@ -203,13 +213,32 @@ def main(argv=None) -> int:
             shutil.rmtree(run_dir, ignore_errors=True)
 
 
+def gate_reference_cell(cells, device: str):
+    """The fp32 cell to run gate-only when ``cells`` need gating but hold no fp32 cell (the
+    reference ``c0-ref-fp32`` when it can run here, else ``c2-fp32``), or None."""
+    names = {c.name for c in cells}
+    if not cells or names & set(FP32_CELLS):
+        return None
+    for name in FP32_CELLS:
+        cell = cell_by_name(name)
+        if skip_reason(cell, device) is None:
+            return cell
+    return None
+
+
 def _run_cells(args, cells, workloads, device, checkpoints, run_dir, timing) -> list:
-    jobs = [(w, c) for w in workloads for c in cells]
+    reference = None if args.no_gate_reference else gate_reference_cell(cells, device)
+    # (workload, cell, gate_only): a gate-only fp32 job first, so every cell of the run is gated.
+    jobs = [
+        job
+        for w in workloads
+        for job in ([(w, reference, True)] if reference else []) + [(w, c, False) for c in cells]
+    ]
     results = []
     started = time.monotonic()
     with _progress(args.quiet, len(jobs)) as progress:
         task = progress.add_task("cells", total=len(jobs)) if progress else None
-        for workload, cell in jobs:
+        for workload, cell, gate_only in jobs:
             if progress:
                 progress.update(task, description=f"{workload.name} / {cell.name}")
             if args.deadline is not None and time.monotonic() - started > args.deadline:
@@ -225,6 +254,7 @@ def _run_cells(args, cells, workloads, device, checkpoints, run_dir, timing) -> 
                     timeout_s=args.timeout,
                     timing=timing,
                     seed=args.seed,
+                    gate_only=gate_only,
                 )
             results.append(result)
             if progress:
@@ -260,12 +290,15 @@ def _run_ab(args, cells, workload, device, checkpoints, run_dir, settings) -> in
 
 def _merge(args) -> int:
     """One document from several runs' JSON (gates were computed in each run; a later file's
-    result for the same cell and workload replaces an earlier one)."""
+    result for the same cell and workload replaces an earlier one, unless it is gate-only)."""
     documents = [json.loads(path.read_text()) for path in args.merge]
     results = {}
     for document in documents:
         for result in document["results"]:
-            results[(result["workload"], result["cell"])] = result
+            key = (result["workload"], result["cell"])
+            if result.get("gate_only") and key in results:
+                continue  # a gate-only job never replaces a measured result
+            results[key] = result
     merged = list(results.values())
     report.add_speedups(merged)
     names = {r["cell"] for r in merged}

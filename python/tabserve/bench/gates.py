@@ -131,10 +131,12 @@ def latency(result: dict, route: str) -> float | None:
 
 
 def promotable(result: dict, cell: Cell) -> bool:
-    """Ran, passed its gate and is a tabserve recipe (baselines are never promoted)."""
+    """Ran (measured, not gate-only), passed its gate and is a tabserve recipe (baselines are
+    never promoted)."""
     return (
         result.get("status") == "ok"
         and not cell.baseline
+        and not result.get("gate_only")
         and result.get("gate", {}).get("passed") is True
     )
 

@@ -162,7 +162,10 @@ def run_job(spec: dict) -> dict:
     job.result["load_ms"] = (time.perf_counter() - start) * 1e3
     if job.spec.get("compile_cache_mode") == "save":
         return _prime_compile_cache(job, engine)
-    if job.workload.is_stream:
+    if job.spec.get("gate_only"):
+        job.phase("cold", lambda: _gate_reference(job, engine))
+        main = "cold"
+    elif job.workload.is_stream:
         job.phase("stream", lambda: _stream(job, engine))
         main = "stream"
     else:
@@ -237,6 +240,17 @@ def _cold(job: Job, engine, X, y) -> dict:
             gate_output(job.workload.task, out) for out in padding
         )
     return figures
+
+
+def _gate_reference(job: Job, engine) -> dict:
+    """Gate-only job: the outputs the gates compare against, on the same input the measured
+    cells gate on (the workload's table, or a stream's first table), and nothing else."""
+    seed = job.spec.get("seed", 0)
+    shape = stream_shapes(job.workload, seed)[0] if job.workload.is_stream else None
+    X, y = model_tables(job.workload, seed, job.device, shape)
+    first_ms, output = timing.time_once(lambda: engine.one_shot(X, y), job.device)
+    job.outputs["one_shot"] = gate_output(job.workload.task, output)
+    return {"first_call_ms": first_ms}
 
 
 def _one_shot(job: Job, engine, X, y) -> dict:

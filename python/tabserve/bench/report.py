@@ -287,6 +287,12 @@ STREAM_COLUMNS = (
 )
 
 
+def _status_text(result: dict) -> str:
+    if result["status"] != "ok":
+        return result["status"].upper()
+    return "gate-ref" if result.get("gate_only") else "ok"
+
+
 def main_rows(results: list) -> list:
     rows = []
     for r in results:
@@ -299,7 +305,7 @@ def main_rows(results: list) -> list:
             [
                 r["workload"],
                 r["cell"],
-                r["status"] if r["status"] == "ok" else r["status"].upper(),
+                _status_text(r),
                 fmt_ms(_get(r, "cold", "first_call_ms")),
                 fmt_ms(one.get("median_ms")),
                 spread,

@@ -117,8 +117,12 @@ def run_cell(
     timeout_s: float,
     timing: dict,
     seed: int = 0,
+    gate_only: bool = False,
 ) -> dict:
-    """One (cell, workload) job: skipped here when the cell cannot run, else in a subprocess."""
+    """One (cell, workload) job: skipped here when the cell cannot run, else in a subprocess.
+
+    ``gate_only``: the job only computes the fp32 outputs other cells are gated against (one
+    call, no timing phases); its result says ``"gate_only": True`` and is never promoted."""
     reason = skip_reason(cell, device)
     if reason is not None:
         return skipped_result(cell, workload, reason)
@@ -133,6 +137,7 @@ def run_cell(
         "result": str(job_dir / "result.json"),
         "outputs": str(job_dir / "outputs.pt"),
         **timing,
+        **({"gate_only": True} if gate_only else {}),
     }
     priming = None
     if cell.warm_cache:
@@ -149,6 +154,8 @@ def run_cell(
     result.setdefault("cell", cell.name)
     result.setdefault("workload", workload.name)
     result["outputs"] = spec["outputs"] if Path(spec["outputs"]).exists() else None
+    if gate_only:
+        result["gate_only"] = True
     if priming is not None:
         result["priming"] = {
             "cold_ms": priming.get("cold", {}).get("first_call_ms"),
