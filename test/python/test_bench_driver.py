@@ -416,3 +416,28 @@ def test_gate_reference_cell_choice():
     assert gate_reference_cell([cell_by_name("c13-fp32-kv")], "cpu").name == "c0-ref-fp32"
     assert gate_reference_cell([cell_by_name("c2-fp32"), cell_by_name("c13-fp32-kv")], "cpu") is None
     assert gate_reference_cell([], "cpu") is None
+
+
+# -- the profiler script (benchmarks/profile_tabiclv2.py) -----------------------------------------
+
+
+def test_profiler_splits_eager_time_by_stage_and_writes_tables(tmp_path):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    import profile_tabiclv2
+
+    out, js = tmp_path / "profile.txt", tmp_path / "profile.json"
+    argv = ["--device", "cpu", "--workload", "small-quick", "--model-size", "tiny", "--repeats", "2"]
+    argv += ["--cells", "c2-fp32", "c5-fp16", "--out", str(out), "--json", str(js)]
+    assert profile_tabiclv2.main(argv) == 0
+    eager, cuda_only = json.loads(js.read_text())
+    assert eager["cell"] == "c2-fp32" and len(eager["wall_ms_all"]) == 2
+    assert eager["wall_ms_median"] > 0
+    # Every stage ran and was timed; together they are most of the call.
+    assert all(eager["stage_gpu_ms"][s] > 0 for s in ("col", "row", "icl"))
+    assert sum(eager["stage_gpu_ms"].values()) <= 1.5 * max(eager["wall_ms_all"])
+    # A cell that cannot run on this device is reported, not fatal.
+    assert cuda_only == {"cell": "c5-fp16", "workload": "small-quick",
+                         "skipped": "skipped: no CUDA device"}
+    assert "device_busy_ms" not in eager  # CPU: no kernel timeline
+    text = out.read_text()
+    assert "c2-fp32 on small-quick: kernels by device time" in text and "aten::" in text
