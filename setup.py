@@ -52,7 +52,9 @@ def _extension():
     # C++20 depending on the torch release); forcing one can break the ABI with another torch.
     # -fopenmp: at::parallel_for is an inline template that only runs in parallel when the
     # extension itself is compiled with OpenMP (torch's libgomp serves it at run time).
-    cxx = ["-O3", "-fopenmp", "-fdiagnostics-color=always"]
+    # -ffp-contract=off: no fused multiply-add where an operator promises the ATen composite's
+    # separately rounded products and sums (rotary_embedding).
+    cxx = ["-O3", "-fopenmp", "-ffp-contract=off", "-fdiagnostics-color=always"]
     link = ["-fopenmp"]
     if not _with_cuda():
         return CppExtension("tabserve._C", sources, extra_compile_args={"cxx": cxx},

@@ -382,3 +382,40 @@ def _mlp_tensors(mlp) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         return mlp[0].weight, mlp[0].bias, mlp[2].weight, mlp[2].bias
     weight1, bias1, weight2, bias2 = mlp
     return weight1, bias1, weight2, bias2
+
+
+# ---------------------------------------------------------------------------------------------
+# Rotary position embedding (csrc/ops/rotary.cpp, csrc/ops/cuda/rotary.cu)
+
+
+@torch.library.register_fake("tabserve::rotary_embedding")
+def _rotary_embedding_fake(x, cos, sin):
+    _same_device("rotary_embedding", x=x, cos=cos, sin=sin)
+    torch._check(x.dim() >= 2, lambda: f"x must have at least 2 dimensions, got {x.dim()}")
+    torch._check(
+        tuple(cos.shape) == tuple(x.shape[-2:]) and tuple(sin.shape) == tuple(x.shape[-2:]),
+        lambda: f"cos and sin must be [L, D] = {tuple(x.shape[-2:])}",
+    )
+    return x.new_empty(x.shape)  # contiguous, x's dtype
+
+
+def rotary_embedding(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate-half rotary position embedding in one pass (the TabICLv2 row stage's RoPE).
+
+    Args:
+        x: [..., L, D] floating tensor, positions along L, D even; any strided view whose last
+            axis is contiguous (head-split queries / keys) is read in place.
+        cos, sin: [L, D] float32 or float64 tables on x's device (``cat([cos(a), cos(a)])`` of
+            the angles ``a = position * frequency``).
+
+    Returns:
+        A new contiguous tensor of x's shape and dtype:
+        ``x * cos + cat(-x[..., D/2:], x[..., :D/2]) * sin``, evaluated in
+        ``promote_types(x.dtype, cos.dtype)`` with each product and the sum rounded, then cast
+        to x's dtype: bit for bit what those ATen ops give, in one read and one write.
+
+    Raises:
+        RuntimeError naming the argument: x not floating or under 2-D, odd D, tables of the wrong
+        shape, dtype or device.
+    """
+    return torch.ops.tabserve.rotary_embedding(x, cos, sin)

@@ -1,5 +1,5 @@
-// GoogleTest: the string-lookup operators called through the PyTorch dispatcher, as LibTorch
-// users (and TorchScript) see them, on CPU.
+// GoogleTest: the string-lookup and rotary operators called through the PyTorch dispatcher, as
+// LibTorch users (and TorchScript) see them, on CPU.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <gtest/gtest.h>
@@ -73,5 +73,49 @@ TEST(DispatcherOps, DecreasingOffsetsRaiseNamingTheArgument) {
     FAIL() << "expected an error";
   } catch (const c10::Error& e) {
     EXPECT_NE(std::string(e.what()).find("vocabulary_offsets[2]"), std::string::npos) << e.what();
+  }
+}
+
+namespace {
+
+auto rotary_op() {
+  return c10::Dispatcher::singleton()
+      .findSchemaOrThrow("tabserve::rotary_embedding", "")
+      .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&)>();
+}
+
+}  // namespace
+
+// The one-pass RoPE against the ATen ops it replaces, on a strided head-split view (the row
+// stage's layout), float32 and float16.
+TEST(DispatcherOps, RotaryEmbeddingEqualsTheComposite) {
+  at::manual_seed(0);
+  const int64_t length = 9, dim = 16, heads = 4;
+  const at::Tensor angles = at::arange(length, at::kFloat).unsqueeze(1) *
+                            at::pow(100000.0, -at::arange(0, dim, 2, at::kFloat) / dim).unsqueeze(0);
+  const at::Tensor cos = at::cat({angles.cos(), angles.cos()}, -1);
+  const at::Tensor sin = at::cat({angles.sin(), angles.sin()}, -1);
+  for (const auto dtype : {at::kFloat, at::kHalf}) {
+    const at::Tensor packed = at::randn({3, length, 3 * heads * dim}).to(dtype);
+    const at::Tensor x =
+        packed.narrow(-1, 0, heads * dim).unflatten(-1, {heads, dim}).transpose(-3, -2);
+    ASSERT_FALSE(x.is_contiguous());
+    const at::Tensor rotated =
+        at::cat({-x.narrow(-1, dim / 2, dim / 2), x.narrow(-1, 0, dim / 2)}, -1);
+    const at::Tensor expected = (x * cos + rotated * sin).to(dtype);
+    const at::Tensor got = rotary_op().call(x, cos, sin);
+    EXPECT_TRUE(got.is_contiguous());
+    EXPECT_TRUE(at::equal(got, expected)) << dtype;
+  }
+}
+
+TEST(DispatcherOps, RotaryEmbeddingOddHeadDimensionRaisesNamingIt) {
+  const at::Tensor x = at::zeros({2, 5, 7});
+  const at::Tensor table = at::zeros({5, 7});
+  try {
+    rotary_op().call(x, table, table);
+    FAIL() << "expected an error";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("must be even"), std::string::npos) << e.what();
   }
 }

@@ -9,6 +9,7 @@ All functions accept arbitrary leading batch axes: tokens are ``(..., L, E)``.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -62,6 +63,12 @@ class QASSMax(nn.Module):
         return q * (base * modulation)
 
 
+#: Devices whose eager RoPE runs the one-pass ``tabserve::rotary_embedding`` operator. CUDA
+#: joins once ``test/python/test_rotary.py -m cuda`` has passed on a GPU (its kernel is built
+#: and registered; until then CUDA eager keeps the ATen composite).
+ROTARY_OP_DEVICES = frozenset({"cpu"})
+
+
 class RotaryEmbedding(nn.Module):
     """Rotate-half (non-interleaved) RoPE, the TabICLv2 flavour.
 
@@ -76,11 +83,21 @@ class RotaryEmbedding(nn.Module):
         self.freqs = nn.Parameter(1.0 / (base**exponents), requires_grad=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        """x: ``(..., L, head_dim)`` with positions along ``L``; returns the rotated tensor."""
+        """x: ``(..., L, head_dim)`` with positions along ``L``; returns the rotated tensor.
+
+        Eager calls on :data:`ROTARY_OP_DEVICES` run the one-pass operator
+        ``tabserve.ops.rotary_embedding`` (bit for bit the composite below, one read and one
+        write instead of six passes with float32 intermediates); compiled graphs keep the
+        composite, which Inductor fuses with the head split around it.
+        """
         positions = torch.arange(x.shape[-2], device=x.device, dtype=x.dtype).to(self.freqs.dtype)
         angles = positions[:, None] * self.freqs[None, :]
         cos = torch.cat([angles.cos(), angles.cos()], dim=-1)
         sin = torch.cat([angles.sin(), angles.sin()], dim=-1)
+        if x.device.type in ROTARY_OP_DEVICES and not torch.compiler.is_compiling():
+            fused = _rotary_op()
+            if fused is not None:
+                return fused(x, cos, sin)
         half = x.shape[-1] // 2
         rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
         return (x * cos + rotated * sin).to(x.dtype)
@@ -197,6 +214,17 @@ def _in_cuda_batch_chunks(attend, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
 def batched_sdpa(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     """``F.scaled_dot_product_attention`` within the CUDA batch limit."""
     return _in_cuda_batch_chunks(F.scaled_dot_product_attention, q, k, v)
+
+
+@functools.cache
+def _rotary_op():
+    """``tabserve.ops.rotary_embedding``, or None without the compiled extension (the unpadded
+    model then runs on ATen ops alone, as it always could)."""
+    try:
+        from tabserve import ops
+    except (ImportError, OSError):
+        return None
+    return ops.rotary_embedding
 
 
 def _padded_ops():

@@ -1,0 +1,89 @@
+"""rotary_embedding against the ATen composite it replaces, on the row stage's shapes.
+
+Cases are the row stage's queries of the driver's workloads: (tables x rows) sequences of 8 heads
+x (features + 4 CLS tokens) x 16, as strided views into a packed projection. Methods: the
+composite (six ATen ops, float32 intermediates), the operator, and on CUDA the composite under
+torch.compile (Inductor fuses it). Every method's output is checked bit for bit against the
+composite before timing.
+
+    python benchmarks/rotary.py --device cuda
+    python benchmarks/rotary.py --quick          # CPU, small cases
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import environment, format_mib, format_ms, measure, print_table, write_json
+from tabserve import ops
+
+#: (name, sequences, tokens): small / medium / large workloads' row stage (8 tables).
+CASES = [("small", 8 * 576, 12), ("medium", 8 * 1280, 24), ("large", 8 * 10240, 68)]
+QUICK_CASES = [("small-quick", 2 * 160, 12), ("small", 8 * 576, 12)]
+HEADS, HEAD_DIM = 8, 16
+
+
+def inputs(sequences: int, tokens: int, dtype, device):
+    g = torch.Generator().manual_seed(0)
+    packed = torch.randn(sequences, tokens, 3 * HEADS * HEAD_DIM, generator=g).to(dtype).to(device)
+    x = packed[..., : HEADS * HEAD_DIM].unflatten(-1, (HEADS, HEAD_DIM)).transpose(-3, -2)
+    exponents = torch.arange(0, HEAD_DIM, 2).float() / HEAD_DIM
+    freqs = (1.0 / 100000.0**exponents).to(device)
+    angles = torch.arange(tokens, device=device, dtype=torch.float32)[:, None] * freqs[None, :]
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    return x, cos, sin
+
+
+def composite(x, cos, sin):
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return (x * cos + rotated * sin).to(x.dtype)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--dtype", choices=("float16", "float32", "bfloat16"), default="float16")
+    parser.add_argument("--budget", type=float, default=0.5, help="seconds per measurement")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    dtype = getattr(torch, args.dtype)
+    if device.type == "cpu" and dtype != torch.float32:
+        dtype = torch.float32  # CPU half maths is not what anyone serves with
+    methods = {"composite": composite, "tabserve op": ops.rotary_embedding}
+    if device.type == "cuda":
+        methods["composite compiled"] = torch.compile(composite, fullgraph=True)
+    records, rows = [], []
+    for name, sequences, tokens in QUICK_CASES if args.quick else CASES:
+        x, cos, sin = inputs(sequences, tokens, dtype, device)
+        want = composite(x, cos, sin)
+        for method, fn in methods.items():
+            same = bool(torch.equal(fn(x, cos, sin), want))
+            m = measure(lambda fn=fn: fn(x, cos, sin), device, budget_s=args.budget)
+            record = {"case": name, "shape": list(x.shape), "method": method, "bitwise": same,
+                      **m.as_dict()}
+            records.append(record)
+            rows.append([name, method, format_ms(m.median_ms),
+                         f"{format_ms(m.p20_ms)}-{format_ms(m.p80_ms)}",
+                         format_mib(m.peak_extra_bytes), same])
+    print_table(
+        f"rotary_embedding, {dtype} on {device}",
+        ["case", "method", "median ms", "p20-p80", "peak extra MiB", "bitwise = composite"],
+        rows,
+    )
+    out = args.json or Path(__file__).parent / "results" / f"rotary-{device.type}.json"
+    write_json(out, {"benchmark": "rotary", "device": str(device), "dtype": str(dtype),
+                     "environment": environment(), "records": records})
+    print(f"wrote {out}")
+    return 0 if all(r["bitwise"] for r in records) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
