@@ -58,10 +58,12 @@ for part in "$@"; do
           --out "$LOG/profile_$w.txt" --json "$OUT/profile_$w.json" 2>"$LOG/profile_$w.err"
         echo "profile $w rc=$?"; cat "$OUT/profile_$w.json" 2>/dev/null | tr -d '\n ' | cut -c1-1500; echo
       done ;;
-    cudatests)  # the CUDA tests of the model, padding and serving (after model changes)
+    cudatests)  # the CUDA tests of the model, padding, serving and RoPE, then the RoPE benchmark
       timeout "$(left $((LIMIT - 30)))" python3 -m pytest -q -p no:cacheprovider -p no:logging -rfE \
         -m cuda test/python/test_tabicl_model.py test/python/test_padded_inference.py \
-        test/python/test_padding_ops.py >"$LOG/cudatests.log" 2>&1
+        test/python/test_padding_ops.py test/python/test_rotary.py >"$LOG/cudatests.log" 2>&1
+      timeout "$(left $((LIMIT - 10)))" python3 benchmarks/rotary.py --device cuda \
+        --json "$OUT/rotary-cuda.json" >"$LOG/rotary.log" 2>&1; tail -12 "$LOG/rotary.log"
       echo "cudatests rc=$?"; tail -15 "$LOG/cudatests.log" ;;
     soak)
       timeout "$(left "$LIMIT")" python3 benchmarks/soak.py --device cuda --size full \
