@@ -54,7 +54,7 @@ class InducedSetBlock(nn.Module):
         """Cells ``(..., T, E)`` attend to the induced tokens; sets made only of the sentinel stay."""
         out = self.multihead_attn2(cells, cached_kv=summary)
         skipped = (cells == SKIP_VALUE).flatten(-2).all(dim=-1)[..., None, None]
-        return torch.where(skipped, torch.full_like(out, SKIP_VALUE), out)
+        return out.masked_fill_(skipped, SKIP_VALUE)  # one pass, no tensor of sentinels
 
 
 class SetTransformer(nn.Module):

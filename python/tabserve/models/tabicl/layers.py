@@ -31,7 +31,7 @@ def sentinel_linear(linear: nn.Linear, x: Tensor) -> Tensor:
     """
     out = linear(x)
     skipped = (x == SKIP_VALUE).all(dim=-1, keepdim=True)
-    return torch.where(skipped, torch.full_like(out, SKIP_VALUE), out)
+    return out.masked_fill_(skipped, SKIP_VALUE)  # one pass, no tensor of sentinels
 
 
 class QASSMax(nn.Module):
