@@ -23,11 +23,10 @@ import time
 from pathlib import Path
 
 import torch
-from torch.profiler import ProfilerActivity, profile
-
 from tabserve.bench.cells import cell_by_name, skip_reason
 from tabserve.bench.engines import make_engine
 from tabserve.bench.workloads import make_checkpoint, model_tables, workload_by_name
+from torch.profiler import ProfilerActivity, profile
 
 STAGES = {"col": "col_embedder", "row": "row_interactor", "icl": "icl_predictor"}
 METHODS = ("forward", "build_cache", "forward_cached", "hierarchical_probs")
@@ -156,7 +155,7 @@ def main(argv=None) -> int:
         for name in args.cells:
             try:
                 summary, text = profile_cell(name, workload, checkpoint, device, args.repeats)
-            except Exception as error:  # one cell failing must not hide the others
+            except Exception as error:  # noqa: BLE001  (one failing cell must not hide the others)
                 summary, text = {"cell": name, "error": f"{type(error).__name__}: {error}"}, ""
             print(json.dumps(summary), flush=True)
             summaries.append(summary)

@@ -66,21 +66,41 @@ def main(argv=None) -> int:
         want = composite(x, cos, sin)
         for method, fn in methods.items():
             same = bool(torch.equal(fn(x, cos, sin), want))
-            m = measure(lambda fn=fn: fn(x, cos, sin), device, budget_s=args.budget)
-            record = {"case": name, "shape": list(x.shape), "method": method, "bitwise": same,
-                      **m.as_dict()}
+            m = measure(lambda fn=fn, x=x, c=cos, s=sin: fn(x, c, s), device, budget_s=args.budget)
+            record = {
+                "case": name,
+                "shape": list(x.shape),
+                "method": method,
+                "bitwise": same,
+                **m.as_dict(),
+            }
             records.append(record)
-            rows.append([name, method, format_ms(m.median_ms),
-                         f"{format_ms(m.p20_ms)}-{format_ms(m.p80_ms)}",
-                         format_mib(m.peak_extra_bytes), same])
+            rows.append(
+                [
+                    name,
+                    method,
+                    format_ms(m.median_ms),
+                    f"{format_ms(m.p20_ms)}-{format_ms(m.p80_ms)}",
+                    format_mib(m.peak_extra_bytes),
+                    same,
+                ]
+            )
     print_table(
         f"rotary_embedding, {dtype} on {device}",
         ["case", "method", "median ms", "p20-p80", "peak extra MiB", "bitwise = composite"],
         rows,
     )
     out = args.json or Path(__file__).parent / "results" / f"rotary-{device.type}.json"
-    write_json(out, {"benchmark": "rotary", "device": str(device), "dtype": str(dtype),
-                     "environment": environment(), "records": records})
+    write_json(
+        out,
+        {
+            "benchmark": "rotary",
+            "device": str(device),
+            "dtype": str(dtype),
+            "environment": environment(),
+            "records": records,
+        },
+    )
     print(f"wrote {out}")
     return 0 if all(r["bitwise"] for r in records) else 1
 

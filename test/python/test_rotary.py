@@ -199,7 +199,9 @@ def test_benchmark_quick_run_checks_bits_and_writes_json(tmp_path):
     import rotary as benchmark
 
     out = tmp_path / "rotary.json"
-    assert benchmark.main(["--quick", "--device", "cpu", "--budget", "0.02", "--json", str(out)]) == 0
+    assert (
+        benchmark.main(["--quick", "--device", "cpu", "--budget", "0.02", "--json", str(out)]) == 0
+    )
     import json
 
     records = json.loads(out.read_text())["records"]
