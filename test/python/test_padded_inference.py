@@ -196,6 +196,10 @@ def test_recipes_are_valid_and_named():
         recipes.Recipe("bad", cuda_graphs=True)
     with pytest.raises(ValueError, match="precision"):
         recipes.Recipe("bad", precision="fp12")
+    for bad in ({"compile": "none"}, {"compile": "regional"}, {"buckets": True, "compile": "default"}):
+        with pytest.raises(ValueError, match="dynamic shapes are a whole-model compile"):
+            recipes.Recipe("bad", dynamic=True, **bad)
+    assert recipes.RECIPES["fp16-dynamic-flash"].dynamic
     with pytest.raises(ValueError, match="CUDA graph"):
         ServedTabICL(our_model("clf", "tiny"), "fp16-buckets-cudagraphs")
     model = our_model("clf", "tiny")
@@ -206,9 +210,10 @@ def test_recipe_from_benchmark_cell():
     from tabserve.bench.cells import CELLS
 
     for cell in CELLS:
-        if cell.engine != "tabserve" or cell.dynamic or cell.precision == "fp8":
+        if cell.engine != "tabserve" or cell.precision == "fp8":
             continue
         recipe = recipes.recipe_from_cell(cell.recipe(), name=cell.name)
+        assert recipe.dynamic == cell.dynamic
         assert recipe.buckets == bool(cell.buckets)
         assert recipe.cuda_graphs == cell.cuda_graphs
         assert (recipe.compile == "regional") == cell.regional

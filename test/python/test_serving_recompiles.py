@@ -58,3 +58,28 @@ def test_fresh_tables_trigger_no_recompiles(recipe):
         assert (got - reference(X, y)).abs().max() <= 1e-5
     assert _graphs() == warm, "a fresh KV cache in a warm bucket recompiled"
     assert counters["graph_break"] == {}
+
+
+def test_dynamic_recipe_serves_fresh_unpadded_shapes_without_recompiles():
+    # fp16-dynamic-flash's compile, in fp32 on CPU (no flash here): one dynamic graph per frame of
+    # the unpadded model from the first table on; later tables of new shapes (every size >= 2,
+    # since Dynamo specialises 0 and 1, and the same class count, a Python int) reuse them.
+    torch._dynamo.reset()
+    counters.clear()
+    recipe = recipes.RECIPES["fp16-dynamic-flash"].replace(
+        precision="fp32", attention={}, compile_backend="eager"
+    )
+    served = ServedTabICL(copy.deepcopy(our_model("clf", "tiny")), recipe)
+    reference = our_model("clf", "tiny")
+    rng = random.Random(5)
+    # The first table's sizes all differ (from each other, the 2 tables and the 3 classes):
+    # Dynamo's duck sizing would otherwise tie equal sizes into one symbol and compile again when
+    # a later table breaks the tie.
+    shapes = [(29, 7, 5)] + [(rng.randint(3, 40), rng.randint(2, 12), rng.randint(2, 9)) for _ in range(7)]
+    for i, (n_train, n_test, n_features) in enumerate(shapes):
+        X, y = random_table(500 + i, TABLES, n_train, n_test, n_features, 3)
+        assert (served(X, y) - reference(X, y)).abs().max() <= 1e-5
+        if i == 0:
+            first = _graphs()
+            assert first > 0
+    assert _graphs() == first, "a new table shape recompiled under dynamic=True"

@@ -55,9 +55,15 @@ class QASSMax(nn.Module):
 
     def forward(self, q: Tensor, num_keys: int) -> Tensor:
         """q: ``(batch, heads, queries, head_dim)``; returns the scaled queries, same shape."""
-        # torch.full fills on the device: no host-to-device copy, which would synchronise the
-        # host with the GPU once per ICL block and stall kernel launches behind it.
-        log_n = torch.full((1, 1), math.log(max(num_keys, 1)), device=q.device, dtype=q.dtype)
+        if torch.compiler.is_compiling():
+            # The key count may be symbolic (torch.compile(dynamic=True)): math.log would pin it
+            # to its first value; the same float64 log on the device stays symbolic.
+            n = torch.full((1, 1), num_keys, device=q.device, dtype=torch.float64)
+            log_n = n.clamp_min(1).log().to(q.dtype)
+        else:
+            # torch.full fills on the device: no host-to-device copy, which would synchronise
+            # the host with the GPU once per ICL block and stall kernel launches behind it.
+            log_n = torch.full((1, 1), math.log(max(num_keys, 1)), device=q.device, dtype=q.dtype)
         base = self.base_mlp(log_n).view(1, self.num_heads, 1, self.head_dim)
         modulation = 1 + torch.tanh(self.query_mlp(q))
         return q * (base * modulation)

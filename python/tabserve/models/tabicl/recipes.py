@@ -20,6 +20,9 @@ Fields:
         that holds it (padding changes no prediction), so compiled graphs are reused.
     cuda_graphs: capture one CUDA graph per bucket (needs ``buckets``, CUDA only), all sharing
         one memory pool; inputs are copied into the captured buffers before a replay.
+    dynamic: ``torch.compile(dynamic=True)`` of the unpadded model (whole-model compile, no
+        buckets): one graph for every table shape after the first call, no padding; sizes 0 and
+        1 still specialise (a one-row test block compiles once more).
     compile_backend: the ``torch.compile`` backend (``inductor``; tests use ``aot_eager`` to
         count recompiles without code generation).
 """
@@ -52,6 +55,7 @@ PREFIX_BACKENDS = {"flash": "flash", "efficient": "efficient", "cudnn": "masked"
 #: The model's stages, in the order data flows through them (``stage -> submodule``).
 STAGES = {"col": "col_embedder", "row": "row_interactor", "icl": "icl_predictor"}
 COMPILE_MODES = ("none", "default", "max-autotune-no-cudagraphs", "regional")
+WHOLE_MODEL_COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
 
 #: Where the benchmark driver writes its promotions (``TABSERVE_RECIPES`` overrides).
 RECIPES_PATH = Path(__file__).resolve().parents[4] / "benchmarks" / "results" / "recipes.json"
@@ -65,6 +69,7 @@ class Recipe:
     precision: str = "fp32"
     attention: dict = field(default_factory=dict)
     compile: str = "none"
+    dynamic: bool = False
     buckets: bool = False
     cuda_graphs: bool = False
     compile_backend: str = "inductor"
@@ -80,6 +85,11 @@ class Recipe:
                 raise ValueError(f"recipe {self.name}: bad attention choice {stage}={backend}")
         if self.cuda_graphs and not self.buckets:
             raise ValueError(f"recipe {self.name}: CUDA graphs need buckets (fixed shapes)")
+        if self.dynamic and (self.buckets or self.compile not in WHOLE_MODEL_COMPILE_MODES):
+            raise ValueError(
+                f"recipe {self.name}: dynamic shapes are a whole-model compile of unpadded "
+                f"tables (compile in {WHOLE_MODEL_COMPILE_MODES}, no buckets)"
+            )
 
     @property
     def compiled(self) -> bool:
@@ -149,6 +159,20 @@ RECIPES: dict[str, Recipe] = dict(
             "fp16, memory-efficient attention in the row stage (perf-anchors section 6)",
             precision="fp16",
             attention={"row": "efficient"},
+        ),
+        _recipe(
+            "fp16-compile",
+            "torch.compile of the whole unpadded model, fp16 (a graph per table shape)",
+            precision="fp16",
+            compile="default",
+        ),
+        _recipe(
+            "fp16-dynamic-flash",
+            "torch.compile(dynamic=True) of the unpadded model, flash attention first, fp16",
+            precision="fp16",
+            compile="default",
+            dynamic=True,
+            attention={"col": "flash", "row": "flash", "icl": "flash"},
         ),
         _recipe("fp32-buckets", "eager on padded buckets, fp32", buckets=True),
         _recipe(
@@ -236,14 +260,13 @@ def recipe_from_cell(fields: dict, name: str | None = None) -> Recipe:
     """The recipe of a benchmark cell's fields (``tabserve.bench.cells.Cell.recipe()``)."""
     if fields.get("engine", "tabserve") != "tabserve":
         raise ValueError("only tabserve cells describe a tabserve recipe")
-    if fields.get("dynamic"):
-        raise ValueError("dynamic-shape compile is a benchmark cell, not a serving recipe yet")
     compile_mode = "regional" if fields.get("regional") else (fields.get("compile") or "none")
     return Recipe(
         name or fields.get("name", "measured"),
         precision=fields.get("precision", "fp32"),
         attention=dict(fields.get("attention") or {}),
         compile=compile_mode,
+        dynamic=bool(fields.get("dynamic")),
         buckets=bool(fields.get("buckets")),
         cuda_graphs=bool(fields.get("cuda_graphs")),
         description="promoted by the benchmark driver",

@@ -153,7 +153,9 @@ class ServedTabICL:
             # The unpadded model's forward checks its inputs on the host (graph breaks); the
             # padded cores and the blocks have no host work.
             "fullgraph": self.recipe.buckets or mode == "regional",
-            "dynamic": False if self.recipe.buckets else None,
+            # Buckets: static shapes. Unpadded: Dynamo's default (static, then dynamic at the
+            # first new shape) unless the recipe asks for dynamic shapes from the start.
+            "dynamic": False if self.recipe.buckets else (True if self.recipe.dynamic else None),
             "mode": None if mode in ("default", "regional") else mode,
             "backend": self.recipe.compile_backend,
         }
