@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import copy
 import random
+import threading
+import time
 import warnings
 
 import numpy as np
@@ -401,3 +403,71 @@ def test_unpadded_compile_recipe_runs():
     served = ServedTabICL(copy.deepcopy(our_model("clf", "tiny")), recipe)
     X, y = random_table(8, 2, 10, 3, 4, 3)
     _assert_same(our_model("clf", "tiny")(X, y), served(X, y), True)
+
+
+class _SlowReplayOnCPU(_ReplayOnCPU):
+    """The CPU stand-in with a pause between copying the inputs in and running: without the
+    served model's lock, another thread's copy lands in the buffers during the pause."""
+
+    def __call__(self, *inputs):
+        for buffer, value in zip(self.inputs, inputs):
+            buffer.copy_(value)
+        time.sleep(0.002)
+        fresh = self.fn(*self.inputs, *self.static)
+        for buffer, value in zip(tree_leaves(self.output), tree_leaves(fresh)):
+            buffer.copy_(value)
+        return self.output
+
+
+def test_graph_replays_are_serialised_between_threads(monkeypatch):
+    """Two host threads share one served model whose tables fall in the same bucket (one graph,
+    one set of buffers): each gets its own table's predictions."""
+    from tabserve.models.tabicl import serving
+
+    monkeypatch.setattr(serving, "_BucketGraph", _SlowReplayOnCPU)
+    model = our_model("clf", "tiny")
+    served = ServedTabICL(copy.deepcopy(model), recipes.RECIPES["fp32-buckets"], GRID)
+    served.recipe = served.recipe.replace(cuda_graphs=True)
+    tables = [random_table(700 + i, 2, 10, 5, 5, 3) for i in range(8)]
+    expected = [model(X, y) for X, y in tables]
+    got: dict = {}
+
+    def worker(index: int) -> None:
+        for i in range(index, len(tables), 2):
+            got[i] = served(*tables[i])
+
+    threads = [threading.Thread(target=worker, args=(w,)) for w in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert served.captures == 1
+    for i, want in enumerate(expected):
+        _assert_same(want, got[i], True)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_graph_recipe_shared_by_two_threads_on_their_own_streams():
+    served = ServedTabICL(_cuda_model("clf"), recipes.RECIPES["fp32-buckets-cudagraphs"], GRID)
+    tables = [
+        tuple(t.cuda() for t in random_table(800 + i, 2, 10, 5, 5, 3)) for i in range(12)
+    ]
+    with recipes.precision_flags("fp32"):
+        expected = [served(X, y) for X, y in tables]
+        got: dict = {}
+
+        def worker(index: int) -> None:
+            stream = torch.cuda.Stream()
+            with torch.cuda.stream(stream), recipes.precision_flags("fp32"):
+                for i in range(index, len(tables), 2):
+                    got[i] = served(*tables[i])
+            stream.synchronize()
+
+        threads = [threading.Thread(target=worker, args=(w,)) for w in (0, 1)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    for i, want in enumerate(expected):
+        assert torch.equal(want, got[i]), i

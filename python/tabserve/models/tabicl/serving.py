@@ -20,12 +20,18 @@ predictions equal the unpadded ones (fp32 CPU: within 1e-6, ``test_padded_infere
 Tables past the grid run unpadded; test rows past the largest test bucket are split. More than
 ``max_classes`` classes: the column and row stages run padded (eager), the class hierarchy runs
 eagerly on the real rows (its tree is data-dependent).
+
+Threads: a served model may be shared by host threads, each on its own CUDA stream. CUDA-graph
+replays share their input and output buffers, so they are serialised (a lock on the host, an
+event between the callers' streams on the device); captures use the thread-local capture mode,
+so another thread's work cannot invalidate them.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -105,7 +111,9 @@ class _BucketGraph:
                 fn(*self.inputs, *static)
         torch.cuda.current_stream().wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool):
+        # thread_local: another host thread's CUDA calls (its eager work, its allocations) during
+        # this capture neither fail nor invalidate it.
+        with torch.cuda.graph(self.graph, pool=pool, capture_error_mode="thread_local"):
             self.output = fn(*self.inputs, *static)
 
     def __call__(self, *inputs: Tensor) -> Tensor:
@@ -139,6 +147,11 @@ class ServedTabICL:
                 f"recipe {self.recipe.name} captures CUDA graphs; the model is on {self.device}"
             )
         self.captures = 0
+        # Graph buffers are shared by every caller: one caller at a time copies in, replays and
+        # copies out (host side), and each caller's stream waits for the previous caller's
+        # replay (device side), so host threads on their own streams can share a served model.
+        self._graph_lock = threading.Lock()
+        self._graph_done: torch.cuda.Event | None = None
         self._graphs: dict = {}
         self._cached_graphs: OrderedDict = OrderedDict()
         self._pool = torch.cuda.graph_pool_handle() if self.recipe.cuda_graphs else None
@@ -205,17 +218,26 @@ class ServedTabICL:
         """
         if not self.recipe.cuda_graphs:
             return fn(*inputs, *static)
-        graphs = self._graphs if not static else self._cached_graphs
-        graph = graphs.get(key)
-        if graph is None:
-            graph = _BucketGraph(fn, inputs, static, self._pool)
-            graphs[key] = graph
-            self.captures += 1
-            if static and len(graphs) > MAX_CACHED_GRAPHS:
-                graphs.popitem(last=False)
-        elif static:
-            graphs.move_to_end(key)
-        return tree_map(torch.clone, graph(*inputs))
+        with self._graph_lock:
+            on_cuda = self.device.type == "cuda"  # (a CPU stand-in replays in the tests)
+            stream = torch.cuda.current_stream(self.device) if on_cuda else None
+            if stream is not None and self._graph_done is not None:
+                stream.wait_event(self._graph_done)
+            graphs = self._graphs if not static else self._cached_graphs
+            graph = graphs.get(key)
+            if graph is None:
+                graph = _BucketGraph(fn, inputs, static, self._pool)
+                graphs[key] = graph
+                self.captures += 1
+                if static and len(graphs) > MAX_CACHED_GRAPHS:
+                    graphs.popitem(last=False)
+            elif static:
+                graphs.move_to_end(key)
+            outputs = tree_map(torch.clone, graph(*inputs))
+            if stream is not None:
+                self._graph_done = torch.cuda.Event()
+                self._graph_done.record(stream)
+            return outputs
 
     # ------------------------------------------------------------------ model API
     @property
