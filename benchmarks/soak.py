@@ -11,6 +11,7 @@ stream) must give exactly the single-threaded results.
 
     python benchmarks/soak.py --quick                    # CPU: about a minute on 2 cores
     python benchmarks/soak.py --device cuda --size full  # H200: 10,000 full-size predictions
+    python benchmarks/soak.py --device cuda --size full --recipe fp16-buckets-cudagraphs
 
 Without ``--checkpoint`` a safetensors checkpoint of a classifier with seeded random weights is written
 to a temporary folder (``--size tiny`` by default on CPU, the released architecture with ``full``):
@@ -207,6 +208,11 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--max-seconds", type=float, default=math.inf, help="stop the stream early after this"
     )
+    parser.add_argument(
+        "--recipe",
+        help="serve through ServedTabICL with this recipe (e.g. fp16-buckets-cudagraphs: one "
+        "CUDA graph per bucket; its own precision applies, leave --precision at fp32)",
+    )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     device = torch.device(args.device)
@@ -217,6 +223,10 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as folder:
         path = args.checkpoint or write_checkpoint(size, Path(folder))
         model = TabICLv2.from_checkpoint(path, device=device)
+    if args.recipe:
+        from tabserve.models.tabicl.serving import ServedTabICL
+
+        model = ServedTabICL(model, args.recipe)
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(args.precision)
 
     def precision():
@@ -235,7 +245,8 @@ def main(argv=None) -> int:
     )
 
     print_table(
-        f"soak: {served} of {predictions} predictions, TabICLv2 {size} {args.precision} on {device} "
+        f"soak: {served} of {predictions} predictions, TabICLv2 {size} "
+        f"{args.recipe or args.precision} on {device} "
         f"(torch threads {torch.get_num_threads()})",
         list(rows[0]),
         [[f"{v:.2f}" if isinstance(v, float) else v for v in r.values()] for r in rows],
@@ -265,6 +276,7 @@ def main(argv=None) -> int:
             "size": size,
             "device": str(device),
             "precision": args.precision,
+            "recipe": args.recipe,
             "predictions": predictions,
             "served": served,
             "stopped_early": served < predictions,
