@@ -215,6 +215,8 @@ def main(argv=None) -> int:
     )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
+    if args.recipe and args.precision != "fp32":
+        parser.error("--recipe brings its own precision: leave --precision at fp32")
     device = torch.device(args.device)
     size = args.size or ("full" if device.type == "cuda" else "tiny")
     predictions = 300 if args.quick else args.predictions

@@ -67,7 +67,7 @@ for part in "$@"; do
       echo "cudatests rc=$?"; tail -15 "$LOG/cudatests.log" ;;
     soak)
       timeout "$(left "$LIMIT")" python3 benchmarks/soak.py --device cuda --size full \
-        ${SOAK_RECIPE:+--recipe "$SOAK_RECIPE"} --precision "${SOAK_PRECISION:-fp16}" --max-seconds "${SOAK_SECONDS:-$(left $((LIMIT - 60)))}" \
+        ${SOAK_RECIPE:+--recipe "$SOAK_RECIPE"} --precision "${SOAK_PRECISION:-$([ -n "${SOAK_RECIPE:-}" ] && echo fp32 || echo fp16)}" --max-seconds "${SOAK_SECONDS:-$(left $((LIMIT - 60)))}" \
         --json "$OUT/soak-cuda.json" >"$LOG/soak.log" 2>&1
       echo "soak rc=$?"; tail -30 "$LOG/soak.log" ;;
     sanitize)
