@@ -43,7 +43,8 @@ for part in "$@"; do
         c18-fp16-buckets-cudagraphs c19-fp16-buckets-cudagraphs-kv c23-fp16-buckets-compile-cudagraphs \
         c16-fp16-buckets-compile ;;
     compiled)  # whole-model compile and compile + CUDA graphs on the large workload
-      BUDGET=${COMPILED_BUDGET:-} bench compiled large -- c10-fp16-compile c23-fp16-buckets-compile-cudagraphs ;;
+      BUDGET=${COMPILED_BUDGET:-} bench compiled large -- ${COMPILED_CELLS:-c10-fp16-compile \
+        c23-fp16-buckets-compile-cudagraphs c24-fp16-compile-efficient-colrow c25-fp16-compile-flash-colrow} ;;
     medium)
       bench medium medium many-class regression -- ${MEDIUM_CELLS:-c0-ref-fp32 c1-ref-fp16 c5-fp16 \
         c9-fp16-flash-cudnn-icl c18-fp16-buckets-cudagraphs c19-fp16-buckets-cudagraphs-kv} ;;

@@ -273,6 +273,24 @@ CELLS: tuple[Cell, ...] = (
         buckets="default",
         cuda_graphs=True,
     ),
+    # Whole-model compile with other kernels for the head-dim-16 stages (column and row), which
+    # the H200 profile of c10 / c23 shows as the largest remaining cost on large tables.
+    Cell(
+        "c24-fp16-compile-efficient-colrow",
+        "tabserve",
+        "fp16",
+        "fp16, torch.compile, memory-efficient attention in col/row, cuDNN in ICL",
+        compile="default",
+        attention={"col": "efficient", "row": "efficient", "icl": "cudnn"},
+    ),
+    Cell(
+        "c25-fp16-compile-flash-colrow",
+        "tabserve",
+        "fp16",
+        "fp16, torch.compile, flash in col/row, cuDNN in ICL",
+        compile="default",
+        attention={"col": "flash", "row": "flash", "icl": "cudnn"},
+    ),
 )
 
 
