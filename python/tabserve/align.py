@@ -220,7 +220,7 @@ class AlignCategories(nn.Module):
         like = table.numerical
         if self.column_names is None:
             return _fail(like, "NotFittedError", "AlignCategories is not fitted: call fit first")
-        columns = []
+        columns, positions = [], []
         for name, fitted_kind in zip(self.column_names, self.column_kinds):
             if name not in table.categorical_names:
                 return _fail(
@@ -228,7 +228,8 @@ class AlignCategories(nn.Module):
                     "ValueError",
                     f"table has no categorical column {name!r} (it has {table.categorical_names})",
                 )
-            column = table.columns[table.categorical_names.index(name)]
+            positions.append(table.categorical_names.index(name))
+            column = table.columns[positions[-1]]
             kind = category_kind(column.categories)
             if (kind == STRING) != (fitted_kind == STRING):
                 return _fail(
@@ -261,9 +262,11 @@ class AlignCategories(nn.Module):
         # Each column's block starts where the previous one's categories end. Sizes stay symbolic
         # scalars (no torch.tensor of sizes: on CUDA that is a host-to-device copy per call);
         # the per-column expressions unroll at trace time and fuse into one kernel.
+        # The codes come from the table's one codes matrix, not from each column: one graph
+        # input instead of one per column (a guard and a size read fewer per column and call).
         index, start = [], 0
-        for column in columns:
-            codes, size = column.codes.to(torch.int64), len(column.categories)
+        for position, column in zip(positions, columns):
+            codes, size = table.codes[:, position], len(column.categories)
             inside = (codes >= 0) & (codes < size)
             index.append(torch.where(inside, codes + start, looked_up.shape[0]))
             start = start + size

@@ -197,6 +197,10 @@ class Table:
         columns: the categorical columns, a tuple of :class:`CategoricalColumn` [rows].
         numerical_names: tuple of n_num column names.
         categorical_names: tuple of names, one per categorical column.
+        codes: int64 [rows, n_cat], every categorical column's codes side by side (derived from
+            ``columns``, in storage of its own). Compiled code reads this one tensor instead of
+            one codes tensor per column: each tensor a compiled function takes costs a guard and,
+            with dynamic sizes, a size read on every call.
 
     Names are unique across both groups. Names and the number of columns are structure
     (compiled code specialises on them); row counts and vocabulary sizes are not.
@@ -216,12 +220,16 @@ class Table:
         self.categorical_names = tuple(self.categorical_names)
         if not torch.compiler.is_compiling():
             _check_table(self)
+        self.codes = _codes_matrix(self.numerical, self.columns)
 
     @classmethod
-    def _trusted(cls, numerical, columns, numerical_names, categorical_names) -> "Table":
+    def _trusted(
+        cls, numerical, columns, numerical_names, categorical_names, codes=None
+    ) -> "Table":
         table = cls.__new__(cls)
         table.numerical, table.columns = numerical, tuple(columns)
         table.numerical_names, table.categorical_names = numerical_names, categorical_names
+        table.codes = _codes_matrix(numerical, table.columns) if codes is None else codes
         return table
 
     # -- construction ----------------------------------------------------------------------
@@ -358,13 +366,16 @@ class Table:
             [column.to(device) for column in self.columns],
             self.numerical_names,
             self.categorical_names,
+            codes=_own(self.codes, device),
         )
 
 
 pytree.register_pytree_node(
     Table,
-    lambda t: ([t.numerical, *t.columns], (t.numerical_names, t.categorical_names)),
-    lambda children, context: Table._trusted(children[0], children[1:], *context),
+    lambda t: ([t.numerical, t.codes, *t.columns], (t.numerical_names, t.categorical_names)),
+    lambda children, context: Table._trusted(
+        children[0], children[2:], *context, codes=children[1]
+    ),
     serialized_type_name="tabserve.Table",
 )
 
@@ -378,7 +389,7 @@ def mark_dynamic(table: Table) -> Table:
     all-null column, a one-row batch). Marked batches share one graph from the first call. Call
     it on each batch, outside the compiled function (the marks live on the tensors).
     """
-    for leaf in pytree.tree_leaves(table):
+    for leaf in pytree.tree_leaves(table):  # dimension 0: rows, labels, vocabulary entries
         if isinstance(leaf, Tensor) and leaf.dim() > 0:
             torch._dynamo.decorators.mark_unbacked(leaf, 0)
     return table
@@ -507,6 +518,13 @@ def _own(tensor: Tensor, device: torch.device) -> Tensor:
     if tensor.device == device and owns:
         return tensor
     return tensor.to(device, copy=True).contiguous()
+
+
+def _codes_matrix(numerical: Tensor, columns: Sequence) -> Tensor:
+    """int64 [rows, n_cat]: the columns' codes side by side, in storage of its own."""
+    if not columns:
+        return torch.empty((numerical.shape[0], 0), dtype=torch.int64, device=numerical.device)
+    return torch.stack([column.codes.to(torch.int64) for column in columns], dim=1)
 
 
 def _check_layout(codes, categories) -> None:

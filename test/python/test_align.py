@@ -13,7 +13,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from torch._dynamo.utils import counters
 
 from tabserve.align import AlignCategories, CategoryTypeError, NotFittedError
-from tabserve.tables import CategoricalColumn, Table
+from tabserve.tables import CategoricalColumn, Table, mark_dynamic
 
 HAS_CUDA = torch.cuda.is_available()
 _skip_no_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
@@ -352,3 +352,24 @@ def test_compiled_on_cuda_matches_eager():
         batch = Table.from_pandas(frame, categorical=["i", "f"], device="cuda")
         assert torch.equal(compiled(batch), align(batch))
     assert counter.frame_count <= 2
+
+
+def test_compiled_graph_takes_the_codes_matrix_not_a_codes_tensor_per_column():
+    # Every tensor a compiled function takes costs a guard and a size read per call: the graph
+    # reads the table's one codes matrix, never a column's own codes.
+    train, batches = _compile_batches(count=2)
+    table = lambda f: Table.from_pandas(f, categorical=["i", "f"])  # noqa: E731
+    align = AlignCategories().fit(table(train))
+    inputs = []
+
+    def backend(gm, example_inputs):
+        inputs.extend(n.name for n in gm.graph.nodes if n.op == "placeholder")
+        return gm
+
+    torch._dynamo.reset()
+    compiled = torch.compile(align, fullgraph=True, backend=backend)
+    for frame in batches:
+        batch = mark_dynamic(table(frame))
+        assert torch.equal(compiled(batch), align(batch))
+    codes_inputs = {name for name in inputs if "codes" in name}
+    assert codes_inputs == {"l_table_codes"}, inputs

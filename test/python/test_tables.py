@@ -277,3 +277,31 @@ def test_from_pandas_to_cuda_and_back():
     back = table.to("cpu")
     for name in table.categorical_names:
         assert back.column(name).to_pylist() == expected_values(frame[name])
+
+
+def test_codes_matrix_holds_every_column_side_by_side():
+    frame = mixed_frame()
+    for table in (
+        Table.from_pandas(frame),
+        Table.from_arrow(pa.Table.from_pandas(frame, preserve_index=False)),
+    ):
+        n_cat = len(table.columns)
+        assert table.codes.shape == (table.rows, n_cat) and table.codes.dtype == torch.int64
+        assert _owns_storage(table.codes)
+        for j, column in enumerate(table.columns):
+            assert torch.equal(table.codes[:, j], column.codes.long())
+        moved = table.to("cpu")
+        assert torch.equal(moved.codes, table.codes)
+        leaves, spec = pytree.tree_flatten(table)
+        rebuilt = pytree.tree_unflatten(leaves, spec)
+        assert rebuilt.codes is table.codes
+    # The constructor derives it from the columns (int32 codes widen to int64).
+    columns = (
+        CategoricalColumn(torch.tensor([1, -1, 0], dtype=torch.int32), torch.tensor([5, 7])),
+        CategoricalColumn.from_pylist(["x", None, "y"]),
+    )
+    table = Table(torch.zeros(3, 0), columns, (), ("a", "b"))
+    assert table.codes.tolist() == [[1, 0], [-1, -1], [0, 1]]
+    # No categorical column: [rows, 0].
+    numeric = Table(torch.zeros(4, 2), (), ("p", "q"), ())
+    assert numeric.codes.shape == (4, 0) and numeric.codes.dtype == torch.int64
