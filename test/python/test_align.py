@@ -358,7 +358,7 @@ def test_compiled_graph_takes_the_codes_matrix_not_a_codes_tensor_per_column():
     # Every tensor a compiled function takes costs a guard and a size read per call: the graph
     # reads the table's one codes matrix, never a column's own codes.
     train, batches = _compile_batches(count=2)
-    table = lambda f: Table.from_pandas(f, categorical=["i", "f"])  # noqa: E731
+    table = lambda f: Table.from_pandas(f, categorical=["i", "f"])
     align = AlignCategories().fit(table(train))
     inputs = []
 
