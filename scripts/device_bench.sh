@@ -36,8 +36,9 @@ for part in "$@"; do
   echo "== $part (${SECONDS}s)"
   case $part in
     small)  # compile + CUDA graphs against CUDA graphs alone; c20 after its priming change
-      bench small small -- c0-ref-fp32 c1-ref-fp16 c18-fp16-buckets-cudagraphs \
-        c23-fp16-buckets-compile-cudagraphs c20-fp16-buckets-warm-cache ;;
+      bench small small -- ${SMALL_CELLS:-c0-ref-fp32 c1-ref-fp16 c18-fp16-buckets-cudagraphs \
+        c23-fp16-buckets-compile-cudagraphs c26-fp16-buckets-max-autotune-cudagraphs \
+        c20-fp16-buckets-warm-cache} ;;
     large)  # what the first run's deadline cut, and flash after the chunking fix
       bench large large -- c2-fp32 c7-fp16-flash c9-fp16-flash-cudnn-icl c14-fp16-kv \
         c18-fp16-buckets-cudagraphs c19-fp16-buckets-cudagraphs-kv c23-fp16-buckets-compile-cudagraphs \

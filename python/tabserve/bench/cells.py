@@ -291,6 +291,16 @@ CELLS: tuple[Cell, ...] = (
         compile="default",
         attention={"col": "flash", "row": "flash", "icl": "cudnn"},
     ),
+    # c23 with autotuned Inductor kernels: the small table's replay is all kernel time.
+    Cell(
+        "c26-fp16-buckets-max-autotune-cudagraphs",
+        "tabserve",
+        "fp16",
+        "fp16, bucket grid + torch.compile max-autotune-no-cudagraphs, captured per bucket",
+        compile="max-autotune-no-cudagraphs",
+        buckets="default",
+        cuda_graphs=True,
+    ),
 )
 
 
