@@ -441,3 +441,16 @@ def test_profiler_splits_eager_time_by_stage_and_writes_tables(tmp_path):
     assert "device_busy_ms" not in eager  # CPU: no kernel timeline
     text = out.read_text()
     assert "c2-fp32 on small-quick: kernels by device time" in text and "aten::" in text
+
+
+def test_skipped_phases_are_reported_not_measured(tmp_path):
+    out = tmp_path / "bench.json"
+    argv = ["--device", "cpu", "--quick", "--model-size", "tiny", "--workloads", "small-quick"]
+    argv += ["--cells", "c2-fp32", "--skip-phases", "kv", "end_to_end", "--budget", "0.02"]
+    assert main(argv + ["--out", str(out), "--quiet", "--no-plot", "--timeout", "120"]) == 0
+    (result,) = json.loads(out.read_text())["results"]
+    assert result["status"] == "ok" and result["one_shot"]["median_ms"] > 0
+    for phase in ("kv", "end_to_end"):
+        assert result[phase] == {"skipped": "not measured in this run (--skip-phases)"}
+    with pytest.raises(SystemExit):
+        main(argv[:-2] + ["--skip-phases", "one_shot"])

@@ -36,6 +36,10 @@ TIMING = {
 }
 
 
+#: Phases a run may leave out; the cold call (gate outputs) and one-shot timing always run.
+SKIPPABLE_PHASES = ("kv", "end_to_end")
+
+
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="python -m tabserve.bench", description=__doc__.split("\n")[0])
     p.add_argument("--cells", nargs="+", metavar="CELL", help="cell names or patterns (c1*, *kv)")
@@ -66,6 +70,14 @@ def parse_args(argv):
         action="store_true",
         help="do not add a gate-only fp32 job when the selected cells have no fp32 cell (their "
         "gates are then unchecked and they are never promoted)",
+    )
+    p.add_argument(
+        "--skip-phases",
+        nargs="+",
+        choices=SKIPPABLE_PHASES,
+        default=[],
+        help="phases not to measure (each compiles anew in compiled cells: on a lent machine "
+        "they can cost more than the one-shot measurement)",
     )
     p.add_argument("--budget", type=float, help="timing budget per measurement, seconds")
     p.add_argument("--min-repeats", type=int, help="timed repeats per measurement, at least")
@@ -172,6 +184,8 @@ def main(argv=None) -> int:
         timing["budget_s"] = args.budget
     if args.min_repeats is not None:
         timing["min_repeats"] = args.min_repeats
+    if args.skip_phases:
+        timing["skip_phases"] = sorted(args.skip_phases)
     run_dir = Path(args.work_dir or tempfile.mkdtemp(prefix="tabserve-bench-"))
     run_dir.mkdir(parents=True, exist_ok=True)
     try:

@@ -104,6 +104,10 @@ class Job:
 
     def phase(self, name: str, fn) -> None:
         """Runs one phase, records its figures or its error, saves."""
+        if name in self.spec.get("skip_phases", ()):
+            self.result[name] = {"skipped": "not measured in this run (--skip-phases)"}
+            self.save()
+            return
         try:
             self.result[name] = fn()
         except SkipPhase as skip:
