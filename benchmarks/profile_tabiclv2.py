@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import statistics
 import sys
@@ -25,6 +26,7 @@ from pathlib import Path
 import torch
 from tabserve.bench.cells import cell_by_name, skip_reason
 from tabserve.bench.engines import make_engine
+from tabserve.bench.timing import synchronize, time_once
 from tabserve.bench.workloads import make_checkpoint, model_tables, workload_by_name
 from torch.profiler import ProfilerActivity, profile
 
@@ -60,19 +62,13 @@ class StageTimer:
         return timed
 
     def collect(self) -> dict:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        synchronize(self.device)
         totals = {stage: 0.0 for stage in STAGES}
         for stage, start, end in self.spans:
             ms = start.elapsed_time(end) if self.device.type == "cuda" else (end - start) * 1e3
             totals[stage] += ms
         self.spans.clear()
         return totals
-
-
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def profile_cell(name: str, workload, checkpoint: Path, device: torch.device, repeats: int):
@@ -84,13 +80,8 @@ def profile_cell(name: str, workload, checkpoint: Path, device: torch.device, re
     X, y = model_tables(workload, seed=1, device=device)
     for _ in range(3):  # warm-up: compile, capture, cuDNN plans
         engine.one_shot(X, y)
-    _sync(device)
-    walls = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        engine.one_shot(X, y)
-        _sync(device)
-        walls.append((time.perf_counter() - t0) * 1e3)
+    call = functools.partial(engine.one_shot, X, y)
+    walls = [time_once(call, device)[0] for _ in range(repeats)]
     # Stage split (only where the stage modules run eagerly: compiled or captured cells hide it).
     model = getattr(engine, "model", None)
     inner = getattr(model, "model", model)
@@ -107,7 +98,7 @@ def profile_cell(name: str, workload, checkpoint: Path, device: torch.device, re
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=activities) as prof:
         engine.one_shot(X, y)
-        _sync(device)
+        synchronize(device)
     events = prof.key_averages()
     sort_device = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
     kernel_us = sum(getattr(e, "self_device_time_total", 0.0) for e in events)

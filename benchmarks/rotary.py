@@ -21,6 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import environment, format_mib, format_ms, measure, print_table, write_json
 from tabserve import ops
+from tabserve.models.tabicl.layers import RotaryEmbedding, rotate_half
 
 #: (name, sequences, tokens): small / medium / large workloads' row stage (8 tables).
 CASES = [("small", 8 * 576, 12), ("medium", 8 * 1280, 24), ("large", 8 * 10240, 68)]
@@ -29,20 +30,12 @@ HEADS, HEAD_DIM = 8, 16
 
 
 def inputs(sequences: int, tokens: int, dtype, device):
+    """Head-split queries (a strided view into a packed projection) and the model's tables."""
     g = torch.Generator().manual_seed(0)
     packed = torch.randn(sequences, tokens, 3 * HEADS * HEAD_DIM, generator=g).to(dtype).to(device)
     x = packed[..., : HEADS * HEAD_DIM].unflatten(-1, (HEADS, HEAD_DIM)).transpose(-3, -2)
-    exponents = torch.arange(0, HEAD_DIM, 2).float() / HEAD_DIM
-    freqs = (1.0 / 100000.0**exponents).to(device)
-    angles = torch.arange(tokens, device=device, dtype=torch.float32)[:, None] * freqs[None, :]
-    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    cos, sin = RotaryEmbedding(HEAD_DIM, 100000.0).to(device).tables(tokens, device, dtype)
     return x, cos, sin
-
-
-def composite(x, cos, sin):
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return (x * cos + rotated * sin).to(x.dtype)
 
 
 def main(argv=None) -> int:
@@ -57,13 +50,13 @@ def main(argv=None) -> int:
     dtype = getattr(torch, args.dtype)
     if device.type == "cpu" and dtype != torch.float32:
         dtype = torch.float32  # CPU half maths is not what anyone serves with
-    methods = {"composite": composite, "tabserve op": ops.rotary_embedding}
+    methods = {"composite": rotate_half, "tabserve op": ops.rotary_embedding}
     if device.type == "cuda":
-        methods["composite compiled"] = torch.compile(composite, fullgraph=True)
+        methods["composite compiled"] = torch.compile(rotate_half, fullgraph=True)
     records, rows = [], []
     for name, sequences, tokens in QUICK_CASES if args.quick else CASES:
         x, cos, sin = inputs(sequences, tokens, dtype, device)
-        want = composite(x, cos, sin)
+        want = rotate_half(x, cos, sin)
         for method, fn in methods.items():
             same = bool(torch.equal(fn(x, cos, sin), want))
             m = measure(lambda fn=fn, x=x, c=cos, s=sin: fn(x, c, s), device, budget_s=args.budget)

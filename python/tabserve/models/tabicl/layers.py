@@ -96,17 +96,29 @@ class RotaryEmbedding(nn.Module):
         write instead of six passes with float32 intermediates); compiled graphs keep the
         composite, which Inductor fuses with the head split around it.
         """
-        positions = torch.arange(x.shape[-2], device=x.device, dtype=x.dtype).to(self.freqs.dtype)
-        angles = positions[:, None] * self.freqs[None, :]
-        cos = torch.cat([angles.cos(), angles.cos()], dim=-1)
-        sin = torch.cat([angles.sin(), angles.sin()], dim=-1)
+        cos, sin = self.tables(x.shape[-2], x.device, x.dtype)
         if x.device.type in ROTARY_OP_DEVICES and not torch.compiler.is_compiling():
             fused = _rotary_op()
             if fused is not None:
                 return fused(x, cos, sin)
-        half = x.shape[-1] // 2
-        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-        return (x * cos + rotated * sin).to(x.dtype)
+        return rotate_half(x, cos, sin)
+
+    def tables(self, length: int, device, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """cos, sin ``[length, head_dim]`` (in the frequencies' dtype) of positions 0..length-1,
+        generated in ``dtype`` as the reference does."""
+        positions = torch.arange(length, device=device, dtype=dtype).to(self.freqs.dtype)
+        angles = positions[:, None] * self.freqs[None, :]
+        return torch.cat([angles.cos(), angles.cos()], dim=-1), torch.cat(
+            [angles.sin(), angles.sin()], dim=-1
+        )
+
+
+def rotate_half(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate-half RoPE as ATen ops: ``x * cos + cat(-x[..., D/2:], x[..., :D/2]) * sin`` in the
+    tables' precision, cast back to x's dtype (what ``tabserve::rotary_embedding`` fuses)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return (x * cos + rotated * sin).to(x.dtype)
 
 
 class Attention(nn.Module):
@@ -227,10 +239,9 @@ def _rotary_op():
     """``tabserve.ops.rotary_embedding``, or None without the compiled extension (the unpadded
     model then runs on ATen ops alone, as it always could)."""
     try:
-        from tabserve import ops
+        return _padded_ops().rotary_embedding
     except (ImportError, OSError):
         return None
-    return ops.rotary_embedding
 
 
 def _padded_ops():
