@@ -175,7 +175,42 @@ def run_workload(workload: Workload, args) -> dict:
         record["methods"][name] = m.as_dict()
         if single.get(name) is not None and device.type == "cuda":
             record["methods"][name]["max_call_peak_bytes"] = max_call_peak(*single[name], device)
+    if args.profile:
+        record["profile"] = profile_calls(compiled, marked, device)
     return record
+
+
+def profile_calls(fn, batches, device: torch.device, top: int = 25) -> dict:
+    """Where one pass over the batches spends its time: the host's Python functions (cProfile,
+    by own time) and the operators and kernels (torch.profiler, by self CPU and device time)."""
+    import cProfile
+    import io
+    import pstats
+
+    from torch.profiler import ProfilerActivity, profile
+
+    fn_all = lambda: [fn(b) for b in batches]  # noqa: E731
+    fn_all()
+    harness._sync(device)
+    host = cProfile.Profile()
+    host.enable()
+    fn_all()
+    harness._sync(device)
+    host.disable()
+    text = io.StringIO()
+    pstats.Stats(host, stream=text).sort_stats("tottime").print_stats(top)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        fn_all()
+        harness._sync(device)
+    averages = prof.key_averages()
+    by = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    return {
+        "calls": len(batches),
+        "host_python": text.getvalue().splitlines()[:top + 12],
+        "ops_by_host_time": averages.table(sort_by="self_cpu_time_total", row_limit=top).splitlines(),
+        "ops_by_device_time": averages.table(sort_by=by, row_limit=top).splitlines(),
+    }
 
 
 def max_call_peak(fn, batches, device: torch.device) -> int:
@@ -202,6 +237,8 @@ def parse_args(argv=None):
     parser.add_argument("--peer-compiled", action="store_true", help="also compile the torch_peer")
     parser.add_argument("--budget", type=float, default=None, help="seconds of timed repeats per cell")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--profile", action="store_true",
+                        help="also profile one pass of the compiled transform (host Python and ops)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads on CPU (0: default)")
     parser.add_argument("--out", default="benchmarks/results/align_categories.json")
     args = parser.parse_args(argv)

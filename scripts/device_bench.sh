@@ -5,7 +5,7 @@
 # returns 8 files at most); merge the driver JSONs here with `python -m tabserve.bench --merge`.
 #   bash scripts/device_bench.sh large            # one part per call is the safe plan
 #   bash scripts/device_bench.sh medium stream
-# Parts: small, large, compiled, medium, xlarge, stream, soak, sanitize, profile, cudatests.
+# Parts: small, large, compiled, medium, xlarge, stream, soak, sanitize, profile, cudatests, align.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
@@ -62,12 +62,20 @@ for part in "$@"; do
         echo "profile $w rc=$?"; cat "$OUT/profile_$w.json" 2>/dev/null | tr -d '\n ' | cut -c1-1500; echo
       done ;;
     cudatests)  # the CUDA tests of the model, padding, serving and RoPE, then the RoPE benchmark
-      timeout "$(left $((LIMIT - 30)))" python3 -m pytest -q -p no:cacheprovider -p no:logging -rfE \
+      timeout "${CUDATESTS_TIMEOUT:-$(left $((LIMIT - 30)))}" python3 -m pytest -q -p no:cacheprovider -p no:logging -rfE \
         -m cuda test/python/test_tabicl_model.py test/python/test_padded_inference.py \
         test/python/test_padding_ops.py test/python/test_rotary.py >"$LOG/cudatests.log" 2>&1
+      echo "cudatests rc=$?"; tail -15 "$LOG/cudatests.log"
       timeout "$(left $((LIMIT - 10)))" python3 benchmarks/rotary.py --device cuda \
-        --json "$OUT/rotary-cuda.json" >"$LOG/rotary.log" 2>&1; tail -12 "$LOG/rotary.log"
-      echo "cudatests rc=$?"; tail -15 "$LOG/cudatests.log" ;;
+        --json "$OUT/rotary-cuda.json" >"$LOG/rotary.log" 2>&1; tail -12 "$LOG/rotary.log" ;;
+    align)  # issue 3: the CUDA tests of tables and alignment, then the benchmark with a profile
+      timeout "$(left $((LIMIT - 30)))" python3 -m pytest -q -p no:cacheprovider -p no:logging -rfE \
+        -m cuda test/python/test_align.py test/python/test_tables.py test/python/test_encoding.py \
+        >"$LOG/aligntests.log" 2>&1
+      echo "align tests rc=$?"; tail -5 "$LOG/aligntests.log"
+      timeout "$(left $((LIMIT - 10)))" python3 benchmarks/align_categories.py --device cuda --budget 0.3 \
+        --profile ${ALIGN_ARGS:-} --out "$OUT/align_categories_h200.json" >"$LOG/align.log" 2>&1
+      echo "align rc=$?"; tail -12 "$LOG/align.log" | cut -c1-220 ;;
     soak)
       timeout "$(left "$LIMIT")" python3 benchmarks/soak.py --device cuda --size full \
         ${SOAK_RECIPE:+--recipe "$SOAK_RECIPE"} --precision "${SOAK_PRECISION:-$([ -n "${SOAK_RECIPE:-}" ] && echo fp32 || echo fp16)}" --max-seconds "${SOAK_SECONDS:-$(left $((LIMIT - 60)))}" \
@@ -76,7 +84,7 @@ for part in "$@"; do
     sanitize)
       STAGES=sanitize SAN_TOOLS="${SAN_TOOLS:-synccheck racecheck memcheck initcheck}" SAN_TIMEOUT=${SAN_TIMEOUT:-120} \
         DEADLINE=$(left $((LIMIT - 120))) OUT="$LOG/sanitize" bash scripts/device_check.sh 2>&1 | tail -8 ;;
-    *) echo "unknown part $part (small, large, compiled, medium, xlarge, stream, soak, sanitize, profile, cudatests)"; exit 2 ;;
+    *) echo "unknown part $part (small, large, compiled, medium, xlarge, stream, soak, sanitize, profile, cudatests, align)"; exit 2 ;;
   esac
 done
 tar czf "$OUT/logs.tgz" -C "$LOG" . 2>/dev/null
