@@ -143,6 +143,28 @@ void check_query_columns(const at::Tensor& segments, at::TensorList query_data,
               query_valid_count);
 }
 
+void check_dictionary_codes(const at::Tensor& codes, const std::optional<at::IntArrayRef>& code_columns,
+                            size_t columns, const at::Device& device) {
+  TORCH_CHECK(codes.scalar_type() == at::kLong, "codes must be an int64 tensor, got ",
+              codes.scalar_type());
+  TORCH_CHECK(codes.dim() == 2, "codes must be 2-D [rows, code columns], got shape ",
+              codes.sizes());
+  TORCH_CHECK(codes.device() == device, "codes is on ", codes.device(), " but expected ", device);
+  const int64_t available = codes.size(1);
+  if (!code_columns.has_value()) {
+    TORCH_CHECK(available == static_cast<int64_t>(columns), "codes must have one column per query ",
+                "column (", columns, ") when code_columns is None, got shape ", codes.sizes());
+    return;
+  }
+  TORCH_CHECK(code_columns->size() == columns, "code_columns must hold one entry per query column (",
+              columns, "), got ", code_columns->size());
+  for (size_t c = 0; c < columns; ++c) {
+    const int64_t column = (*code_columns)[c];
+    TORCH_CHECK(column >= 0 && column < available, "code_columns[", c, "] must be in [0, ",
+                available, ") (the columns of codes), got ", column);
+  }
+}
+
 namespace {
 
 std::tuple<at::Tensor, at::Tensor> string_index_build_cpu(
@@ -220,6 +242,28 @@ at::Tensor lookup_columns_cpu(const at::Tensor& vocabulary_data,
   return codes;
 }
 
+at::Tensor gather_codes_cpu(const at::Tensor& looked_up, const std::vector<int64_t>& row_start,
+                            const at::Tensor& codes, const std::vector<int64_t>& code_column) {
+  const int64_t rows = codes.size(0);
+  const int64_t columns = static_cast<int64_t>(code_column.size());
+  at::Tensor out = at::empty({rows, columns}, looked_up.options());
+  const int64_t* found = looked_up.data_ptr<int64_t>();
+  const int64_t* in = codes.data_ptr<int64_t>();
+  const int64_t row_stride = codes.stride(0);
+  const int64_t column_stride = codes.stride(1);
+  int64_t* written = out.data_ptr<int64_t>();
+  at::parallel_for(0, rows, 4096, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      for (int64_t c = 0; c < columns; ++c) {
+        const int64_t k = in[r * row_stride + code_column[c] * column_stride];
+        const int64_t size = row_start[c + 1] - row_start[c];
+        written[r * columns + c] = (k >= 0 && k < size) ? found[row_start[c] + k] : -1;
+      }
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tabserve, m) {
@@ -249,12 +293,24 @@ TORCH_LIBRARY_FRAGMENT(tabserve, m) {
       "Tensor[] query_offsets, Tensor?[] query_valid, int hash_bits=64, "
       "bool check_offsets=True) -> Tensor",
       {at::Tag::pt2_compliant_tag});
+  // Dictionary-encoded columns in one call: query column c holds the categories of a column
+  // whose rows carry dictionary codes codes[:, code_columns[c]] (int64 [rows, code columns], any
+  // strides; code_columns None: column c). Returns int64 [rows, query columns]: the vocabulary
+  // code of each row's category in vocabulary column c; -1 for unknown categories and for codes
+  // outside [0, query rows of column c) (nulls).
+  m.def(
+      "dictionary_lookup(Tensor vocabulary_data, Tensor vocabulary_offsets, "
+      "Tensor vocabulary_segments, Tensor slot_hash, Tensor slot_row, Tensor[] query_data, "
+      "Tensor[] query_offsets, Tensor?[] query_valid, Tensor codes, int[]? code_columns=None, "
+      "int hash_bits=64, bool check_offsets=True) -> Tensor",
+      {at::Tag::pt2_compliant_tag});
 }
 
 TORCH_LIBRARY_IMPL(tabserve, CPU, m) {
   m.impl("string_index_build", &string_index_build_cpu);
   m.impl("string_lookup", &string_lookup_kernel<&lookup_columns_cpu>);
   m.impl("string_lookup_multi", &string_lookup_multi_kernel<&lookup_columns_cpu>);
+  m.impl("dictionary_lookup", &dictionary_lookup_kernel<&lookup_columns_cpu, &gather_codes_cpu>);
 }
 
 }  // namespace ops

@@ -37,6 +37,11 @@ void check_column(const at::Tensor& segments, int64_t column);
 void check_query_columns(const at::Tensor& segments, at::TensorList query_data,
                          at::TensorList query_offsets, size_t query_valid_count);
 
+// Checks dictionary_lookup's codes (int64 [rows, code columns], any strides) and code_columns (one
+// column of `codes` per query column, each inside it; none: query column c reads column c).
+void check_dictionary_codes(const at::Tensor& codes, const std::optional<at::IntArrayRef>& code_columns,
+                            size_t columns, const at::Device& device);
+
 // The device half of both lookup operators: the codes of every query column (query column i
 // against vocabulary column first_column + i), concatenated. One per backend.
 using LookupColumns = at::Tensor (*)(const at::Tensor& vocabulary_data,
@@ -46,6 +51,12 @@ using LookupColumns = at::Tensor (*)(const at::Tensor& vocabulary_data,
                                      at::TensorList query_data, at::TensorList query_offsets,
                                      const std::vector<std::optional<at::Tensor>>& query_valid,
                                      int64_t first_column, int64_t hash_bits, bool check_offsets);
+
+// The row half of dictionary_lookup, one per backend: out int64 [rows, columns] with
+// out[r, c] = looked_up[row_start[c] + k] for k = codes[r, code_column[c]] when
+// 0 <= k < row_start[c + 1] - row_start[c], else -1.
+using GatherCodes = at::Tensor (*)(const at::Tensor& looked_up, const std::vector<int64_t>& row_start,
+                                   const at::Tensor& codes, const std::vector<int64_t>& code_column);
 
 // string_lookup on a backend: one query column against vocabulary column `column`.
 template <LookupColumns lookup_columns>
@@ -75,6 +86,35 @@ at::Tensor string_lookup_multi_kernel(const at::Tensor& vocabulary_data,
   const std::vector<std::optional<at::Tensor>> valid(query_valid.begin(), query_valid.end());
   return lookup_columns(vocabulary_data, vocabulary_offsets, vocabulary_segments, slot_hash,
                         slot_row, query_data, query_offsets, valid, 0, hash_bits, check_offsets);
+}
+
+// dictionary_lookup on a backend: every query column's categories looked up in their vocabulary
+// column, then each row's dictionary code replaced by its category's vocabulary code.
+template <LookupColumns lookup_columns, GatherCodes gather_codes>
+at::Tensor dictionary_lookup_kernel(const at::Tensor& vocabulary_data,
+                                    const at::Tensor& vocabulary_offsets,
+                                    const at::Tensor& vocabulary_segments,
+                                    const at::Tensor& slot_hash, const at::Tensor& slot_row,
+                                    at::TensorList query_data, at::TensorList query_offsets,
+                                    const c10::List<std::optional<at::Tensor>>& query_valid,
+                                    const at::Tensor& codes,
+                                    at::OptionalIntArrayRef code_columns, int64_t hash_bits,
+                                    bool check_offsets) {
+  check_query_columns(vocabulary_segments, query_data, query_offsets, query_valid.size());
+  const std::optional<at::IntArrayRef> chosen =
+      code_columns.has_value() ? std::optional<at::IntArrayRef>(*code_columns) : std::nullopt;
+  check_dictionary_codes(codes, chosen, query_data.size(), vocabulary_data.device());
+  const std::vector<std::optional<at::Tensor>> valid(query_valid.begin(), query_valid.end());
+  const at::Tensor looked_up =
+      lookup_columns(vocabulary_data, vocabulary_offsets, vocabulary_segments, slot_hash,
+                     slot_row, query_data, query_offsets, valid, 0, hash_bits, check_offsets);
+  std::vector<int64_t> row_start(query_offsets.size() + 1, 0);
+  std::vector<int64_t> code_column(query_offsets.size());
+  for (size_t c = 0; c < query_offsets.size(); ++c) {
+    row_start[c + 1] = row_start[c] + query_offsets[c].numel() - 1;
+    code_column[c] = chosen.has_value() ? (*chosen)[c] : static_cast<int64_t>(c);
+  }
+  return gather_codes(looked_up, row_start, codes, code_column);
 }
 
 }  // namespace ops

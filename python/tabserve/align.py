@@ -3,8 +3,9 @@
 Fitted categories of every column, strings and numbers alike, are stored as one packed
 vocabulary of byte keys (strings: their UTF-8 bytes; integers: 8 little-endian bytes of the int64
 value; floats: 8 bytes of the float64 value, -0.0 folded onto 0.0). So one
-``string_lookup_multi`` call maps the batch vocabularies of all columns, and one gather over the
-concatenated lookup results maps the rows: no per-column work on rows, no size-dependent branch.
+``dictionary_lookup`` operator call maps the batch vocabularies of all columns and, by a gather
+over the concatenated lookup results, the rows: no per-column work on rows, no size-dependent
+branch.
 
 State: the packed vocabulary (``vocabulary_data``, ``vocabulary_offsets``,
 ``vocabulary_segments``) and the column names and kinds (``_extra_state``) are persistent; the
@@ -245,8 +246,12 @@ class AlignCategories(nn.Module):
         queries = [
             _query_keys(column.categories, kind) for column, kind in zip(columns, self.column_kinds)
         ]
-        # Fitted code of every batch category, all columns in one call.
-        looked_up = ops.string_lookup_multi(
+        # Every column in one operator call: each batch category looked up in its fitted
+        # vocabulary, then each row's batch code replaced by its category's fitted code (-1 for
+        # null and unknown; empty vocabularies included). The rows' codes come from the table's
+        # one codes matrix, read in place: one graph input instead of one per column. On CUDA this
+        # is two kernel launches, where per-column tensor maths compiled to two launches a column.
+        return ops.dictionary_lookup(
             self.vocabulary_data,
             self.vocabulary_offsets,
             self.vocabulary_segments,
@@ -255,22 +260,10 @@ class AlignCategories(nn.Module):
             [q.data for q in queries],
             [q.offsets for q in queries],
             [q.valid for q in queries],
+            table.codes,
+            None if positions == list(range(table.codes.shape[1])) else positions,
             check_offsets=False,  # tabserve built or checked every query's offsets
         )
-        # One trailing -1 that null, out-of-range and empty-vocabulary rows all point at.
-        lookup_table = torch.cat([looked_up, looked_up.new_full((1,), -1)])
-        # Each column's block starts where the previous one's categories end. Sizes stay symbolic
-        # scalars (no torch.tensor of sizes: on CUDA that is a host-to-device copy per call);
-        # the per-column expressions unroll at trace time and fuse into one kernel.
-        # The codes come from the table's one codes matrix, not from each column: one graph
-        # input instead of one per column (a guard and a size read fewer per column and call).
-        index, start = [], 0
-        for position, column in zip(positions, columns):
-            codes, size = table.codes[:, position], len(column.categories)
-            inside = (codes >= 0) & (codes < size)
-            index.append(torch.where(inside, codes + start, looked_up.shape[0]))
-            start = start + size
-        return lookup_table[torch.stack(index, dim=1)]
 
     def transform(self, table: Table) -> Tensor:
         """Same as calling the module."""

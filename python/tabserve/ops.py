@@ -52,6 +52,14 @@ def _same_device(op: str, **tensors) -> None:
 # ---------------------------------------------------------------------------------------------
 # String lookup (csrc/ops/string_lookup.cpp, csrc/ops/cuda/string_lookup.cu)
 
+_LOOKUP_ARGUMENTS = ("vocabulary_data", "vocabulary_offsets", "vocabulary_segments", "slot_hash",
+                     "slot_row", "query_data", "query_offsets", "query_valid")
+
+
+def _same_lookup_device(op: str, *arguments, **more) -> None:
+    """:func:`_same_device` over the lookup operators' common leading arguments (and ``more``)."""
+    _same_device(op, **dict(zip(_LOOKUP_ARGUMENTS, arguments)), **more)
+
 
 @torch.library.register_fake("tabserve::string_index_build")
 def _string_index_build_fake(
@@ -89,16 +97,9 @@ def _string_lookup_fake(
     hash_bits=64,
     check_offsets=True,
 ):
-    _same_device(
-        "string_lookup",
-        vocabulary_data=vocabulary_data,
-        vocabulary_offsets=vocabulary_offsets,
-        vocabulary_segments=vocabulary_segments,
-        slot_hash=slot_hash,
-        slot_row=slot_row,
-        query_data=query_data,
-        query_offsets=query_offsets,
-        query_valid=query_valid,
+    _same_lookup_device(
+        "string_lookup", vocabulary_data, vocabulary_offsets, vocabulary_segments, slot_hash,
+        slot_row, query_data, query_offsets, query_valid
     )
     return query_offsets.new_empty(query_offsets.shape[0] - 1, dtype=torch.int64)
 
@@ -116,19 +117,41 @@ def _string_lookup_multi_fake(
     hash_bits=64,
     check_offsets=True,
 ):
-    _same_device(
-        "string_lookup_multi",
-        vocabulary_data=vocabulary_data,
-        vocabulary_offsets=vocabulary_offsets,
-        vocabulary_segments=vocabulary_segments,
-        slot_hash=slot_hash,
-        slot_row=slot_row,
-        query_data=query_data,
-        query_offsets=query_offsets,
-        query_valid=query_valid,
+    _same_lookup_device(
+        "string_lookup_multi", vocabulary_data, vocabulary_offsets, vocabulary_segments, slot_hash,
+        slot_row, query_data, query_offsets, query_valid
     )
     rows = sum(offsets.shape[0] - 1 for offsets in query_offsets)
     return vocabulary_offsets.new_empty(rows, dtype=torch.int64)
+
+
+@torch.library.register_fake("tabserve::dictionary_lookup")
+def _dictionary_lookup_fake(
+    vocabulary_data,
+    vocabulary_offsets,
+    vocabulary_segments,
+    slot_hash,
+    slot_row,
+    query_data,
+    query_offsets,
+    query_valid,
+    codes,
+    code_columns=None,
+    hash_bits=64,
+    check_offsets=True,
+):
+    _same_lookup_device(
+        "dictionary_lookup", vocabulary_data, vocabulary_offsets, vocabulary_segments, slot_hash,
+        slot_row, query_data, query_offsets, query_valid, codes=codes
+    )
+    # The real kernels' checks of what the trace knows (column counts are static).
+    if codes.dtype != torch.int64 or codes.dim() != 2:
+        raise RuntimeError(f"codes must be a 2-D int64 tensor, got {codes.dtype} {tuple(codes.shape)}")
+    if len(query_data) != len(query_offsets) or len(query_data) != len(query_valid):
+        raise RuntimeError("query_data, query_offsets and query_valid must each hold one entry per column")
+    if code_columns is not None and len(code_columns) != len(query_data):
+        raise RuntimeError("code_columns must hold one entry per query column")
+    return codes.new_empty((codes.shape[0], len(query_data)))
 
 
 def string_index_build(
@@ -225,6 +248,45 @@ def string_lookup_multi(
         list(query_data),
         list(query_offsets),
         list(query_valid),
+        hash_bits,
+        check_offsets,
+    )
+
+
+def dictionary_lookup(
+    vocabulary_data: Tensor,
+    vocabulary_offsets: Tensor,
+    vocabulary_segments: Tensor,
+    slot_hash: Tensor,
+    slot_row: Tensor,
+    query_data: Sequence[Tensor],
+    query_offsets: Sequence[Tensor],
+    query_valid: Sequence[Optional[Tensor]],
+    codes: Tensor,
+    code_columns: Optional[Sequence[int]] = None,
+    hash_bits: int = FULL_HASH_BITS,
+    check_offsets: bool = True,
+) -> Tensor:
+    """Vocabulary codes of dictionary-encoded columns, every column in one call.
+
+    Query column c holds the categories of a dictionary-encoded column whose rows carry codes
+    ``codes[:, code_columns[c]]`` (``codes`` int64 [rows, code columns], any strides;
+    ``code_columns`` None: column c). Returns int64 [rows, query columns]: the code of each row's
+    category in vocabulary column c (as :func:`string_lookup_multi` gives it), -1 for unknown
+    categories and for row codes outside [0, rows of query column c) (nulls). CUDA: one lookup
+    launch per 32 columns and one gather launch per 128 columns, no host synchronisation.
+    """
+    return torch.ops.tabserve.dictionary_lookup(
+        vocabulary_data,
+        vocabulary_offsets,
+        vocabulary_segments,
+        slot_hash,
+        slot_row,
+        list(query_data),
+        list(query_offsets),
+        list(query_valid),
+        codes,
+        None if code_columns is None else list(code_columns),
         hash_bits,
         check_offsets,
     )

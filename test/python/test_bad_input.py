@@ -197,6 +197,15 @@ def lookup_multi(w: World, **change):
     )
 
 
+def dictionary(w: World, **change):
+    """dictionary_lookup of the good query in both columns over 3 rows of codes, some replaced."""
+    queries = {"query_data": [w.query.data] * 2, "query_offsets": [w.query.offsets] * 2}
+    codes = torch.tensor([[0, 1], [3, -1], [2, 9]])
+    return ops.dictionary_lookup(
+        **{**_table_args(w), **queries, "query_valid": [w.query.valid] * 2, "codes": codes, **change}
+    )
+
+
 def attention(w: World, q=None, k=None, v=None, n=None, **kw):
     """prefix_attention on the good arguments (3 keys of 5) with some of them replaced."""
     q = w.q if q is None else q
@@ -300,6 +309,13 @@ REFUSED = [
     C("strings", "lookup_multi: one query for two columns", lambda w: lookup_multi(w, query_data=[w.query.data], query_offsets=[w.query.offsets], query_valid=[None]), RuntimeError, r"one entry per vocabulary column \(2\), got 1"),
     C("strings", "lookup_multi: lists of different lengths", lambda w: lookup_multi(w, query_valid=[None]), RuntimeError, "query_valid must each hold one entry"),
     C("strings", "lookup_multi: bad offsets in column 1", lambda w: lookup_multi(w, query_offsets=[w.query.offsets, offsets(0, 9, 1, 2, 3)]), RuntimeError, r"query_offsets\[1\] = 9"),
+    C("strings", "dictionary: codes int32", lambda w: dictionary(w, codes=torch.zeros(3, 2, dtype=I32)), RuntimeError, "codes must be an int64"),
+    C("strings", "dictionary: codes 1-D", lambda w: dictionary(w, codes=offsets(0, 1)), RuntimeError, "codes must be 2-D"),
+    C("strings", "dictionary: one code column for two", lambda w: dictionary(w, codes=offsets(0, 1)[:, None]), RuntimeError, r"one column per query column \(2\)"),
+    C("strings", "dictionary: code_columns too short", lambda w: dictionary(w, code_columns=[0]), RuntimeError, "code_columns must hold one entry per query column"),
+    C("strings", "dictionary: code column past codes", lambda w: dictionary(w, code_columns=[0, 2]), RuntimeError, r"code_columns\[1\] must be in \[0, 2\)"),
+    C("strings", "dictionary: codes on meta", lambda w: dictionary(w, codes=torch.zeros(3, 2, dtype=torch.long, device="meta")), RuntimeError, "codes is on meta"),
+    C("strings", "dictionary: bad offsets in column 0", lambda w: dictionary(w, query_offsets=[offsets(0, 9, 1, 2, 3), w.query.offsets]), RuntimeError, r"query_offsets\[1\] = 9"),
     # -- torch.ops.tabserve padding operators --------------------------------------------------
     C("padding", "pad_to_bucket: 2-D x", lambda w: ops.pad_to_bucket(w.x[0], 6, 8, 8, 4), RuntimeError, "x must be a 3-D"),
     C("padding", "pad_to_bucket: negative n_train", lambda w: ops.pad_to_bucket(w.x, -1, 8, 16, 4), RuntimeError, "n_train must be in"),

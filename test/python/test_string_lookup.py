@@ -211,6 +211,111 @@ def test_multi_column_lookup_beyond_one_launch():
         assert codes.tolist() == [code for v, q in cases for code in dict_codes(v, q)]
 
 
+# -- dictionary_lookup: dictionary-encoded columns in one call --------------------------------
+
+
+def dictionary_case(seed, columns, rows, device, extra_code_columns=0):
+    """Vocabularies, per-column batch categories and a row-codes matrix (nulls, out-of-range codes
+    included), with the dict reference of dictionary_lookup's output."""
+    rng = np.random.default_rng(seed)
+    cases = [random_case(seed * 1000 + c, vocabulary_size=int(rng.integers(0, 40)),
+                         query_size=int(rng.integers(0, 25))) for c in range(columns)]
+    width = columns + extra_code_columns
+    code_columns = [int(c) for c in rng.permutation(width)[:columns]]
+    codes = np.empty((rows, width), dtype=np.int64)
+    expected = np.empty((rows, columns), dtype=np.int64)
+    for c, (vocabulary, query) in enumerate(cases):
+        k = code_columns[c]
+        # valid codes, -1 nulls, and codes past either end (treated as null)
+        codes[:, k] = rng.integers(-3, len(query) + 3, size=rows)
+        found = dict_codes(vocabulary, query)
+        expected[:, c] = [found[i] if 0 <= i < len(query) else -1 for i in codes[:, k]]
+    index = StringIndex.from_columns([StringColumn.from_pylist(v, device=device) for v, _ in cases])
+    queries = [StringColumn.from_pylist(q, device=device) for _, q in cases]
+    return index, queries, torch.from_numpy(codes).to(device), code_columns, expected
+
+
+def dictionary_lookup(index, queries, codes, code_columns=None, **kwargs):
+    return ops.dictionary_lookup(
+        index.vocabulary.data, index.vocabulary.offsets, index.segments, index.slot_hash,
+        index.slot_row, [q.data for q in queries], [q.offsets for q in queries],
+        [q.valid for q in queries], codes, code_columns, **kwargs)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("seed, columns, rows, extra", [(1, 1, 50, 0), (2, 7, 300, 3), (3, 13, 1, 0),
+                                                        (4, 5, 0, 2), (5, 140, 40, 5)])
+def test_dictionary_lookup_matches_the_dict_reference(device, seed, columns, rows, extra):
+    # 140 columns: more than one CUDA launch of either kernel (32 lookup, 128 gather columns)
+    index, queries, codes, code_columns, expected = dictionary_case(seed, columns, rows, device, extra)
+    out = dictionary_lookup(index, queries, codes, code_columns)
+    assert out.dtype == torch.int64 and out.device == codes.device and out.is_contiguous()
+    np.testing.assert_array_equal(out.cpu().numpy(), expected)
+    # a strided (column-major) codes matrix reads the same codes
+    strided = codes.t().contiguous().t()
+    np.testing.assert_array_equal(dictionary_lookup(index, queries, strided, code_columns).cpu().numpy(), expected)
+    if extra == 0:  # code_columns None: column c reads codes[:, c]
+        ordered = codes[:, code_columns]
+        np.testing.assert_array_equal(dictionary_lookup(index, queries, ordered).cpu().numpy(), expected)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_dictionary_lookup_equals_multi_lookup_then_gather(device):
+    index, queries, codes, code_columns, _ = dictionary_case(8, 6, 120, device)
+    looked_up = index.lookup_columns(queries).cpu().tolist()
+    start, want = 0, []
+    for c, q in enumerate(queries):
+        want.append([looked_up[start + k] if 0 <= k < len(q) else -1 for k in codes[:, code_columns[c]].tolist()])
+        start += len(q)
+    assert dictionary_lookup(index, queries, codes, code_columns).t().tolist() == want
+
+
+BAD_DICTIONARY = [
+    (lambda codes: {"codes": codes.to(torch.int32)}, "codes must be an int64"),
+    (lambda codes: {"codes": codes[:, 0]}, "codes must be 2-D"),
+    (lambda codes: {"codes": codes[:, :1]}, "one column per query column"),
+    (lambda codes: {"codes": codes, "code_columns": [0]}, "code_columns must hold one entry"),
+    (lambda codes: {"codes": codes, "code_columns": [0, 2]}, r"code_columns\[1\] must be in \[0, 2\)"),
+    (lambda codes: {"codes": codes, "code_columns": [-1, 0]}, r"code_columns\[0\] must be in"),
+]
+
+
+@pytest.mark.parametrize("corrupt, match", BAD_DICTIONARY)
+def test_dictionary_lookup_rejects_bad_codes_by_name(corrupt, match):
+    index, queries, codes, code_columns, expected = dictionary_case(9, 2, 10, "cpu")
+    with pytest.raises(RuntimeError, match=match):
+        dictionary_lookup(index, queries, **corrupt(codes))
+    with pytest.raises(RuntimeError, match="one entry per vocabulary column"):
+        dictionary_lookup(index, queries[:1], codes[:, :1])
+    # the fitted index is unharmed
+    np.testing.assert_array_equal(dictionary_lookup(index, queries, codes, code_columns).numpy(), expected)
+
+
+@cuda
+def test_dictionary_lookup_rejects_codes_on_another_device():
+    index, queries, codes, code_columns, _ = dictionary_case(10, 3, 10, "cuda")
+    with pytest.raises(RuntimeError, match="codes is on cpu"):
+        dictionary_lookup(index, queries, codes.cpu(), code_columns)
+
+
+@cuda
+def test_dictionary_lookup_cuda_equals_cpu_and_captures():
+    index, queries, codes, code_columns, expected = dictionary_case(11, 40, 2000, "cuda")
+    out = dictionary_lookup(index, queries, codes, code_columns, check_offsets=False)
+    np.testing.assert_array_equal(out.cpu().numpy(), expected)
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):  # warm-up on a side stream, as capture requires
+        dictionary_lookup(index, queries, codes, code_columns, check_offsets=False)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = dictionary_lookup(index, queries, codes, code_columns, check_offsets=False)
+    codes.copy_(torch.flip(codes, dims=[0]))  # new row codes in place: the replay reads them
+    graph.replay()
+    torch.cuda.synchronize()
+    np.testing.assert_array_equal(captured.cpu().numpy(), expected[::-1])
+
+
 def test_table_capacity_matches_the_operator():
     for rows in [0, 1, 7, 8, 9, 100, 1000]:
         column = StringColumn.from_pylist([str(i) for i in range(rows)])
@@ -258,6 +363,14 @@ def test_opcheck_every_operator(device):
         (multi.vocabulary.data, multi.vocabulary.offsets, multi.segments, multi.slot_hash,
          multi.slot_row, [q.data, q.data], [q.offsets, q.offsets], [q.valid, None], 64, True),
     )
+    codes = torch.randint(-1, len(q) + 1, (30, 3), generator=torch.Generator().manual_seed(0)).to(device)
+    for code_columns in (None, [2, 0]):
+        torch.library.opcheck(
+            torch.ops.tabserve.dictionary_lookup.default,
+            (multi.vocabulary.data, multi.vocabulary.offsets, multi.segments, multi.slot_hash,
+             multi.slot_row, [q.data, q.data], [q.offsets, q.offsets], [q.valid, None],
+             codes[:, :2] if code_columns is None else codes, code_columns, 64, True),
+        )
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -295,6 +408,30 @@ def test_inductor_compiled_multi_lookup(device):
     compiled = torch.compile(lambda qs: index.lookup_columns(qs) * 2, fullgraph=True)
     codes = compiled([StringColumn.from_pylist(q, device=device) for _, q in cases])
     assert (codes // 2).tolist() == [c for v, q in cases for c in dict_codes(v, q)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_compiled_dictionary_lookup_one_graph_over_changing_sizes(device):
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("inductor")
+    index, _, _, _, _ = dictionary_case(12, 4, 1, device)
+    compiled = torch.compile(lambda qs, codes: dictionary_lookup(index, qs, codes, [3, 1, 0, 2]) + 1,
+                             backend=counter, fullgraph=True, dynamic=True)
+    from torch.fx.experimental import _config as fx_config
+
+    rng = random.Random(12)
+    for rows in [5, 40, 17, 300]:
+        # same structure every batch (a validity mask, >= 2 labels and bytes), sizes differ
+        labels = [[rng.choice(["a", "b", "x", "yy"]) for _ in range(rng.randrange(2, 9))] + [None, "ab"]
+                  for _ in range(4)]
+        queries = [StringColumn.from_pylist(q, device=device) for q in labels]
+        codes = torch.randint(-1, 9, (rows, 4), generator=torch.Generator().manual_seed(rows)).to(device)
+        want = dictionary_lookup(index, queries, codes, [3, 1, 0, 2])
+        with fx_config.patch(use_duck_shape=False):  # sizes equal by chance stay independent
+            assert torch.equal(compiled(queries, codes) - 1, want)
+    assert counter.frame_count == 1
 
 
 def test_torchscript_calls_the_operator():

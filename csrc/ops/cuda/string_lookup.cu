@@ -220,6 +220,32 @@ __global__ void lookup_kernel(DeviceStrings vocabulary, const int64_t* segments,
   }
 }
 
+// Up to kMaxGatherColumns columns of dictionary_lookup's row half, passed by value.
+constexpr int kMaxGatherColumns = 128;  // about 2 KiB of kernel parameters
+struct GatherBatch {
+  int64_t row_start[kMaxGatherColumns + 1];  // looked-up codes of column c: [row_start[c], +1)
+  int64_t code_column[kMaxGatherColumns];     // column of `codes` that column c reads
+  int64_t first_column;                       // output column of batch column 0
+  int count;
+};
+
+// One thread per (row, column): the row's dictionary code replaced by its category's code.
+__global__ void gather_codes_kernel(const int64_t* __restrict__ looked_up,
+                                    const int64_t* __restrict__ codes, int64_t rows,
+                                    int64_t row_stride, int64_t column_stride, GatherBatch batch,
+                                    int64_t out_columns, int64_t* __restrict__ out) {
+  const int64_t items = rows * batch.count;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < items;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t r = i / batch.count;
+    const int c = static_cast<int>(i - r * batch.count);
+    const int64_t k = codes[r * row_stride + batch.code_column[c] * column_stride];
+    const int64_t start = batch.row_start[c];
+    out[r * out_columns + batch.first_column + c] =
+        (k >= 0 && k < batch.row_start[c + 1] - start) ? looked_up[start + k] : -1;
+  }
+}
+
 int blocks_for(int64_t items, int64_t per_block) {
   const int64_t blocks = (items + per_block - 1) / per_block;
   return static_cast<int>(std::min<int64_t>(std::max<int64_t>(blocks, 1), 1 << 16));
@@ -344,12 +370,35 @@ at::Tensor lookup_columns_cuda(const at::Tensor& vocabulary_data,
   return codes;
 }
 
+at::Tensor gather_codes_cuda(const at::Tensor& looked_up, const std::vector<int64_t>& row_start,
+                             const at::Tensor& codes, const std::vector<int64_t>& code_column) {
+  const c10::cuda::CUDAGuard guard(looked_up.device());
+  const auto stream = c10::cuda::getCurrentCUDAStream();
+  const int64_t rows = codes.size(0);
+  const int64_t columns = static_cast<int64_t>(code_column.size());
+  at::Tensor out = at::empty({rows, columns}, looked_up.options());
+  for (int64_t start = 0; start < columns && rows > 0; start += kMaxGatherColumns) {
+    GatherBatch batch{};
+    batch.count = static_cast<int>(std::min<int64_t>(kMaxGatherColumns, columns - start));
+    batch.first_column = start;
+    for (int c = 0; c <= batch.count; ++c) batch.row_start[c] = row_start[start + c];
+    for (int c = 0; c < batch.count; ++c) batch.code_column[c] = code_column[start + c];
+    gather_codes_kernel<<<blocks_for(rows * batch.count, kThreadsPerBlock), kThreadsPerBlock, 0,
+                          stream>>>(looked_up.data_ptr<int64_t>(), codes.data_ptr<int64_t>(), rows,
+                                    codes.stride(0), codes.stride(1), batch, columns,
+                                    out.data_ptr<int64_t>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(tabserve, CUDA, m) {
   m.impl("string_index_build", &string_index_build_cuda);
   m.impl("string_lookup", &string_lookup_kernel<&lookup_columns_cuda>);
   m.impl("string_lookup_multi", &string_lookup_multi_kernel<&lookup_columns_cuda>);
+  m.impl("dictionary_lookup", &dictionary_lookup_kernel<&lookup_columns_cuda, &gather_codes_cuda>);
 }
 
 }  // namespace ops
