@@ -132,7 +132,8 @@ def run_workload(workload: Workload, args) -> dict:
     ]
     peer = torch_peer.fit_columns(vocabularies)
 
-    skip_peer = args.quick and workload.label_bytes > 100  # the peer takes seconds on CPU there
+    # the peer takes seconds on CPU on long labels; --no-peer when its figures are already known
+    skip_peer = args.no_peer or (args.quick and workload.label_bytes > 100)
     methods = {
         "tabserve eager": (lambda: [align(t) for t in tables], device),
         "tabserve compiled": (lambda: [compiled(t) for t in marked], device),
@@ -235,6 +236,7 @@ def parse_args(argv=None):
     parser.add_argument("--workloads", nargs="+", metavar="NAME", help="workload names")
     parser.add_argument("--scale", type=float, default=None, help="row and vocabulary scale (default 1, quick 0.1)")
     parser.add_argument("--peer-compiled", action="store_true", help="also compile the torch_peer")
+    parser.add_argument("--no-peer", action="store_true", help="leave the torch_peer out (reported as skipped)")
     parser.add_argument("--budget", type=float, default=None, help="seconds of timed repeats per cell")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--profile", action="store_true",

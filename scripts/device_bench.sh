@@ -72,7 +72,10 @@ for part in "$@"; do
       timeout "$(left $((LIMIT - 30)))" python3 -m pytest -q -p no:cacheprovider -p no:logging -rfE \
         -m cuda test/python/test_align.py test/python/test_tables.py test/python/test_encoding.py \
         >"$LOG/aligntests.log" 2>&1
-      echo "align tests rc=$?"; tail -5 "$LOG/aligntests.log"
+      echo "align tests rc=$?"; tail -3 "$LOG/aligntests.log"
+      timeout "$(left $((LIMIT - 30)))" python3 -m pytest -q -p no:cacheprovider -p no:logging -rfE \
+        test/python/test_string_lookup.py >"$LOG/stringtests.log" 2>&1  # CPU and CUDA cases
+      echo "string tests rc=$?"; tail -3 "$LOG/stringtests.log"
       timeout "$(left $((LIMIT - 10)))" python3 benchmarks/align_categories.py --device cuda --budget 0.3 \
         --profile ${ALIGN_ARGS:-} --out "$OUT/align_categories_h200.json" >"$LOG/align.log" 2>&1
       echo "align rc=$?"; tail -12 "$LOG/align.log" | cut -c1-220 ;;
