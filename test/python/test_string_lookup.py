@@ -299,7 +299,7 @@ def test_dictionary_lookup_rejects_codes_on_another_device():
 
 
 @cuda
-def test_dictionary_lookup_cuda_equals_cpu_and_captures():
+def test_dictionary_lookup_cuda_equals_cpu_and_replays_in_a_cuda_graph():
     index, queries, codes, code_columns, expected = dictionary_case(11, 40, 2000, "cuda")
     out = dictionary_lookup(index, queries, codes, code_columns, check_offsets=False)
     np.testing.assert_array_equal(out.cpu().numpy(), expected)

@@ -103,16 +103,23 @@ def cpu_name() -> str:
 
 
 def git_commit() -> str | None:
-    """Short commit of the checkout this package runs from (None outside git)."""
-    try:
+    """Short commit of the checkout this package runs from, with ``+dirty`` when tracked files
+    differ from it (a copied working tree, e.g. on a lent GPU machine, can carry a stale HEAD);
+    None outside git."""
+
+    def git(*args: str) -> str:
         return subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
+            ["git", *args],
             cwd=Path(__file__).resolve().parent,
             capture_output=True,
             text=True,
             check=True,
             timeout=10,
         ).stdout.strip()
+
+    try:
+        commit = git("rev-parse", "--short", "HEAD")
+        return commit + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
     except (OSError, subprocess.SubprocessError):
         return None
 
