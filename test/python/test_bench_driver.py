@@ -188,6 +188,16 @@ def test_warm_cache_cell_primes_then_restarts_from_the_saved_artifacts(tmp_path,
     assert prime_env["TORCHINDUCTOR_CACHE_DIR"] != measured_env["TORCHINDUCTOR_CACHE_DIR"]
     assert result["status"] == "ok" and result["priming"]["cold_ms"] == 30_000.0
     assert result["priming"]["compile_cache"]["artifacts"] == {"inductor": 2}
+    # both processes know when they were spawned (ready_ms); the restart skips the KV and
+    # estimator phases, which recompile and belong to other cells
+    assert prime["spawned_at"] <= measured["spawned_at"]
+    assert {"kv", "end_to_end"} <= set(measured["skip_phases"]) and "skip_phases" not in prime
+    printed = report.render({
+        "settings": {"device": "cuda", "checkpoint_note": "x"},
+        "environment": {"gpu": "G", "torch": "t", "tabicl": "2", "tabserve": "0"},
+        "results": [{**result, "ready_ms": 21_700.0}], "promotion": {}})
+    assert ("small / c20-fp16-buckets-warm-cache: first answer 21.7 s after the process was "
+            "spawned (first call 900.0 ms; the priming process's cold call 30000 ms)") in printed
 
     def failing_prime(command, result_path, timeout_s, env):
         return {"status": "failed", "reason": "priming: nothing compiled"}
@@ -315,6 +325,8 @@ def test_quick_cpu_run_writes_schema_table_plot_and_recipes(tmp_path, capsys):
         assert one["repeats"] >= 3 and isinstance(one["noisy"], bool)
         assert result["cold"]["first_call_ms"] > 0 and result["cold"]["jit"]["graph_breaks"] == 0
         assert result["kv"]["median_ms"] > 0 and result["end_to_end"]["fit_ms"] > 0
+        # spawn to first answer: includes the first call, and the process start before it
+        assert result["ready_ms"] > result["cold"]["first_call_ms"] + result["load_ms"] > 0
     assert by_cell["c0-ref-fp32"]["gate"]["note"] == "is the fp32 reference"
     gate = by_cell["c2-fp32"]["gate"]
     assert gate["passed"] is True and gate["one_shot"]["max_prob_diff"] < 1e-4

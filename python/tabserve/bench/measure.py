@@ -105,7 +105,8 @@ class Job:
     def phase(self, name: str, fn) -> None:
         """Runs one phase, records its figures or its error, saves."""
         if name in self.spec.get("skip_phases", ()):
-            self.result[name] = {"skipped": "not measured in this run (--skip-phases)"}
+            reason = self.spec.get("skip_reason", "not measured in this run (--skip-phases)")
+            self.result[name] = {"skipped": reason}
             self.save()
             return
         try:
@@ -175,6 +176,7 @@ def run_job(spec: dict) -> dict:
     else:
         X, y = model_tables(job.workload, spec.get("seed", 0), job.device)
         job.phase("cold", lambda: _cold(job, engine, X, y))
+        _ready(job)
         job.phase("one_shot", lambda: _one_shot(job, engine, X, y))
         job.phase("kv", lambda: _kv(job, engine, X, y))
         job.phase("end_to_end", lambda: _end_to_end(job, engine))
@@ -186,6 +188,16 @@ def run_job(spec: dict) -> dict:
     job.result["captures"] = engine.captures
     job.save()
     return job.result
+
+
+def _ready(job: Job) -> None:
+    """``ready_ms``: from the parent's spawn of this process to the end of the first call
+    (interpreter start, imports, model load, compile-cache load, compile / capture, the call):
+    for a warm-cache cell, how long a restarted server takes to its first answer."""
+    spawned = job.spec.get("spawned_at")
+    if spawned is not None and job.result.get("cold", {}).get("error") is None:
+        job.result["ready_ms"] = (time.time() - spawned) * 1e3
+        job.save()
 
 
 def _prime_compile_cache(job: Job, engine) -> dict:
