@@ -190,7 +190,9 @@ def profile_calls(fn, batches, device: torch.device, top: int = 25) -> dict:
 
     from torch.profiler import ProfilerActivity, profile
 
-    fn_all = lambda: [fn(b) for b in batches]  # noqa: E731
+    def fn_all():
+        return [fn(b) for b in batches]
+
     fn_all()
     harness._sync(device)
     host = cProfile.Profile()

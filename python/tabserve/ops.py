@@ -8,7 +8,7 @@ operators without running them.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -52,13 +52,14 @@ def _same_device(op: str, **tensors) -> None:
 # ---------------------------------------------------------------------------------------------
 # String lookup (csrc/ops/string_lookup.cpp, csrc/ops/cuda/string_lookup.cu)
 
-_LOOKUP_ARGUMENTS = ("vocabulary_data", "vocabulary_offsets", "vocabulary_segments", "slot_hash",
-                     "slot_row", "query_data", "query_offsets", "query_valid")
+_LOOKUP_TENSORS = ("vocabulary_data", "vocabulary_offsets", "vocabulary_segments", "slot_hash")
+_LOOKUP_TENSORS += ("slot_row", "query_data", "query_offsets", "query_valid")
 
 
-def _same_lookup_device(op: str, *arguments, **more) -> None:
-    """:func:`_same_device` over the lookup operators' common leading arguments (and ``more``)."""
-    _same_device(op, **dict(zip(_LOOKUP_ARGUMENTS, arguments)), **more)
+def _same_lookup_device(op: str, arguments: dict, *more: str) -> None:
+    """:func:`_same_device` over a lookup fake's tensor arguments (``arguments``: its
+    ``locals()``): the common ones, then the names in ``more``."""
+    _same_device(op, **{name: arguments[name] for name in _LOOKUP_TENSORS + more})
 
 
 @torch.library.register_fake("tabserve::string_index_build")
@@ -97,10 +98,7 @@ def _string_lookup_fake(
     hash_bits=64,
     check_offsets=True,
 ):
-    _same_lookup_device(
-        "string_lookup", vocabulary_data, vocabulary_offsets, vocabulary_segments, slot_hash,
-        slot_row, query_data, query_offsets, query_valid
-    )
+    _same_lookup_device("string_lookup", locals())
     return query_offsets.new_empty(query_offsets.shape[0] - 1, dtype=torch.int64)
 
 
@@ -117,10 +115,7 @@ def _string_lookup_multi_fake(
     hash_bits=64,
     check_offsets=True,
 ):
-    _same_lookup_device(
-        "string_lookup_multi", vocabulary_data, vocabulary_offsets, vocabulary_segments, slot_hash,
-        slot_row, query_data, query_offsets, query_valid
-    )
+    _same_lookup_device("string_lookup_multi", locals())
     rows = sum(offsets.shape[0] - 1 for offsets in query_offsets)
     return vocabulary_offsets.new_empty(rows, dtype=torch.int64)
 
@@ -140,15 +135,16 @@ def _dictionary_lookup_fake(
     hash_bits=64,
     check_offsets=True,
 ):
-    _same_lookup_device(
-        "dictionary_lookup", vocabulary_data, vocabulary_offsets, vocabulary_segments, slot_hash,
-        slot_row, query_data, query_offsets, query_valid, codes=codes
-    )
+    _same_lookup_device("dictionary_lookup", locals(), "codes")
     # The real kernels' checks of what the trace knows (column counts are static).
     if codes.dtype != torch.int64 or codes.dim() != 2:
-        raise RuntimeError(f"codes must be a 2-D int64 tensor, got {codes.dtype} {tuple(codes.shape)}")
+        raise RuntimeError(
+            f"codes must be a 2-D int64 tensor, got {codes.dtype} {tuple(codes.shape)}"
+        )
     if len(query_data) != len(query_offsets) or len(query_data) != len(query_valid):
-        raise RuntimeError("query_data, query_offsets and query_valid must each hold one entry per column")
+        raise RuntimeError(
+            "query_data, query_offsets and query_valid must each hold one entry per column"
+        )
     if code_columns is not None and len(code_columns) != len(query_data):
         raise RuntimeError("code_columns must hold one entry per query column")
     return codes.new_empty((codes.shape[0], len(query_data)))
@@ -157,7 +153,7 @@ def _dictionary_lookup_fake(
 def string_index_build(
     vocabulary_data: Tensor,
     vocabulary_offsets: Tensor,
-    vocabulary_valid: Optional[Tensor],
+    vocabulary_valid: Tensor | None,
     vocabulary_segments: Tensor,
     hash_bits: int = FULL_HASH_BITS,
 ) -> tuple[Tensor, Tensor]:
@@ -193,7 +189,7 @@ def string_lookup(
     slot_row: Tensor,
     query_data: Tensor,
     query_offsets: Tensor,
-    query_valid: Optional[Tensor] = None,
+    query_valid: Tensor | None = None,
     column: int = 0,
     hash_bits: int = FULL_HASH_BITS,
     check_offsets: bool = True,
@@ -229,7 +225,7 @@ def string_lookup_multi(
     slot_row: Tensor,
     query_data: Sequence[Tensor],
     query_offsets: Sequence[Tensor],
-    query_valid: Sequence[Optional[Tensor]],
+    query_valid: Sequence[Tensor | None],
     hash_bits: int = FULL_HASH_BITS,
     check_offsets: bool = True,
 ) -> Tensor:
@@ -261,9 +257,9 @@ def dictionary_lookup(
     slot_row: Tensor,
     query_data: Sequence[Tensor],
     query_offsets: Sequence[Tensor],
-    query_valid: Sequence[Optional[Tensor]],
+    query_valid: Sequence[Tensor | None],
     codes: Tensor,
-    code_columns: Optional[Sequence[int]] = None,
+    code_columns: Sequence[int] | None = None,
     hash_bits: int = FULL_HASH_BITS,
     check_offsets: bool = True,
 ) -> Tensor:
