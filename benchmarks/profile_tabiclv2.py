@@ -71,6 +71,10 @@ class StageTimer:
         return totals
 
 
+#: Rows of the profiler's table kept in the JSON summary, heaviest self time first.
+TOP_ROWS = 40
+
+
 def profile_cell(name: str, workload, checkpoint: Path, device: torch.device, repeats: int):
     cell = cell_by_name(name)
     reason = skip_reason(cell, device.type)
@@ -113,6 +117,13 @@ def profile_cell(name: str, workload, checkpoint: Path, device: torch.device, re
     if device.type == "cuda":  # operator and kernel rows both count: read it as an upper bound
         result["device_busy_ms"] = round(kernel_us / 1e3, 3)
         result["device_busy_share"] = round(kernel_us / 1e3 / wall, 3)
+    # The heaviest rows as data (the printed tables are lost with the call's log otherwise).
+    self_time = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    heaviest = sorted(events, key=lambda e: getattr(e, self_time, 0.0), reverse=True)[:TOP_ROWS]
+    result["top_rows"] = [
+        {"name": e.key[:160], "calls": e.count, "self_ms": round(getattr(e, self_time, 0.0) / 1e3, 3)}
+        for e in heaviest
+    ]
     tables = (
         f"-- {name} on {workload.name}: kernels by device time\n"
         + events.table(sort_by=sort_device, row_limit=30, max_name_column_width=90)

@@ -451,6 +451,10 @@ def test_profiler_splits_eager_time_by_stage_and_writes_tables(tmp_path):
     assert cuda_only == {"cell": "c5-fp16", "workload": "small-quick",
                          "skipped": "skipped: no CUDA device"}
     assert "device_busy_ms" not in eager  # CPU: no kernel timeline
+    top = eager["top_rows"]  # the heaviest operators as data, heaviest first
+    assert 0 < len(top) <= profile_tabiclv2.TOP_ROWS and all(r["calls"] >= 1 for r in top)
+    assert [r["self_ms"] for r in top] == sorted((r["self_ms"] for r in top), reverse=True)
+    assert any(r["name"].startswith("aten::") for r in top)
     text = out.read_text()
     assert "c2-fp32 on small-quick: kernels by device time" in text and "aten::" in text
 
