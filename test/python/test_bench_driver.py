@@ -5,6 +5,7 @@ workload; everything else is unit-level (subprocess failures are provoked with `
 """
 
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -431,6 +432,25 @@ def test_gate_reference_cell_choice():
 
 
 # -- the profiler script (benchmarks/profile_tabiclv2.py) -----------------------------------------
+
+
+def test_stream_reports_fresh_over_warm_and_recompiles(tmp_path, capsys):
+    """The stream phase times each fresh table once, then the same tables warm: the issue-5
+    stream target (fresh p50 over the warm latency of the same bucket) comes out per cell."""
+    out = tmp_path / "stream.json"
+    argv = ["--device", "cpu", "--model-size", "tiny", "--workloads", "stream-quick", "--cells"]
+    argv += ["c2-fp32", "c22-fp32-buckets", "--budget", "0.05", "--out", str(out), "--quiet"]
+    assert main(argv + ["--no-plot", "--timeout", "300"]) == 0
+    by_cell = {r["cell"]: r for r in json.loads(out.read_text())["results"]}
+    for name in ("c2-fp32", "c22-fp32-buckets"):
+        stream = by_cell[name]["stream"]
+        assert len(stream["warm_samples_ms"]) == len(stream["shapes"]) == 4
+        ratios = [f / w for f, w in zip(stream["samples_ms"], stream["warm_samples_ms"])]
+        assert stream["fresh_over_warm_p50"] == pytest.approx(statistics.median(ratios))
+        assert stream["warm_median_ms"] == pytest.approx(statistics.median(stream["warm_samples_ms"]))
+        assert stream["recompiles"] == 0  # eager cells: nothing to compile
+    printed = capsys.readouterr().out
+    assert "fresh/warm p50" in printed and "target <= 1.25x" in printed
 
 
 def test_profiler_splits_eager_time_by_stage_and_writes_tables(tmp_path):
