@@ -434,6 +434,47 @@ def test_gate_reference_cell_choice():
 # -- the profiler script (benchmarks/profile_tabiclv2.py) -----------------------------------------
 
 
+def test_targets_read_the_promoted_cells_and_never_call_unmeasured_met():
+    from tabserve.bench import targets
+
+    def ok(cell, workload, **phases):
+        return {"cell": cell, "workload": workload, "status": "ok", **phases}
+
+    def memory(allocated):
+        return {"median_ms": 1.0, "memory": {"peak_allocated_bytes": allocated, "peak_reserved_bytes": 0}}
+
+    results = [
+        ok("c10", "large", speedup={"one_shot": {"ref16": 4.2, "ref32": 9.9}, "kv": {"ref16": 3.0}}),
+        ok("c1-ref-fp16", "xlarge", one_shot=memory(100)),
+        ok("c5", "xlarge", one_shot=memory(120), speedup={"one_shot": {"ref16": 3.5}}),
+        ok("c18", "stream", stream={"fresh_over_warm_p50": 1.1, "recompiles": 2}),
+        ok("c20", "small", priming={"cold_ms": 1.0}, ready_ms=21_700.0),
+        {"cell": "c20", "workload": "large", "status": "timeout", "priming": {}, "ready_ms": 9.0},
+    ]
+    def best(cell):
+        return {"cell": cell, "median_ms": 1.0}
+
+    promotion = {"large": {"one_shot": best("c10"), "kv_predict": best("c10")},
+                 "xlarge": {"one_shot": best("c5")}, "stream": {"stream": best("c18")}}
+    rows = {r["target"]: r for r in targets.evaluate({"results": results, "promotion": promotion})}
+    verdict = {name: row["verdict"] for name, row in rows.items()}
+    assert verdict["large one-shot vs reference fp16"] == "met"  # 4.2 >= 4
+    assert verdict["large one-shot vs reference fp32"] == "missed"  # 9.9 < 10
+    assert verdict["large KV-cached predict vs reference cached fp16"] == "missed"
+    assert verdict["small one-shot vs reference fp16"] == "not measured"  # nothing promoted
+    assert verdict["xlarge one-shot vs reference fp16"] == "met"
+    assert rows["xlarge peak memory over reference fp16"]["value"] == pytest.approx(1.2)
+    assert verdict["xlarge peak memory over reference fp16"] == "missed"
+    assert verdict["stream fresh p50 over warm, 0 recompiles"] == "missed"  # fast, but recompiled
+    restart = rows["restart from compile-cache artifacts, s"]  # the timed-out restart is ignored
+    assert (restart["cell"], restart["workload"], restart["value"], restart["verdict"]) == (
+        "c20", "small", 21.7, "met")
+    printed = report.render({"settings": {"device": "cuda", "checkpoint_note": "x"},
+                             "environment": {"gpu": "G", "torch": "t", "tabicl": "2", "tabserve": "0"},
+                             "results": results, "promotion": promotion})
+    assert "Targets (issues 5 and 6" in printed and "not measured" in printed
+
+
 def test_stream_reports_fresh_over_warm_and_recompiles(tmp_path, capsys):
     """The stream phase times each fresh table once, then the same tables warm: the issue-5
     stream target (fresh p50 over the warm latency of the same bucket) comes out per cell."""

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from . import targets
 from .gates import promote
 
 SCHEMA = "tabserve.bench.tabiclv2/1"
@@ -162,7 +163,7 @@ def payload(
     """The JSON document of one run (see the module docstring); ``env`` defaults to this
     machine's :func:`environment` (merges pass the measuring machine's)."""
     cells_by_name = {c.name: c for c in cells}
-    return {
+    document = {
         "schema": SCHEMA,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "environment": env or environment(),
@@ -173,6 +174,8 @@ def payload(
         "promotion": promote(results, cells_by_name),
         **({"ab": ab} if ab is not None else {}),
     }
+    document["targets"] = targets.evaluate(document)
+    return document
 
 
 def write_json(path: Path, document: dict) -> Path:
@@ -354,6 +357,21 @@ def stream_rows(results: list) -> list:
     return rows
 
 
+TARGET_COLUMNS = ("target", "workload", "cell", ">value", ">needed", "verdict")
+
+
+def _target_row(verdict: dict) -> list:
+    value, threshold = verdict["value"], verdict["threshold"]
+    return [
+        verdict["target"],
+        verdict["workload"],
+        verdict["cell"] or "-",
+        "-" if value is None else f"{value:.2f}",
+        ("<= " if verdict["at_most"] else ">= ") + f"{threshold:g}",
+        verdict["verdict"],
+    ]
+
+
 #: Issue 6's target for a restarted server loading compile-cache artifacts.
 READY_TARGET_S = 30.0
 #: Issue 5's stream target: a fresh table's p50 latency over the warm latency of its bucket.
@@ -397,6 +415,13 @@ def render(document: dict) -> str:
             f"process was spawned (first call {fmt_ms(_get(r, 'cold', 'first_call_ms'))} ms; "
             f"the priming process's cold call {fmt_ms(r['priming'].get('cold_ms'))} ms)"
             for r in restarts
+        ]
+    verdicts = document.get("targets") or targets.evaluate(document)
+    if any(v["verdict"] != targets.UNMEASURED for v in verdicts):
+        parts += [
+            "",
+            "Targets (issues 5 and 6; the promoted cell's figure)",
+            format_table(TARGET_COLUMNS, [_target_row(v) for v in verdicts]),
         ]
     failed = [r for r in results if r["status"] not in ("ok", "skipped")]
     if failed:
