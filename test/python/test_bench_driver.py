@@ -198,7 +198,7 @@ def test_warm_cache_cell_primes_then_restarts_from_the_saved_artifacts(tmp_path,
         "environment": {"gpu": "G", "torch": "t", "tabicl": "2", "tabserve": "0"},
         "results": [{**result, "ready_ms": 21_700.0}], "promotion": {}})
     assert ("small / c20-fp16-buckets-warm-cache: first answer 21.7 s after the process was "
-            "spawned (first call 900.0 ms; the priming process's cold call 30000 ms)") in printed
+            "spawned (first call 900.0 ms; priming 30000 ms)") in printed
 
     def failing_prime(command, result_path, timeout_s, env):
         return {"status": "failed", "reason": "priming: nothing compiled"}
@@ -432,6 +432,26 @@ def test_gate_reference_cell_choice():
 
 
 # -- the profiler script (benchmarks/profile_tabiclv2.py) -----------------------------------------
+
+
+def test_aot_restart_cell_exports_then_serves_from_the_packages(tmp_path, capsys):
+    """c28 for real on CPU: the priming process exports the workload's bucket package, the
+    measured process loads it, answers from it (gated against fp32) and reports ready_ms."""
+    out = tmp_path / "aot.json"
+    argv = ["--device", "cpu", "--model-size", "tiny", "--workloads", "small-quick", "--cells"]
+    argv += ["c28-fp32-buckets-aot-restart", "--budget", "0.05", "--out", str(out), "--quiet"]
+    assert main(argv + ["--no-plot", "--timeout", "300"]) == 0
+    document = json.loads(out.read_text())
+    result = {r["cell"]: r for r in document["results"]}["c28-fp32-buckets-aot-restart"]
+    assert result["status"] == "ok", (result.get("reason"), result.get("log_tail"))
+    assert result["aot"]["packages"] == 1 and result["aot"]["load_ms"] > 0
+    assert result["priming"]["compile_cache"] == {"aot": ["bucket-128x32x8-b2.pt2"]}
+    assert result["cold"]["jit"]["graphs"] == 0  # the restart traced nothing
+    assert result["gate"]["passed"] is True and result["gate"]["one_shot"]["max_prob_diff"] < 1e-5
+    assert result["ready_ms"] > result["cold"]["first_call_ms"]
+    assert result["kv"] == {"skipped": "a warm-cache cell measures the restart's first answer and one-shot"}
+    assert "small-quick" not in document["promotion"]  # packages are not a recipe name
+    assert "c28-fp32-buckets-aot-restart: first answer" in capsys.readouterr().out
 
 
 def test_targets_read_the_promoted_cells_and_never_call_unmeasured_met():

@@ -31,6 +31,7 @@ STAGES = ("col", "row", "icl")
 #: ``torch.compile`` modes a cell may ask for (None: eager).
 COMPILE_MODES = (None, "default", "max-autotune-no-cudagraphs")
 
+
 @dataclass(frozen=True)
 class Cell:
     """One serving recipe.
@@ -51,6 +52,8 @@ class Cell:
         warm_cache: a server restart: a priming process compiles the workload's bucket and saves
             the compile-cache artifacts (tabserve.compile_cache); the measured process starts
             with empty caches and loads them; its cold call is the restart's ready time.
+        aot: with ``warm_cache``: the priming process exports the workload's bucket packages
+            (AOTInductor, tabserve.models.tabicl.aot) and the restart loads them instead.
         devices: device types the cell can run on.
         pending: why the driver cannot run this recipe yet (reported as skipped).
         baseline: a reference cell (speedups are quoted against these; never promoted).
@@ -70,6 +73,7 @@ class Cell:
     regional: bool = False
     cuda_graphs: bool = False
     warm_cache: bool = False
+    aot: bool = False
     devices: tuple = ("cuda",)
     pending: str | None = None
     baseline: bool = False
@@ -84,6 +88,8 @@ class Cell:
         for stage, backend in self.attention.items():
             if stage not in STAGES or backend not in ATTENTION_BACKENDS:
                 raise ValueError(f"{self.name}: bad attention choice {stage}={backend}")
+        if self.aot and not (self.warm_cache and self.buckets):
+            raise ValueError(f"{self.name}: aot packages are a restart (warm_cache) of buckets")
 
     @property
     def reduced_precision(self) -> bool:
@@ -97,7 +103,7 @@ class Cell:
 
     def recipe(self) -> dict:
         """The recipe fields (what ``recipe="auto"`` needs to rebuild this cell)."""
-        skip = {"name", "description", "devices", "pending", "baseline", "warm_cache"}
+        skip = {"name", "description", "devices", "pending", "baseline", "warm_cache", "aot"}
         return {
             f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in skip
         }
@@ -300,6 +306,26 @@ CELLS: tuple[Cell, ...] = (
         compile="max-autotune-no-cudagraphs",
         buckets="default",
         cuda_graphs=True,
+    ),
+    # A restart from bucket packages compiled ahead of time (AOTInductor): no tracing, no compile.
+    Cell(
+        "c27-fp16-buckets-aot-restart",
+        "tabserve",
+        "fp16",
+        "fp16, bucket grid, restart from ahead-of-time bucket packages (AOTInductor)",
+        buckets="default",
+        warm_cache=True,
+        aot=True,
+    ),
+    Cell(
+        "c28-fp32-buckets-aot-restart",
+        "tabserve",
+        "fp32",
+        "fp32, bucket grid, restart from ahead-of-time bucket packages (AOTInductor)",
+        buckets="default",
+        warm_cache=True,
+        aot=True,
+        devices=_BOTH,
     ),
 )
 

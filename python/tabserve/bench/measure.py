@@ -143,7 +143,8 @@ def run_job(spec: dict) -> dict:
     job = Job(spec)
     torch.manual_seed(spec.get("seed", 0))
     start = time.perf_counter()
-    if spec.get("compile_cache_mode") == "load":  # a restarted server: artifacts before compiling
+    aot = job.cell.aot  # bucket packages instead of compile-cache artifacts (after the model)
+    if spec.get("compile_cache_mode") == "load" and not aot:  # artifacts before compiling
         from tabserve import compile_cache
 
         header = compile_cache.load(spec["compile_cache"])
@@ -166,9 +167,13 @@ def run_job(spec: dict) -> dict:
         )
         job.save()
         return job.result
+    if spec.get("compile_cache_mode") == "load" and aot:  # a restart from bucket packages
+        loading = time.perf_counter()
+        loaded = engine.served.load_buckets(spec["compile_cache"])
+        job.result["aot"] = {"load_ms": (time.perf_counter() - loading) * 1e3, "packages": loaded}
     job.result["load_ms"] = (time.perf_counter() - start) * 1e3
     if job.spec.get("compile_cache_mode") == "save":
-        return _prime_compile_cache(job, engine)
+        return _prime_aot(job, engine) if aot else _prime_compile_cache(job, engine)
     if job.spec.get("gate_only"):
         job.phase("cold", lambda: _gate_reference(job, engine))
         main = "cold"
@@ -223,6 +228,34 @@ def _prime_compile_cache(job: Job, engine) -> dict:
     job.result["status"] = "ok" if error is None else "failed"
     if error is not None:
         job.result["reason"] = f"priming: {error}"
+    job.save()
+    return job.result
+
+
+def _prime_aot(job: Job, engine) -> dict:
+    """The first process of an ahead-of-time cell: export the bucket packages of the workload's
+    table (its buckets, its batch of members) into the directory the restart will load."""
+    X, y = model_tables(job.workload, job.spec.get("seed", 0), job.device)
+    n_train = y.shape[1]
+    plan = engine.served.grid.plan(n_train, X.shape[1] - n_train, X.shape[2])
+
+    def export() -> dict:
+        buckets = list(dict.fromkeys(chunk.bucket for chunk in plan if chunk.bucket is not None))
+        if not buckets:
+            raise ValueError("the workload's table is past the bucket grid: nothing to export")
+        start = time.perf_counter()
+        manifest = engine.served.export_buckets(job.spec["compile_cache"], buckets, X.shape[0])
+        return {
+            "export_ms": (time.perf_counter() - start) * 1e3,
+            "packages": [entry["file"] for entry in manifest["packages"]],
+        }
+
+    job.phase("cold", export)
+    error = job.result["cold"].get("error")
+    job.result["compile_cache"] = None if error else {"aot": job.result["cold"]["packages"]}
+    job.result["status"] = "ok" if error is None else "failed"
+    if error is not None:
+        job.result["reason"] = f"priming: {error}: {job.result['cold'].get('message', '')[:200]}"
     job.save()
     return job.result
 

@@ -413,7 +413,7 @@ def render(document: dict) -> str:
         parts += [
             f"  {r['workload']} / {r['cell']}: first answer {r['ready_ms'] / 1e3:.1f} s after the "
             f"process was spawned (first call {fmt_ms(_get(r, 'cold', 'first_call_ms'))} ms; "
-            f"the priming process's cold call {fmt_ms(r['priming'].get('cold_ms'))} ms)"
+            f"priming {fmt_ms(r['priming'].get('cold_ms'))} ms)"
             for r in restarts
         ]
     verdicts = document.get("targets") or targets.evaluate(document)

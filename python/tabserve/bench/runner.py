@@ -141,11 +141,17 @@ def run_cell(
     }
     priming = None
     if cell.warm_cache:
-        priming = _prime(spec, job_dir, timeout_s)
+        priming = _prime(cell, spec, job_dir, timeout_s)
         if priming.get("status") != "ok":
             reason = f"priming the compile cache: {priming.get('reason', priming.get('status'))}"
-            return {**priming, "cell": cell.name, "workload": workload.name, "status": "failed",
-                    "reason": reason, "outputs": None}
+            return {
+                **priming,
+                "cell": cell.name,
+                "workload": workload.name,
+                "status": "failed",
+                "reason": reason,
+                "outputs": None,
+            }
         spec.update(compile_cache=priming["spec"]["compile_cache"], compile_cache_mode="load")
         # A restart is about its first answer: the KV and estimator paths recompile in the
         # restarted process and are the cached / bucketed cells' business (c16, c19).
@@ -161,25 +167,29 @@ def run_cell(
     if gate_only:
         result["gate_only"] = True
     if priming is not None:
+        cold = priming.get("cold") or {}
         result["priming"] = {
-            "cold_ms": priming.get("cold", {}).get("first_call_ms"),
+            # compile-cache cells: the priming's cold call; bucket-package cells: the export
+            "cold_ms": cold.get("first_call_ms", cold.get("export_ms")),
             "wall_s": priming.get("wall_s"),
             "compile_cache": priming.get("compile_cache"),
         }
     return result
 
 
-def _prime(spec: dict, job_dir: Path, timeout_s: float) -> dict:
+def _prime(cell: Cell, spec: dict, job_dir: Path, timeout_s: float) -> dict:
     """A warm-cache cell's first process: compiles the workload's bucket in fresh caches and saves
-    the compile-cache artifacts (:mod:`tabserve.compile_cache`); the measured process then starts
-    from fresh caches too, with only those artifacts loaded: a server restart."""
+    the compile-cache artifacts (:mod:`tabserve.compile_cache`), or for an ``aot`` cell exports
+    its bucket packages (:mod:`tabserve.models.tabicl.aot`); the measured process then starts
+    from fresh caches too, with only those loaded: a server restart."""
     prime_dir = job_dir / "prime"
     prime_dir.mkdir(exist_ok=True)
     prime_spec = dict(
         spec,
         result=str(prime_dir / "result.json"),
         outputs=None,
-        compile_cache=str(job_dir / "compile-cache.bin"),
+        # bucket packages: a directory; compile-cache artifacts: one file
+        compile_cache=str(job_dir / ("aot-buckets" if cell.aot else "compile-cache.bin")),
         compile_cache_mode="save",
     )
     spec_path = prime_dir / "spec.json"

@@ -155,6 +155,9 @@ class ServedTabICL:
         self._graphs: dict = {}
         self._cached_graphs: OrderedDict = OrderedDict()
         self._pool = torch.cuda.graph_pool_handle() if self.recipe.cuda_graphs else None
+        # Ahead-of-time bucket packages (load_buckets): (bucket, batch) -> compiled runner.
+        self._aot: dict = {}
+        self.aot_calls = 0
         self._pin_stage_attention()
         self._forward, self._build_cache, self._forward_cached = self._core_callables()
         self._unpadded_forward_cached = model.forward_with_cache
@@ -301,7 +304,12 @@ class ServedTabICL:
                 table = X if len(chunks) == 1 else _train_and_test(X, n_train, chunk)
                 padded, labels = self._pad(table, y_train, chunk.bucket)
                 key = (chunk.bucket, padded.shape[0])
-                raw = self._run(key, self._forward, (padded, labels, *counts))
+                forward = self._aot.get(key)
+                if forward is None:
+                    forward = self._forward
+                else:
+                    self.aot_calls += 1
+                raw = self._run(key, forward, (padded, labels, *counts))
                 outputs.append(raw[:, : chunk.stop - chunk.start])
         return self._finish(torch.cat(outputs, 1), num_classes, return_logits, softmax_temperature)
 
@@ -426,14 +434,39 @@ class ServedTabICL:
                 self.forward_with_cache(X[:, bucket.train_rows :], cache)
         return len(buckets)
 
+    def export_buckets(self, directory, buckets: Sequence[Bucket] | None = None, tables: int = 1):
+        """Compiles the one-shot forward of each bucket (default: the whole grid) for batches of
+        ``tables`` tables ahead of time (AOTInductor) into ``directory`` and returns the manifest
+        (:mod:`tabserve.models.tabicl.aot`). Minutes per bucket: run it once per deployment."""
+        from . import aot
+
+        self._require_buckets("export_buckets")
+        return aot.export(
+            self, directory, self.grid.buckets() if buckets is None else buckets, tables
+        )
+
+    def load_buckets(self, directory) -> int:
+        """Loads the bucket packages of ``directory`` (made by :meth:`export_buckets` for this
+        recipe, grid and environment): tables of those buckets and batch sizes then run the
+        packages, with no tracing or compiling. Returns how many were loaded. Load only
+        directories your own deployment wrote: packages are compiled code."""
+        from . import aot
+
+        self._require_buckets("load_buckets")
+        runners = aot.load(self, directory)
+        self._aot.update(runners)
+        return len(runners)
+
+    def _require_buckets(self, what: str) -> None:
+        if not self.recipe.buckets:
+            raise ValueError(f"{what}: recipe {self.recipe.name} does not pad onto buckets")
+
     def save_compile_cache(self, path) -> dict:
         """Saves this process's compile-cache artifacts (call it after :meth:`warm_up`), tagged
         with the recipe and the grid (:func:`tabserve.compile_cache.save`)."""
         from tabserve import compile_cache
 
-        return compile_cache.save(
-            path, recipe=self.recipe.name, grid=dataclasses.asdict(self.grid)
-        )
+        return compile_cache.save(path, recipe=self.recipe.name, grid=dataclasses.asdict(self.grid))
 
     @staticmethod
     def load_compile_cache(path) -> dict:

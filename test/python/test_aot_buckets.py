@@ -1,0 +1,141 @@
+"""Ahead-of-time bucket packages (tabserve.models.tabicl.aot): exported once, loaded by a served
+model (also in a fresh process) they give the unpadded model's predictions without tracing or
+compiling; directories made for another recipe, grid or environment are refused by name.
+
+One bucket and the tiny model keep the AOTInductor build at about half a minute on CPU."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from tabicl_helpers import our_model, random_table
+from tabserve.buckets import BucketGrid
+from tabserve.models.tabicl import aot
+from tabserve.models.tabicl.serving import ServedTabICL
+from torch._dynamo.utils import counters
+
+GRID = BucketGrid(train_rows=(16,), test_rows=(8,), features=(6,))
+TABLES = 2
+RECIPE = "fp32-buckets"
+
+
+def _tables(count: int, seed: int):
+    """Fresh tables of random shapes inside GRID's one bucket: (X, y_train)."""
+    rng = random.Random(seed)
+    for i in range(count):
+        n_train, n_test, n_features = rng.randint(3, 16), rng.randint(1, 8), rng.randint(1, 6)
+        yield random_table(seed * 100 + i, TABLES, n_train, n_test, n_features, 3)
+
+
+@pytest.fixture(scope="module")
+def packages(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("aot") / "buckets"
+    served = ServedTabICL(our_model("clf", "tiny"), RECIPE, GRID)
+    manifest = served.export_buckets(directory, tables=TABLES)
+    return directory, manifest
+
+
+def test_loaded_packages_serve_every_table_of_their_bucket(packages):
+    directory, manifest = packages
+    assert [entry["file"] for entry in manifest["packages"]] == ["bucket-16x8x6-b2.pt2"]
+    assert manifest["recipe"] == RECIPE and manifest["torch"] == torch.__version__
+    served = ServedTabICL(our_model("clf", "tiny"), RECIPE, GRID)
+    assert served.load_buckets(directory) == 1
+    reference = our_model("clf", "tiny")
+    counters.clear()
+    tables = list(_tables(6, seed=3))
+    for X, y in tables:
+        assert (served(X, y) - reference(X, y)).abs().max() <= 1e-5
+    assert served.aot_calls == len(tables)
+    assert counters["stats"].get("unique_graphs", 0) == 0  # nothing traced
+    # a batch size without a package takes the recipe's own path
+    X, y = random_table(7, 1, 10, 4, 5, 3)
+    assert (served(X, y) - reference(X, y)).abs().max() <= 1e-5
+    assert served.aot_calls == len(tables)
+
+
+RESTART = textwrap.dedent(
+    """
+    import json, sys, time, torch
+    start = time.perf_counter()
+    from torch._dynamo.utils import counters
+    sys.path.insert(0, sys.argv[2])
+    from tabicl_helpers import our_model, random_table
+    from tabserve.buckets import BucketGrid
+    from tabserve.models.tabicl.serving import ServedTabICL
+
+    served = ServedTabICL(our_model("clf", "tiny"), "fp32-buckets",
+                          BucketGrid(train_rows=(16,), test_rows=(8,), features=(6,)))
+    loaded = served.load_buckets(sys.argv[1])
+    X, y = random_table(11, 2, 12, 5, 6, 3)
+    out = served(X, y)
+    print(json.dumps({"loaded": loaded, "aot_calls": served.aot_calls, "out": out.tolist(),
+                      "graphs": counters["stats"].get("unique_graphs", 0),
+                      "ready_s": time.perf_counter() - start}))
+    """
+)
+
+
+def test_a_restarted_process_serves_from_the_packages(packages):
+    directory, _ = packages
+    tests = os.path.dirname(__file__)
+    done = subprocess.run([sys.executable, "-c", RESTART, str(directory), tests],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["loaded"] == 1 and report["aot_calls"] == 1 and report["graphs"] == 0
+    X, y = random_table(11, 2, 12, 5, 6, 3)
+    expected = our_model("clf", "tiny")(X, y)
+    assert (torch.tensor(report["out"]) - expected).abs().max() <= 1e-5
+
+
+def _edited(packages, tmp_path, edit):
+    directory, _ = packages
+    copy = tmp_path / "edited"
+    shutil.copytree(directory, copy)
+    manifest = json.loads((copy / aot.MANIFEST).read_text())
+    edit(manifest, copy)
+    (copy / aot.MANIFEST).write_text(json.dumps(manifest))
+    return copy
+
+
+@pytest.mark.parametrize(
+    "edit, error, match",
+    [
+        (lambda m, d: m.update(recipe="fp32-buckets-compile"), aot.AotPackageError, "made for recipe 'fp32-buckets-compile'"),
+        (lambda m, d: m.update(torch="0.0.1"), aot.AotPackageError, "made for torch '0.0.1'"),
+        (lambda m, d: m["grid"].update(features=[6, 12]), aot.AotPackageError, "made for grid"),
+        (lambda m, d: m.update(format="other/1"), aot.AotPackageError, "not a tabserve-aot-buckets/1 manifest"),
+        (lambda m, d: (d / m["packages"][0]["file"]).unlink(), FileNotFoundError, "named by the manifest, missing"),
+    ],
+)
+def test_directories_for_something_else_are_refused_by_name(packages, tmp_path, edit, error, match):
+    directory = _edited(packages, tmp_path, edit)
+    served = ServedTabICL(our_model("clf", "tiny"), RECIPE, GRID)
+    with pytest.raises(error, match=match):
+        served.load_buckets(directory)
+    assert served.aot_calls == 0 and served._aot == {}  # nothing half-loaded
+    X, y = random_table(5, TABLES, 9, 3, 4, 3)  # and the model still serves
+    assert (served(X, y) - our_model("clf", "tiny")(X, y)).abs().max() <= 1e-5
+
+
+def test_bad_manifests_and_recipes_without_buckets(packages, tmp_path):
+    (tmp_path / aot.MANIFEST).write_text("{not json")
+    served = ServedTabICL(our_model("clf", "tiny"), RECIPE, GRID)
+    with pytest.raises(aot.AotPackageError, match="is not valid JSON"):
+        served.load_buckets(tmp_path)
+    with pytest.raises(FileNotFoundError):
+        served.load_buckets(tmp_path / "absent")
+    unpadded = ServedTabICL(our_model("clf", "tiny"), "fp32-eager")
+    with pytest.raises(ValueError, match="does not pad onto buckets"):
+        unpadded.load_buckets(packages[0])
+    with pytest.raises(ValueError, match="does not pad onto buckets"):
+        unpadded.export_buckets(tmp_path / "x")
