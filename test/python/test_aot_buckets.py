@@ -139,3 +139,20 @@ def test_bad_manifests_and_recipes_without_buckets(packages, tmp_path):
         unpadded.load_buckets(packages[0])
     with pytest.raises(ValueError, match="does not pad onto buckets"):
         unpadded.export_buckets(tmp_path / "x")
+
+
+def test_autocast_recipes_export_with_their_precision(tmp_path):
+    """The recipe's precision context is inside the exported function: a bf16 package (CPU
+    autocast) answers like the bf16 eager path, within bf16 rounding, and in bf16."""
+    from tabserve.models.tabicl import recipes
+
+    recipe = recipes.RECIPES["fp32-buckets"].replace(precision="bf16", name="bf16-buckets")
+    exporter = ServedTabICL(our_model("clf", "tiny"), recipe, GRID)
+    exporter.export_buckets(tmp_path, tables=TABLES)
+    served = ServedTabICL(our_model("clf", "tiny"), recipe, GRID)
+    assert served.load_buckets(tmp_path) == 1
+    for X, y in _tables(3, seed=5):
+        got, want = served(X, y), exporter(X, y)  # package / eager bf16
+        assert got.dtype == want.dtype == torch.bfloat16
+        assert (got.float() - want.float()).abs().max() <= 0.05
+    assert served.aot_calls == 3 and exporter.aot_calls == 0
