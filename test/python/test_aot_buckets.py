@@ -88,7 +88,7 @@ def test_a_restarted_process_serves_from_the_packages(packages):
     directory, _ = packages
     tests = os.path.dirname(__file__)
     done = subprocess.run([sys.executable, "-c", RESTART, str(directory), tests],
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
     assert report["loaded"] == 1 and report["aot_calls"] == 1 and report["graphs"] == 0
