@@ -39,7 +39,7 @@ def _tables(count: int, seed: int):
 def packages(tmp_path_factory):
     directory = tmp_path_factory.mktemp("aot") / "buckets"
     served = ServedTabICL(our_model("clf", "tiny"), RECIPE, GRID)
-    manifest = served.export_buckets(directory, tables=TABLES)
+    manifest = served.export_buckets(directory, GRID.buckets(), tables=TABLES)
     return directory, manifest
 
 
@@ -138,7 +138,7 @@ def test_bad_manifests_and_recipes_without_buckets(packages, tmp_path):
     with pytest.raises(ValueError, match="does not pad onto buckets"):
         unpadded.load_buckets(packages[0])
     with pytest.raises(ValueError, match="does not pad onto buckets"):
-        unpadded.export_buckets(tmp_path / "x")
+        unpadded.export_buckets(tmp_path / "x", GRID.buckets())
 
 
 def test_autocast_recipes_export_with_their_precision(tmp_path):
@@ -148,7 +148,7 @@ def test_autocast_recipes_export_with_their_precision(tmp_path):
 
     recipe = recipes.RECIPES["fp32-buckets"].replace(precision="bf16", name="bf16-buckets")
     exporter = ServedTabICL(our_model("clf", "tiny"), recipe, GRID)
-    exporter.export_buckets(tmp_path, tables=TABLES)
+    exporter.export_buckets(tmp_path, GRID.buckets(), tables=TABLES)
     served = ServedTabICL(our_model("clf", "tiny"), recipe, GRID)
     assert served.load_buckets(tmp_path) == 1
     for X, y in _tables(3, seed=5):

@@ -434,16 +434,16 @@ class ServedTabICL:
                 self.forward_with_cache(X[:, bucket.train_rows :], cache)
         return len(buckets)
 
-    def export_buckets(self, directory, buckets: Sequence[Bucket] | None = None, tables: int = 1):
-        """Compiles the one-shot forward of each bucket (default: the whole grid) for batches of
-        ``tables`` tables ahead of time (AOTInductor) into ``directory`` and returns the manifest
-        (:mod:`tabserve.models.tabicl.aot`). Minutes per bucket: run it once per deployment."""
+    def export_buckets(self, directory, buckets: Sequence[Bucket], tables: int = 1) -> dict:
+        """Compiles the one-shot forward of each of ``buckets`` for batches of ``tables`` tables
+        ahead of time (AOTInductor) into ``directory`` and returns the manifest
+        (:mod:`tabserve.models.tabicl.aot`). About half a minute (CPU, tiny model) to minutes
+        per bucket: export the buckets your tables use (``grid.plan(...)`` of the expected
+        shapes), not a whole default grid (tens of thousands of buckets)."""
         from . import aot
 
         self._require_buckets("export_buckets")
-        return aot.export(
-            self, directory, self.grid.buckets() if buckets is None else buckets, tables
-        )
+        return aot.export(self, directory, buckets, tables)
 
     def load_buckets(self, directory) -> int:
         """Loads the bucket packages of ``directory`` (made by :meth:`export_buckets` for this
