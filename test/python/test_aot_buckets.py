@@ -39,16 +39,17 @@ def _tables(count: int, seed: int):
 def packages(tmp_path_factory):
     directory = tmp_path_factory.mktemp("aot") / "buckets"
     served = ServedTabICL(our_model("clf", "tiny"), RECIPE, GRID)
-    manifest = served.export_buckets(directory, GRID.buckets(), tables=TABLES)
+    manifest = served.export_buckets(directory, GRID.buckets(), tables=TABLES, kv_cache=True)
     return directory, manifest
 
 
 def test_loaded_packages_serve_every_table_of_their_bucket(packages):
     directory, manifest = packages
-    assert [entry["file"] for entry in manifest["packages"]] == ["bucket-16x8x6-b2.pt2"]
+    files = ["bucket-16x8x6-b2.pt2", "build-cache-16x0x6-b2.pt2", "forward-cached-16x8x6-b2.pt2"]
+    assert [entry["file"] for entry in manifest["packages"]] == files
     assert manifest["recipe"] == RECIPE and manifest["torch"] == torch.__version__
     served = ServedTabICL(our_model("clf", "tiny"), RECIPE, GRID)
-    assert served.load_buckets(directory) == 1
+    assert served.load_buckets(directory) == 3
     reference = our_model("clf", "tiny")
     counters.clear()
     tables = list(_tables(6, seed=3))
@@ -60,6 +61,39 @@ def test_loaded_packages_serve_every_table_of_their_bucket(packages):
     X, y = random_table(7, 1, 10, 4, 5, 3)
     assert (served(X, y) - reference(X, y)).abs().max() <= 1e-5
     assert served.aot_calls == len(tables)
+
+
+def test_kv_cache_packages_build_and_predict_like_the_model(packages):
+    directory, _ = packages
+    served = ServedTabICL(our_model("clf", "tiny"), RECIPE, GRID)
+    served.load_buckets(directory)
+    reference = our_model("clf", "tiny")
+    counters.clear()
+    rng = random.Random(9)
+    for i in range(4):
+        n_train, n_test, n_features = rng.randint(3, 16), rng.randint(1, 8), rng.randint(1, 6)
+        X, y = random_table(900 + i, TABLES, n_train, n_test, n_features, 3)
+        cache = served.build_cache(X[:, :n_train], y)
+        got = served.forward_with_cache(X[:, n_train:], cache)
+        assert (got - reference(X, y)).abs().max() <= 1e-5
+    assert served.aot_calls == 8  # a build and a cached forward per table, all from packages
+    assert counters["stats"].get("unique_graphs", 0) == 0
+
+
+def test_packages_read_strided_inputs_correctly(packages):
+    """A package's kernels assume contiguous inputs; the runner makes them so (a strided view
+    read as contiguous gave wrong values, NaN included, before)."""
+    directory, _ = packages
+    served = ServedTabICL(our_model("clf", "tiny"), RECIPE, GRID)
+    served.load_buckets(directory)
+    runner = next(iter(served._aot["forward"].values()))
+    X, y = random_table(31, TABLES, 16, 8, 6, 3)
+    wide = torch.cat([X, torch.full_like(X, float("nan"))], dim=2)[:, :, :6]  # a strided view
+    n_train, n_features = torch.tensor(16), torch.tensor(6)
+    assert not wide.is_contiguous()
+    got = runner(wide, y, n_train, n_features)
+    assert torch.equal(got, runner(X.contiguous(), y, n_train, n_features))
+    assert torch.isfinite(got).all()
 
 
 RESTART = textwrap.dedent(
@@ -91,7 +125,7 @@ def test_a_restarted_process_serves_from_the_packages(packages):
                           capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
-    assert report["loaded"] == 1 and report["aot_calls"] == 1 and report["graphs"] == 0
+    assert report["loaded"] == 3 and report["aot_calls"] == 1 and report["graphs"] == 0
     X, y = random_table(11, 2, 12, 5, 6, 3)
     expected = our_model("clf", "tiny")(X, y)
     assert (torch.tensor(report["out"]) - expected).abs().max() <= 1e-5
@@ -122,7 +156,7 @@ def test_directories_for_something_else_are_refused_by_name(packages, tmp_path, 
     served = ServedTabICL(our_model("clf", "tiny"), RECIPE, GRID)
     with pytest.raises(error, match=match):
         served.load_buckets(directory)
-    assert served.aot_calls == 0 and served._aot == {}  # nothing half-loaded
+    assert served.aot_calls == 0 and not any(served._aot.values())  # nothing half-loaded
     X, y = random_table(5, TABLES, 9, 3, 4, 3)  # and the model still serves
     assert (served(X, y) - our_model("clf", "tiny")(X, y)).abs().max() <= 1e-5
 

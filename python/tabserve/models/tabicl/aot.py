@@ -10,8 +10,10 @@ loading one takes milliseconds and its first call runs compiled kernels at once.
 train-row and feature counts stay device tensors, so one package serves every table of its bucket.
 
 Layout of a directory: ``manifest.json`` (:func:`environment`, the recipe, the grid and one entry
-per package: bucket, batch size, file name) and one ``bucket-<train>x<test>x<features>-b<batch>.pt2``
-per entry.
+per package: kind, bucket, batch size, file name) and one ``.pt2`` per entry:
+``bucket-<train>x<test>x<features>-b<batch>.pt2`` for the one-shot forward, with ``kv_cache``
+also ``build-cache-<train>x0x<features>-b<batch>.pt2`` (the cache of a padded train block) and
+``forward-cached-<train>x<test>x<features>-b<batch>.pt2`` (test rows against that cache).
 
 Security: a package holds compiled code that runs when loaded. Load only directories your own
 deployment wrote, like a compile cache; model checkpoints, by contrast, load without executing code.
@@ -27,6 +29,7 @@ from pathlib import Path
 
 import torch
 from torch import Tensor
+from torch.utils._pytree import tree_map
 
 from tabserve.buckets import Bucket
 
@@ -46,22 +49,49 @@ def environment() -> dict:
     return compile_cache.environment()
 
 
-class _PaddedCore(torch.nn.Module):
-    """The exported function: the padded forward under the recipe's precision context."""
+class _Core(torch.nn.Module):
+    """An exported function: one of the model's padded entry points under the recipe's
+    precision context (``padded_forward``, ``padded_build_cache`` or ``padded_forward_cached``)."""
 
-    def __init__(self, served):
+    def __init__(self, served, entry: str):
         super().__init__()
         self.model = served.model
         self.recipe = served.recipe
         self.device = served.device
+        self.entry = entry
 
-    def forward(self, X: Tensor, y_train: Tensor, n_train: Tensor, n_features: Tensor) -> Tensor:
+    def forward(self, *inputs):
         with self.recipe.context(self.device):
-            return self.model.padded_forward(X, y_train, n_train, n_features)
+            return getattr(self.model, self.entry)(*inputs)
 
 
-def _file_name(bucket: Bucket, batch: int) -> str:
-    return f"bucket-{bucket.train_rows}x{bucket.test_rows}x{bucket.features}-b{batch}.pt2"
+#: Package kinds: the ServedTabICL path each one replaces, and the model entry point it exports.
+KINDS = {
+    "forward": "padded_forward",
+    "build_cache": "padded_build_cache",
+    "forward_cached": "padded_forward_cached",
+}
+
+
+class _Runner:
+    """A loaded package, called with contiguous inputs: AOTInductor's kernels assume the strides
+    of the example inputs (contiguous, see :func:`export`) and do not check them; a strided view
+    passed as is would be read as if it were contiguous."""
+
+    def __init__(self, package):
+        self.package = package
+
+    def __call__(self, *inputs):
+        return self.package(*tree_map(_contiguous, inputs))
+
+
+def _contiguous(value):
+    return value.contiguous() if isinstance(value, Tensor) else value
+
+
+def _file_name(kind: str, bucket: Bucket, batch: int) -> str:
+    prefix = "bucket" if kind == "forward" else kind.replace("_", "-")
+    return f"{prefix}-{bucket.train_rows}x{bucket.test_rows}x{bucket.features}-b{batch}.pt2"
 
 
 def example_inputs(served, bucket: Bucket, batch: int) -> tuple[Tensor, ...]:
@@ -75,20 +105,44 @@ def example_inputs(served, bucket: Bucket, batch: int) -> tuple[Tensor, ...]:
     return (X, y, *_counts(served.device, bucket.train_rows, bucket.features))
 
 
+def _package(served, directory: Path, kind: str, bucket: Bucket, batch: int, inputs) -> dict:
+    # Contiguous examples: the package's kernels are specialised to these strides.
+    inputs = tree_map(_contiguous, tuple(inputs))
+    program = torch.export.export(_Core(served, KINDS[kind]), inputs, strict=False)
+    name = _file_name(kind, bucket, batch)
+    torch._inductor.aoti_compile_and_package(program, package_path=str(directory / name))
+    return {"kind": kind, "bucket": dataclasses.asdict(bucket), "batch": batch, "file": name}
+
+
 @torch.no_grad()
-def export(served, directory: str | os.PathLike, buckets: Sequence[Bucket], tables: int) -> dict:
+def export(
+    served,
+    directory: str | os.PathLike,
+    buckets: Sequence[Bucket],
+    tables: int,
+    kv_cache: bool = False,
+) -> dict:
     """Compiles one package per bucket for batches of ``tables`` tables into ``directory`` and
-    writes its manifest; returns the manifest."""
+    writes its manifest; returns the manifest. With ``kv_cache`` also the cache build of each
+    bucket's train block (once per train-row and feature bucket) and the cached forward of its
+    test block."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    core = _PaddedCore(served)
     entries = []
     for bucket in buckets:
-        inputs = example_inputs(served, bucket, tables)
-        program = torch.export.export(core, inputs, strict=False)
-        name = _file_name(bucket, tables)
-        torch._inductor.aoti_compile_and_package(program, package_path=str(directory / name))
-        entries.append({"bucket": dataclasses.asdict(bucket), "batch": tables, "file": name})
+        X, y, n_train, n_features = example_inputs(served, bucket, tables)
+        inputs = (X, y, n_train, n_features)
+        entries.append(_package(served, directory, "forward", bucket, tables, inputs))
+        if not kv_cache:
+            continue
+        train = Bucket(bucket.train_rows, 0, bucket.features)
+        build = (X[:, : bucket.train_rows], y, n_train, n_features)
+        done = {(e["kind"], e["file"]) for e in entries}
+        if ("build_cache", _file_name("build_cache", train, tables)) not in done:
+            entries.append(_package(served, directory, "build_cache", train, tables, build))
+        col, icl = _Core(served, KINDS["build_cache"])(*tree_map(_contiguous, build))
+        cached = (X[:, bucket.train_rows :], col, icl, n_train, n_features)
+        entries.append(_package(served, directory, "forward_cached", bucket, tables, cached))
     manifest = {
         "format": FORMAT,
         **environment(),
@@ -121,7 +175,7 @@ def read_manifest(directory: str | os.PathLike) -> dict:
 
 def load(served, directory: str | os.PathLike) -> dict:
     """Loads every package of ``directory`` made for ``served``'s environment, recipe and grid:
-    ``{(bucket, batch): runner}``.
+    ``{kind: {(bucket, batch): runner}}`` for the kinds of :data:`KINDS`.
 
     Raises:
         FileNotFoundError: no manifest, or a package file it names is missing.
@@ -141,11 +195,14 @@ def load(served, directory: str | os.PathLike) -> dict:
                 f"{directory / MANIFEST}: made for {key} {manifest.get(key)!r}, "
                 f"this server has {value!r}; export the packages again"
             )
-    runners = {}
+    runners = {kind: {} for kind in KINDS}
     for entry in manifest.get("packages", []):
         path = directory / entry["file"]
         if not path.is_file():
             raise FileNotFoundError(f"{path}: named by the manifest, missing")
-        bucket = Bucket(**entry["bucket"])
-        runners[(bucket, int(entry["batch"]))] = torch._inductor.aoti_load_package(str(path))
+        kind = entry.get("kind", "forward")
+        if kind not in KINDS:
+            raise AotPackageError(f"{directory / MANIFEST}: unknown package kind {kind!r}")
+        package = torch._inductor.aoti_load_package(str(path))
+        runners[kind][(Bucket(**entry["bucket"]), int(entry["batch"]))] = _Runner(package)
     return runners

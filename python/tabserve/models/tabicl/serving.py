@@ -155,8 +155,8 @@ class ServedTabICL:
         self._graphs: dict = {}
         self._cached_graphs: OrderedDict = OrderedDict()
         self._pool = torch.cuda.graph_pool_handle() if self.recipe.cuda_graphs else None
-        # Ahead-of-time bucket packages (load_buckets): (bucket, batch) -> compiled runner.
-        self._aot: dict = {}
+        # Ahead-of-time bucket packages (load_buckets): kind -> {(bucket, batch): runner}.
+        self._aot: dict = {"forward": {}, "build_cache": {}, "forward_cached": {}}
         self.aot_calls = 0
         self._pin_stage_attention()
         self._forward, self._build_cache, self._forward_cached = self._core_callables()
@@ -304,11 +304,7 @@ class ServedTabICL:
                 table = X if len(chunks) == 1 else _train_and_test(X, n_train, chunk)
                 padded, labels = self._pad(table, y_train, chunk.bucket)
                 key = (chunk.bucket, padded.shape[0])
-                forward = self._aot.get(key)
-                if forward is None:
-                    forward = self._forward
-                else:
-                    self.aot_calls += 1
+                forward = self._packaged("forward", key, self._forward)
                 raw = self._run(key, forward, (padded, labels, *counts))
                 outputs.append(raw[:, : chunk.stop - chunk.start])
         return self._finish(torch.cat(outputs, 1), num_classes, return_logits, softmax_temperature)
@@ -360,8 +356,9 @@ class ServedTabICL:
         padded, labels = self._pad(X_train, y_train.to(X_train.dtype), bucket)
         counts = _counts(X_train.device, n_train, n_features)
         with self.recipe.context(self.device):
+            build = self._packaged("build_cache", (bucket, padded.shape[0]), self._build_cache)
             key = ("cache", bucket, padded.shape[0])
-            col, icl = self._run(key, self._build_cache, (padded, labels, *counts))
+            col, icl = self._run(key, build, (padded, labels, *counts))
         return PaddedCache(col, icl, n_train, n_features, num_classes, bucket, *counts)
 
     @torch.no_grad()
@@ -393,9 +390,13 @@ class ServedTabICL:
                 test_bucket = chunk.bucket.test_rows if chunk.bucket else X_test.shape[1]
                 key = (test_bucket, *_storage_key(cache))
                 table = _pad_test(X_test[:, chunk.start : chunk.stop], test_bucket, bucket.features)
+                full = Bucket(bucket.train_rows, test_bucket, bucket.features)
+                forward = self._packaged(
+                    "forward_cached", (full, table.shape[0]), self._forward_cached
+                )
                 raw = self._run(
                     key,
-                    self._forward_cached,
+                    forward,
                     (table,),
                     (cache.col, cache.icl, cache.n_train_t, cache.n_features_t),
                 )
@@ -434,16 +435,19 @@ class ServedTabICL:
                 self.forward_with_cache(X[:, bucket.train_rows :], cache)
         return len(buckets)
 
-    def export_buckets(self, directory, buckets: Sequence[Bucket], tables: int = 1) -> dict:
+    def export_buckets(
+        self, directory, buckets: Sequence[Bucket], tables: int = 1, kv_cache: bool = False
+    ) -> dict:
         """Compiles the one-shot forward of each of ``buckets`` for batches of ``tables`` tables
         ahead of time (AOTInductor) into ``directory`` and returns the manifest
-        (:mod:`tabserve.models.tabicl.aot`). About half a minute (CPU, tiny model) to minutes
-        per bucket: export the buckets your tables use (``grid.plan(...)`` of the expected
-        shapes), not a whole default grid (tens of thousands of buckets)."""
+        (:mod:`tabserve.models.tabicl.aot`); with ``kv_cache`` also the bucket's cache build and
+        cached forward. About half a minute (CPU, tiny model) to minutes per package: export the
+        buckets your tables use (``grid.plan(...)`` of the expected shapes), not a whole default
+        grid (tens of thousands of buckets)."""
         from . import aot
 
         self._require_buckets("export_buckets")
-        return aot.export(self, directory, buckets, tables)
+        return aot.export(self, directory, buckets, tables, kv_cache)
 
     def load_buckets(self, directory) -> int:
         """Loads the bucket packages of ``directory`` (made by :meth:`export_buckets` for this
@@ -454,8 +458,17 @@ class ServedTabICL:
 
         self._require_buckets("load_buckets")
         runners = aot.load(self, directory)
-        self._aot.update(runners)
-        return len(runners)
+        for kind, loaded in runners.items():
+            self._aot[kind].update(loaded)
+        return sum(len(loaded) for loaded in runners.values())
+
+    def _packaged(self, kind: str, key: tuple, fallback):
+        """The loaded package of ``kind`` for ``key`` = (bucket, batch), else ``fallback``."""
+        runner = self._aot[kind].get(key)
+        if runner is None:
+            return fallback
+        self.aot_calls += 1
+        return runner
 
     def _require_buckets(self, what: str) -> None:
         if not self.recipe.buckets:
