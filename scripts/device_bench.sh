@@ -5,7 +5,8 @@
 # returns 8 files at most); merge the driver JSONs here with `python -m tabserve.bench --merge`.
 #   bash scripts/device_bench.sh large            # one part per call is the safe plan
 #   bash scripts/device_bench.sh medium stream
-# Parts: small, large, compiled, medium, xlarge, stream, soak, sanitize, profile, cudatests, align.
+# Parts: small, large, compiled, medium, xlarge, stream, restart, soak, sanitize, profile, cudatests,
+# align.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
@@ -54,6 +55,8 @@ for part in "$@"; do
       bench xlarge xlarge -- c0-ref-fp32 c1-ref-fp16 c5-fp16 c9-fp16-flash-cudnn-icl ;;
     stream)
       bench stream stream -- c0-ref-fp32 c5-fp16 c18-fp16-buckets-cudagraphs c16-fp16-buckets-compile ;;
+    restart)  # issue 6's restart target: compile-cache artifacts (c20) against bucket packages (c27)
+      bench restart ${RESTART_WORKLOADS:-small} -- c20-fp16-buckets-warm-cache c27-fp16-buckets-aot-restart ;;
     profile)  # where the time goes (benchmarks/profile_tabiclv2.py), large then small
       for w in large small; do
         timeout "$(left $((LIMIT - 60)))" python3 benchmarks/profile_tabiclv2.py --device cuda \
@@ -64,7 +67,8 @@ for part in "$@"; do
     cudatests)  # the CUDA tests of the model, padding, serving and RoPE, then the RoPE benchmark
       timeout "${CUDATESTS_TIMEOUT:-$(left $((LIMIT - 30)))}" python3 -m pytest -q -p no:cacheprovider -p no:logging -rfE \
         -m cuda test/python/test_tabicl_model.py test/python/test_padded_inference.py \
-        test/python/test_padding_ops.py test/python/test_rotary.py >"$LOG/cudatests.log" 2>&1
+        test/python/test_padding_ops.py test/python/test_rotary.py test/python/test_aot_buckets.py \
+        >"$LOG/cudatests.log" 2>&1
       echo "cudatests rc=$?"; tail -15 "$LOG/cudatests.log"
       timeout "$(left $((LIMIT - 10)))" python3 benchmarks/rotary.py --device cuda \
         --json "$OUT/rotary-cuda.json" >"$LOG/rotary.log" 2>&1; tail -12 "$LOG/rotary.log" ;;
@@ -87,7 +91,7 @@ for part in "$@"; do
     sanitize)
       STAGES=sanitize SAN_TOOLS="${SAN_TOOLS:-synccheck racecheck memcheck initcheck}" SAN_TIMEOUT=${SAN_TIMEOUT:-120} \
         DEADLINE=$(left $((LIMIT - 120))) OUT="$LOG/sanitize" bash scripts/device_check.sh 2>&1 | tail -8 ;;
-    *) echo "unknown part $part (small, large, compiled, medium, xlarge, stream, soak, sanitize, profile, cudatests, align)"; exit 2 ;;
+    *) echo "unknown part $part (small, large, compiled, medium, xlarge, stream, restart, soak, sanitize, profile, cudatests, align)"; exit 2 ;;
   esac
 done
 tar czf "$OUT/logs.tgz" -C "$LOG" . 2>/dev/null

@@ -190,3 +190,23 @@ def test_autocast_recipes_export_with_their_precision(tmp_path):
         assert got.dtype == want.dtype == torch.bfloat16
         assert (got.float() - want.float()).abs().max() <= 0.05
     assert served.aot_calls == 3 and exporter.aot_calls == 0
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_packages_captured_per_bucket(tmp_path):
+    """fp16 packages on the GPU, replayed from a CUDA graph per bucket: the answers of the
+    recipe's own (eager, captured) path within fp16 rounding, one-shot and KV-cached."""
+    recipe = "fp16-buckets-cudagraphs"
+    exporter = ServedTabICL(our_model("clf", "tiny").cuda(), recipe, GRID)
+    exporter.export_buckets(tmp_path, GRID.buckets(), tables=TABLES, kv_cache=True)
+    served = ServedTabICL(our_model("clf", "tiny").cuda(), recipe, GRID)
+    assert served.load_buckets(tmp_path) == 3
+    for X, y in _tables(4, seed=13):
+        X, y = X.cuda(), y.cuda()
+        got, want = served(X, y), exporter(X, y)
+        assert (got.float() - want.float()).abs().max() <= 2e-2
+        n_train = y.shape[1]
+        cached = served.forward_with_cache(X[:, n_train:], served.build_cache(X[:, :n_train], y))
+        assert (cached.float() - want.float()).abs().max() <= 2e-2
+    assert served.aot_calls == 12 and served.captures >= 1
