@@ -76,6 +76,56 @@ TEST(DispatcherOps, DecreasingOffsetsRaiseNamingTheArgument) {
   }
 }
 
+// Dictionary-encoded columns: the codes of two columns whose row codes sit in one matrix, read
+// through code_columns (column 0 of the result reads codes column 2, column 1 reads column 0).
+TEST(DispatcherOps, DictionaryLookupMapsRowCodesThroughTheCategories) {
+  auto build = c10::Dispatcher::singleton()
+                   .findSchemaOrThrow("tabserve::string_index_build", "")
+                   .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
+                                                            const std::optional<at::Tensor>&,
+                                                            const at::Tensor&, int64_t)>();
+  auto dictionary =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("tabserve::dictionary_lookup", "")
+          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                            const at::Tensor&, const at::Tensor&, at::TensorList, at::TensorList,
+                            const c10::List<std::optional<at::Tensor>>&, const at::Tensor&,
+                            at::OptionalIntArrayRef, int64_t, bool)>();
+  // Fitted: column 0 = {a, b, c}, column 1 = {x, y}.
+  const Column vocabulary = make_column({"a", "b", "c", "x", "y"}, {true, true, true, true, true});
+  const at::Tensor segments = at::tensor(std::vector<int64_t>{0, 3, 5}, at::kLong);
+  auto [slot_hash, slot_row] =
+      build.call(vocabulary.data, vocabulary.offsets, vocabulary.valid, segments, 64);
+  // The batch's own categories: column 0 = {c, z, a}, column 1 = {y, x}.
+  const Column first = make_column({"c", "z", "a"}, {true, true, true});
+  const Column second = make_column({"y", "x"}, {true, true});
+  // Row codes into those categories (-1 null, 3 out of range), three code columns.
+  const at::Tensor codes =
+      at::tensor(std::vector<int64_t>{1, 9, 0, -1, 9, 2, 0, 9, 3}, at::kLong).view({3, 3});
+  c10::List<std::optional<at::Tensor>> valid;
+  valid.push_back(first.valid);
+  valid.push_back(std::nullopt);
+  const std::vector<at::Tensor> data{first.data, second.data};
+  const std::vector<at::Tensor> offsets{first.offsets, second.offsets};
+  const std::vector<int64_t> code_columns{2, 0};
+  const at::Tensor out = dictionary.call(vocabulary.data, vocabulary.offsets, segments, slot_hash,
+                                         slot_row, data, offsets, valid, codes, code_columns, 64,
+                                         true);
+  // Row 0: column 0 reads code 0 -> "c" -> 2; column 1 reads code 1 -> "x" -> 0.
+  // Row 1: code 2 -> "a" -> 0; code -1 -> null -> -1.
+  // Row 2: code 3 -> out of range -> -1; code 0 -> "y" -> 1.
+  const std::vector<int64_t> expected{2, 0, 0, -1, -1, 1};
+  ASSERT_EQ(out.sizes(), (std::vector<int64_t>{3, 2}));
+  for (int64_t i = 0; i < 6; ++i) EXPECT_EQ(out.data_ptr<int64_t>()[i], expected[i]) << i;
+  try {
+    dictionary.call(vocabulary.data, vocabulary.offsets, segments, slot_hash, slot_row, data,
+                    offsets, valid, codes, std::vector<int64_t>{0, 3}, 64, true);
+    FAIL() << "expected an error";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("code_columns[1]"), std::string::npos) << e.what();
+  }
+}
+
 namespace {
 
 auto rotary_op() {
