@@ -56,7 +56,8 @@ for part in "$@"; do
     stream)
       bench stream stream -- c0-ref-fp32 c5-fp16 c18-fp16-buckets-cudagraphs c16-fp16-buckets-compile ;;
     restart)  # issue 6's restart target: compile-cache artifacts (c20) against bucket packages (c27)
-      bench restart ${RESTART_WORKLOADS:-small} -- c20-fp16-buckets-warm-cache c27-fp16-buckets-aot-restart ;;
+      bench restart ${RESTART_WORKLOADS:-small} -- c20-fp16-buckets-warm-cache c27-fp16-buckets-aot-restart \
+        c29-fp16-buckets-aot-cudagraphs-restart ;;
     profile)  # where the time goes (benchmarks/profile_tabiclv2.py), large then small
       for w in large small; do
         timeout "$(left $((LIMIT - 60)))" python3 benchmarks/profile_tabiclv2.py --device cuda \

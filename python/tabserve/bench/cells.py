@@ -327,6 +327,16 @@ CELLS: tuple[Cell, ...] = (
         aot=True,
         devices=_BOTH,
     ),
+    Cell(
+        "c29-fp16-buckets-aot-cudagraphs-restart",
+        "tabserve",
+        "fp16",
+        "fp16, bucket grid, restart from bucket packages, each captured in a CUDA graph",
+        buckets="default",
+        cuda_graphs=True,
+        warm_cache=True,
+        aot=True,
+    ),
 )
 
 
