@@ -210,3 +210,21 @@ def test_cuda_packages_captured_per_bucket(tmp_path):
         cached = served.forward_with_cache(X[:, n_train:], served.build_cache(X[:, :n_train], y))
         assert (cached.float() - want.float()).abs().max() <= 2e-2
     assert served.aot_calls == 12 and served.captures >= 1
+
+
+def test_packages_loaded_after_captures_replace_those_graphs(packages, monkeypatch):
+    """With CUDA graphs (the CPU stand-in of test_padded_inference), a bucket captured before
+    its package was loaded is captured again from the package instead of replaying the old graph."""
+    from tabserve.models.tabicl import recipes, serving
+    from test_padded_inference import _ReplayOnCPU
+
+    monkeypatch.setattr(serving, "_BucketGraph", _ReplayOnCPU)
+    served = ServedTabICL(our_model("clf", "tiny"), recipes.RECIPES[RECIPE], GRID)
+    served.recipe = served.recipe.replace(cuda_graphs=True)
+    (X, y), (X2, y2) = _tables(2, seed=21)
+    reference = our_model("clf", "tiny")
+    assert (served(X, y) - reference(X, y)).abs().max() <= 1e-5
+    assert served.captures == 1 and served.aot_calls == 0
+    served.load_buckets(packages[0])
+    assert (served(X2, y2) - reference(X2, y2)).abs().max() <= 1e-5
+    assert served.captures == 2 and served.aot_calls == 1

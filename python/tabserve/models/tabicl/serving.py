@@ -460,6 +460,12 @@ class ServedTabICL:
         runners = aot.load(self, directory)
         for kind, loaded in runners.items():
             self._aot[kind].update(loaded)
+        with self._graph_lock:  # graphs captured before the packages came would keep replaying
+            for key in runners["forward"]:
+                self._graphs.pop(key, None)
+            for key in runners["build_cache"]:
+                self._graphs.pop(("cache", *key), None)
+            self._cached_graphs.clear()
         return sum(len(loaded) for loaded in runners.values())
 
     def _packaged(self, kind: str, key: tuple, fallback):
