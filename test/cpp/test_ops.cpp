@@ -30,14 +30,18 @@ Column make_column(const std::vector<std::string>& labels, const std::vector<boo
   return c;
 }
 
+auto index_build_op() {
+  return c10::Dispatcher::singleton()
+      .findSchemaOrThrow("tabserve::string_index_build", "")
+      .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
+                                               const std::optional<at::Tensor>&,
+                                               const at::Tensor&, int64_t)>();
+}
+
 }  // namespace
 
 TEST(DispatcherOps, BuildAndLookup) {
-  auto build = c10::Dispatcher::singleton()
-                   .findSchemaOrThrow("tabserve::string_index_build", "")
-                   .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
-                                                            const std::optional<at::Tensor>&,
-                                                            const at::Tensor&, int64_t)>();
+  auto build = index_build_op();
   auto lookup = c10::Dispatcher::singleton()
                     .findSchemaOrThrow("tabserve::string_lookup", "")
                     .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
@@ -60,11 +64,7 @@ TEST(DispatcherOps, BuildAndLookup) {
 }
 
 TEST(DispatcherOps, DecreasingOffsetsRaiseNamingTheArgument) {
-  auto build = c10::Dispatcher::singleton()
-                   .findSchemaOrThrow("tabserve::string_index_build", "")
-                   .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
-                                                            const std::optional<at::Tensor>&,
-                                                            const at::Tensor&, int64_t)>();
+  auto build = index_build_op();
   const at::Tensor data = at::zeros({4}, at::kByte);
   const at::Tensor offsets = at::tensor(std::vector<int64_t>{0, 3, 1}, at::kLong);
   const at::Tensor segments = at::tensor(std::vector<int64_t>{0, 2}, at::kLong);
@@ -79,11 +79,7 @@ TEST(DispatcherOps, DecreasingOffsetsRaiseNamingTheArgument) {
 // Dictionary-encoded columns: the codes of two columns whose row codes sit in one matrix, read
 // through code_columns (column 0 of the result reads codes column 2, column 1 reads column 0).
 TEST(DispatcherOps, DictionaryLookupMapsRowCodesThroughTheCategories) {
-  auto build = c10::Dispatcher::singleton()
-                   .findSchemaOrThrow("tabserve::string_index_build", "")
-                   .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
-                                                            const std::optional<at::Tensor>&,
-                                                            const at::Tensor&, int64_t)>();
+  auto build = index_build_op();
   auto dictionary =
       c10::Dispatcher::singleton()
           .findSchemaOrThrow("tabserve::dictionary_lookup", "")
