@@ -54,7 +54,7 @@ for part in "$@"; do
     xlarge)
       bench xlarge xlarge -- c0-ref-fp32 c1-ref-fp16 c5-fp16 c9-fp16-flash-cudnn-icl ;;
     stream)
-      bench stream stream -- c0-ref-fp32 c5-fp16 c18-fp16-buckets-cudagraphs c16-fp16-buckets-compile ;;
+      bench stream stream -- ${STREAM_CELLS:-c0-ref-fp32 c1-ref-fp16 c5-fp16 c18-fp16-buckets-cudagraphs} ;;
     restart)  # issue 6's restart target: compile-cache artifacts (c20) against bucket packages (c27)
       bench restart ${RESTART_WORKLOADS:-small} -- c20-fp16-buckets-warm-cache c27-fp16-buckets-aot-restart \
         c29-fp16-buckets-aot-cudagraphs-restart ;;

@@ -104,6 +104,27 @@ def test_generated_tables_are_seeded_random_and_complete():
         assert 2 <= n_classes <= 10
 
 
+
+def test_stream_warms_every_bucket_it_visits_with_another_table():
+    """A bucketed cell's stream warm-up covers each bucket of the stream once, with a table of
+    the bucket's own shape (not the stream's), so the timed fresh tables must neither recompile
+    nor capture; an unbucketed cell has no grid and warms on two other tables."""
+    from tabserve.bench.measure import stream_warm_shapes
+    from tabserve.buckets import BucketGrid
+
+    stream = workload_by_name("stream")
+    shapes = stream_shapes(stream, seed=0)
+    warm = stream_warm_shapes(cell_by_name("c18-fp16-buckets-cudagraphs"), stream, shapes, 0)
+    grid = BucketGrid()
+    visited = {grid.bucket_for(*s[:3]) for s in shapes}
+    assert {grid.bucket_for(*w[:3]) for w in warm} == visited and len(warm) == len(visited)
+    assert not set(warm) & set(shapes)  # other tables than the timed ones
+    assert [tuple(w[:3]) for w in warm] == [
+        (b.train_rows, b.test_rows, b.features) for b in (grid.bucket_for(*w[:3]) for w in warm)
+    ]
+    plain = stream_warm_shapes(cell_by_name("c5-fp16"), stream, shapes, 0)
+    assert plain == stream_shapes(stream, seed=1000)[:2]
+
 # -- subprocess isolation -----------------------------------------------------------------------
 
 

@@ -8,7 +8,8 @@ phase, so a crash or a timeout keeps what was measured before it.
 Phases of a regular workload: ``cold`` (first call, JIT counters), ``one_shot`` (warm fit +
 predict from device tensors, inputs rotated between two random sets), ``kv`` (cache build, then
 cached predict), ``end_to_end`` (estimator fit, then predict from host numpy). Stream workloads
-have one phase, ``stream``: every fresh table once, after warming on two other tables.
+have one phase, ``stream``: every fresh table once, after warming (for a bucketed cell, each
+bucket the stream visits, with a table of another shape; see :func:`stream_warm_shapes`).
 A phase that raises is recorded with its error; the job status follows the one-shot (or stream)
 phase: ``ok``, ``oom`` or ``failed``.
 """
@@ -352,10 +353,30 @@ def _end_to_end(job: Job, engine) -> dict:
     return figures
 
 
+def stream_warm_shapes(cell, workload, shapes: list, seed: int) -> list:
+    """The warm-up tables of a stream: "after warming the bucket grid" (issue 5). For a bucketed
+    cell, one table per bucket the stream visits, shaped as the bucket itself (other sizes and
+    contents than the stream's tables, so a stream table that recompiles or captures anew is
+    caught); for an unbucketed cell two tables of other shapes (it has no grid to warm)."""
+    from .engines import _bucket_grid
+
+    grid = _bucket_grid(cell.buckets)
+    if grid is None:
+        return stream_shapes(workload, seed + 1000)[:2]
+    warm, seen = [], set()
+    for n_train, n_test, n_features, n_classes in shapes:
+        bucket = grid.bucket_for(n_train, n_test, n_features)
+        if bucket is None or bucket in seen:
+            continue
+        seen.add(bucket)
+        warm.append((bucket.train_rows, max(bucket.test_rows, 1), bucket.features, n_classes))
+    return warm
+
+
 def _stream(job: Job, engine) -> dict:
     seed = job.spec.get("seed", 0)
     shapes = stream_shapes(job.workload, seed)
-    for k, shape in enumerate(stream_shapes(job.workload, seed + 1000)[:2]):
+    for k, shape in enumerate(stream_warm_shapes(job.cell, job.workload, shapes, seed)):
         engine.one_shot(*model_tables(job.workload, seed + 1000 + k, job.device, shape))
     reset_jit_counters()
     reset_peak_memory(job.device)
