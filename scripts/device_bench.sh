@@ -6,7 +6,7 @@
 #   bash scripts/device_bench.sh large            # one part per call is the safe plan
 #   bash scripts/device_bench.sh medium stream
 # Parts: small, large, compiled, medium, xlarge, stream, restart, soak, sanitize, profile, cudatests,
-# align.
+# align, pytest.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
@@ -56,8 +56,13 @@ for part in "$@"; do
     stream)
       bench stream stream -- ${STREAM_CELLS:-c0-ref-fp32 c1-ref-fp16 c5-fp16 c18-fp16-buckets-cudagraphs} ;;
     restart)  # issue 6's restart target: compile-cache artifacts (c20) against bucket packages (c27)
-      bench restart ${RESTART_WORKLOADS:-small} -- c20-fp16-buckets-warm-cache c27-fp16-buckets-aot-restart \
-        c29-fp16-buckets-aot-cudagraphs-restart ;;
+      bench restart ${RESTART_WORKLOADS:-small} -- ${RESTART_CELLS:-c20-fp16-buckets-warm-cache \
+        c27-fp16-buckets-aot-restart c29-fp16-buckets-aot-cudagraphs-restart} ;;
+    pytest)  # any tests: PYTEST_ARGS (files, -k, ...), PYTEST_ENV (e.g. CUDA_LAUNCH_BLOCKING=1)
+      timeout "${PYTEST_TIMEOUT:-$(left $((LIMIT - 30)))}" env ${PYTEST_ENV:-} python3 -m pytest -q \
+        -p no:cacheprovider -p no:logging -rfE ${PYTEST_ARGS:-test/python} >"$LOG/pytest.log" 2>&1
+      echo "pytest rc=$?"; grep -n -B2 -A12 "Error\|^E " "$LOG/pytest.log" | tail -${PYTEST_TAIL:-60}
+      tail -3 "$LOG/pytest.log" ;;
     profile)  # where the time goes (benchmarks/profile_tabiclv2.py), large then small
       for w in large small; do
         timeout "$(left $((LIMIT - 60)))" python3 benchmarks/profile_tabiclv2.py --device cuda \
@@ -92,7 +97,7 @@ for part in "$@"; do
     sanitize)
       STAGES=sanitize SAN_TOOLS="${SAN_TOOLS:-synccheck racecheck memcheck initcheck}" SAN_TIMEOUT=${SAN_TIMEOUT:-120} \
         DEADLINE=$(left $((LIMIT - 120))) OUT="$LOG/sanitize" bash scripts/device_check.sh 2>&1 | tail -8 ;;
-    *) echo "unknown part $part (small, large, compiled, medium, xlarge, stream, restart, soak, sanitize, profile, cudatests, align)"; exit 2 ;;
+    *) echo "unknown part $part (small, large, compiled, medium, xlarge, stream, restart, soak, sanitize, profile, cudatests, align, pytest)"; exit 2 ;;
   esac
 done
 tar czf "$OUT/logs.tgz" -C "$LOG" . 2>/dev/null
