@@ -138,6 +138,18 @@ def test_sentinel_column_still_skipped_when_padded():
     _assert_same(model(X, y), served(X, y), True)
 
 
+
+def test_feature_groups_stay_in_bounds_for_any_count_tensor():
+    """The feature count reaches the grouping as a tensor nothing checks (a compiled package is
+    autotuned with random inputs): it is clamped into [1, H], so the group indices never leave X
+    (0 and negatives used to divide by zero / index out of bounds), and real counts are exact."""
+    embedder = our_model("clf", "tiny").col_embedder
+    X = torch.randn(2, 5, 6)
+    for n, clamped in ((0, 1), (-4, 1), (99, 6), (4, 4)):
+        out = embedder.cells(X, torch.tensor(n))
+        assert torch.equal(out, embedder.cells(X, torch.tensor(clamped)))
+    assert torch.equal(embedder.cells(X, torch.tensor(4))[:, :4], embedder.cells(X[..., :4]))
+
 def test_padded_path_refuses_what_the_model_refuses():
     served = _served("clf")
     X, y = random_table(0, 1, 4, 2, 3, 2)

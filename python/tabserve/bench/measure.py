@@ -296,10 +296,13 @@ def _cold(job: Job, engine, X, y) -> dict:
 
 def _gate_reference(job: Job, engine) -> dict:
     """Gate-only job: the outputs the gates compare against, on the same input the measured
-    cells gate on (the workload's table, or a stream's first table), and nothing else."""
+    cells gate on (the workload's table, or a stream's gate table), and nothing else."""
     seed = job.spec.get("seed", 0)
-    shape = stream_shapes(job.workload, seed)[0] if job.workload.is_stream else None
-    X, y = model_tables(job.workload, seed, job.device, shape)
+    shape, table_seed = None, seed
+    if job.workload.is_stream:
+        k = stream_gate_table(stream_shapes(job.workload, seed))
+        shape, table_seed = stream_shapes(job.workload, seed)[k], seed + k
+    X, y = model_tables(job.workload, table_seed, job.device, shape)
     first_ms, output = timing.time_once(lambda: engine.one_shot(X, y), job.device)
     job.outputs["one_shot"] = gate_output(job.workload.task, output)
     return {"first_call_ms": first_ms}
@@ -353,6 +356,13 @@ def _end_to_end(job: Job, engine) -> dict:
     return figures
 
 
+def stream_gate_table(shapes: list) -> int:
+    """The stream table the accuracy gates compare (the first with the most test rows): the
+    argmax agreement gate (>= 99.5%) cannot be read from a handful of predictions (a table of 8
+    test rows x 8 members fails it with one flipped near-tie)."""
+    return max(range(len(shapes)), key=lambda k: (shapes[k][1], -k))
+
+
 def stream_warm_shapes(cell, workload, shapes: list, seed: int) -> list:
     """The warm-up tables of a stream: "after warming the bucket grid" (issue 5). For a bucketed
     cell, one table per bucket the stream visits, shaped as the bucket itself (other sizes and
@@ -380,16 +390,17 @@ def _stream(job: Job, engine) -> dict:
         engine.one_shot(*model_tables(job.workload, seed + 1000 + k, job.device, shape))
     reset_jit_counters()
     reset_peak_memory(job.device)
-    times = []
+    times, gate_table = [], stream_gate_table(shapes)
     for k, shape in enumerate(shapes):
         X, y = model_tables(job.workload, seed + k, job.device, shape)
         ms, output = timing.time_once(lambda X=X, y=y: engine.one_shot(X, y), job.device)
         times.append(ms)
-        if k == 0:
+        if k == gate_table:
             job.outputs["one_shot"] = gate_output(job.workload.task, output)
     summary = timing.Timing(times).as_dict()
     summary.update(
         shapes=[list(s) for s in shapes],
+        gate_table=gate_table,
         jit=jit_counters(),
         recompiles=jit_counters()["frames_compiled"],
         memory=peak_memory(job.device),

@@ -151,12 +151,15 @@ class ColumnEmbedding(nn.Module):
     def cells(self, X: Tensor, n_features: Tensor | None = None) -> Tensor:
         """Group features and embed every cell: ``(B, T, H) -> (B, H, T, E)``.
 
-        ``n_features`` (padded serving, 0-d tensor): the real feature count. Groups take their
-        offsets modulo it, so real groups never read padded features and equal the unpadded
-        groups; the groups past it are padding (masked in the row stage).
+        ``n_features`` (padded serving, 0-d tensor): the real feature count, clamped into
+        ``[1, H]``. Groups take their offsets modulo it, so real groups never read padded
+        features and equal the unpadded groups; the groups past it are padding (masked in the
+        row stage).
         """
         offsets = self.group_offsets
-        modulus = X.shape[-1] if n_features is None else n_features
+        # Clamped into [1, H]: every index stays inside X whatever the tensor holds (AOTInductor
+        # autotunes the compiled kernels with random inputs; n = 0 or < 0 read out of bounds).
+        modulus = X.shape[-1] if n_features is None else n_features.clamp(1, X.shape[-1])
         index = (torch.arange(X.shape[-1], device=X.device)[:, None] + offsets) % modulus
         grouped = X.transpose(1, 2)[:, index]  # (B, H, 3, T)
         return sentinel_linear(self.in_linear, grouped.transpose(-1, -2))
