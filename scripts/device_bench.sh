@@ -6,7 +6,7 @@
 #   bash scripts/device_bench.sh large            # one part per call is the safe plan
 #   bash scripts/device_bench.sh medium stream
 # Parts: small, large, compiled, medium, xlarge, stream, restart, soak, sanitize, profile, cudatests,
-# align, pytest.
+# align, pytest, attention.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
@@ -58,6 +58,10 @@ for part in "$@"; do
     restart)  # issue 6's restart target: compile-cache artifacts (c20) against bucket packages (c27)
       bench restart ${RESTART_WORKLOADS:-small} -- ${RESTART_CELLS:-c20-fp16-buckets-warm-cache \
         c27-fp16-buckets-aot-restart c29-fp16-buckets-aot-cudagraphs-restart} ;;
+    attention)  # small_head_attention against the SDPA backends on the large workload's shapes
+      timeout "$(left $((LIMIT - 10)))" python3 benchmarks/small_head_attention.py --device cuda \
+        --budget 0.3 --json "$OUT/small-head-attention-cuda.json" >"$LOG/attention.log" 2>&1
+      echo "attention rc=$?"; tail -25 "$LOG/attention.log" ;;
     pytest)  # any tests: PYTEST_ARGS (files, -k, ...), PYTEST_ENV (e.g. CUDA_LAUNCH_BLOCKING=1)
       timeout "${PYTEST_TIMEOUT:-$(left $((LIMIT - 30)))}" env ${PYTEST_ENV:-} python3 -m pytest -q \
         -p no:cacheprovider -p no:logging -rfE ${PYTEST_ARGS:-test/python} >"$LOG/pytest.log" 2>&1
@@ -74,6 +78,7 @@ for part in "$@"; do
       timeout "${CUDATESTS_TIMEOUT:-$(left $((LIMIT - 30)))}" python3 -m pytest -q -p no:cacheprovider -p no:logging -rfE \
         -m cuda test/python/test_tabicl_model.py test/python/test_padded_inference.py \
         test/python/test_padding_ops.py test/python/test_rotary.py test/python/test_aot_buckets.py \
+        test/python/test_small_head_attention.py \
         >"$LOG/cudatests.log" 2>&1
       echo "cudatests rc=$?"; tail -15 "$LOG/cudatests.log"
       timeout "$(left $((LIMIT - 10)))" python3 benchmarks/rotary.py --device cuda \
@@ -97,7 +102,7 @@ for part in "$@"; do
     sanitize)
       STAGES=sanitize SAN_TOOLS="${SAN_TOOLS:-synccheck racecheck memcheck initcheck}" SAN_TIMEOUT=${SAN_TIMEOUT:-120} \
         DEADLINE=$(left $((LIMIT - 120))) OUT="$LOG/sanitize" bash scripts/device_check.sh 2>&1 | tail -8 ;;
-    *) echo "unknown part $part (small, large, compiled, medium, xlarge, stream, restart, soak, sanitize, profile, cudatests, align, pytest)"; exit 2 ;;
+    *) echo "unknown part $part (small, large, compiled, medium, xlarge, stream, restart, soak, sanitize, profile, cudatests, align, pytest, attention)"; exit 2 ;;
   esac
 done
 tar czf "$OUT/logs.tgz" -C "$LOG" . 2>/dev/null

@@ -477,3 +477,60 @@ def rotary_embedding(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         shape, dtype or device.
     """
     return torch.ops.tabserve.rotary_embedding(x, cos, sin)
+
+
+# ---------------------------------------------------------------------------------------------
+# Attention with head dimension 16 (csrc/ops/attention.cpp, csrc/ops/cuda/attention.cu)
+
+#: The head dimension :func:`small_head_attention` serves.
+SMALL_HEAD_DIM = 16
+
+
+@torch.library.register_fake("tabserve::small_head_attention")
+def _small_head_attention_fake(q, k, v, n_keys=None, scale=None):
+    _same_device("small_head_attention", q=q, k=k, v=v, n_keys=n_keys)
+    torch._check(
+        q.dim() == 4 and q.shape[-1] == SMALL_HEAD_DIM,
+        lambda: f"q must be [batch, heads, length, {SMALL_HEAD_DIM}], got {tuple(q.shape)}",
+    )
+    batch, heads, queries, _ = q.shape
+    return q.new_empty((batch, queries, heads, SMALL_HEAD_DIM)).transpose(1, 2)
+
+
+def small_head_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    n_keys: Tensor | None = None,
+    scale: float | None = None,
+) -> Tensor:
+    """Attention with head dimension 16 (TabICLv2's column and row stages), optionally over
+    only the first ``n_keys`` keys, n read from a tensor.
+
+    Equals ``F.scaled_dot_product_attention(q, k[:, :, :n], v[:, :, :n], scale=scale)``. On CUDA
+    one fused kernel on the tensor cores built for these shapes (one 16-wide head is one WMMA
+    tile; keys staged 128 at a time; no batch limit), where PyTorch's fused kernels, built for
+    larger heads, run far below the card's peak.
+
+    Args:
+        q: [B, heads, Lq, 16]; k, v: [B, heads, Lk, 16] with Lk >= 1; any strides (a head-split
+            view of a packed projection is read in place; broadcast batch or heads may have
+            stride 0). One floating dtype, one device; CUDA takes float16 and bfloat16 on
+            compute capability 8.0 or newer.
+        n_keys: optional int32 or int64 tensor, 0-d (one n for all) or [B], on q's device: only
+            the first n keys are used (padded buckets). CPU checks n in [1, Lk]; CUDA clamps
+            into it (checking would synchronise with the host).
+        scale: softmax scale, default 1 / 4 (= 1 / sqrt(16)).
+
+    Returns:
+        [B, heads, Lq, 16] in q's dtype, stored as [B, Lq, heads, 16] (a transposed view, so the
+        heads merge back with a view). CPU computes exact maths (fp32; fp64 for fp64 inputs).
+        CUDA accumulates the scores, the softmax and the output in fp32 and rounds the
+        probabilities to the input dtype before multiplying them with v, as the fused SDPA
+        kernels do. No host synchronisation: CUDA-graph capturable.
+
+    Raises:
+        RuntimeError naming the argument for wrong ranks, shapes, head dims, dtypes or devices,
+        (CPU) n outside [1, Lk], and (CUDA) fp32 / fp64 inputs or a GPU older than sm80.
+    """
+    return torch.ops.tabserve.small_head_attention(q, k, v, n_keys, scale)

@@ -1,5 +1,5 @@
-// GoogleTest: the string-lookup and rotary operators called through the PyTorch dispatcher, as
-// LibTorch users (and TorchScript) see them, on CPU.
+// GoogleTest: the string-lookup, rotary and small-head attention operators called through the
+// PyTorch dispatcher, as LibTorch users (and TorchScript) see them, on CPU.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <gtest/gtest.h>
@@ -163,5 +163,42 @@ TEST(DispatcherOps, RotaryEmbeddingOddHeadDimensionRaisesNamingIt) {
     FAIL() << "expected an error";
   } catch (const c10::Error& e) {
     EXPECT_NE(std::string(e.what()).find("must be even"), std::string::npos) << e.what();
+  }
+}
+
+namespace {
+
+auto small_head_attention_op() {
+  return c10::Dispatcher::singleton()
+      .findSchemaOrThrow("tabserve::small_head_attention", "")
+      .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                        const std::optional<at::Tensor>&, std::optional<double>)>();
+}
+
+}  // namespace
+
+TEST(DispatcherOps, SmallHeadAttentionIsSoftmaxOverTheFirstNKeys) {
+  at::manual_seed(0);
+  const at::Tensor q = at::randn({2, 8, 5, 16}, at::kDouble);
+  const at::Tensor k = at::randn({2, 8, 11, 16}, at::kDouble);
+  const at::Tensor v = at::randn({2, 8, 11, 16}, at::kDouble);
+  const at::Tensor n = at::tensor({11, 4}, at::kLong);
+  const at::Tensor got = small_head_attention_op().call(q, k, v, n, std::nullopt);
+  EXPECT_TRUE(got.transpose(1, 2).is_contiguous());
+  for (int64_t b = 0; b < 2; ++b) {
+    const int64_t count = n[b].item<int64_t>();
+    const at::Tensor scores = at::matmul(q[b], k[b].narrow(1, 0, count).transpose(-1, -2)) * 0.25;
+    const at::Tensor expected = at::matmul(at::softmax(scores, -1), v[b].narrow(1, 0, count));
+    EXPECT_TRUE(at::allclose(got[b], expected, 1e-12, 1e-12)) << "batch entry " << b;
+  }
+}
+
+TEST(DispatcherOps, SmallHeadAttentionOtherHeadDimensionRaisesNamingIt) {
+  const at::Tensor t = at::zeros({1, 2, 3, 8});
+  try {
+    small_head_attention_op().call(t, t, t, std::nullopt, std::nullopt);
+    FAIL() << "expected an error";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("q must have head_dim 16"), std::string::npos) << e.what();
   }
 }

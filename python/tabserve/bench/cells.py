@@ -26,6 +26,8 @@ ATTENTION_BACKENDS = {
     "efficient": "EFFICIENT_ATTENTION",
     "cudnn": "CUDNN_ATTENTION",
 }
+#: tabserve's own attention kernels (``head16``: :func:`tabserve.ops.small_head_attention`).
+KERNEL_BACKENDS = ("head16",)
 #: The model's stages, in the order data flows through them.
 STAGES = ("col", "row", "icl")
 #: ``torch.compile`` modes a cell may ask for (None: eager).
@@ -41,7 +43,7 @@ class Cell:
         engine: ``"reference"`` (tabicl 2.2.0) or ``"tabserve"``.
         precision: one of :data:`PRECISIONS`.
         attention: ``{stage: backend}`` for stages in :data:`STAGES`, backends in
-            :data:`ATTENTION_BACKENDS`; empty = PyTorch's own choice.
+            :data:`ATTENTION_BACKENDS` or :data:`KERNEL_BACKENDS`; empty = PyTorch's own choice.
         compile: one of :data:`COMPILE_MODES`.
         dynamic: ``torch.compile(dynamic=True)``: one graph for every shape, no padding.
         fullgraph: ``torch.compile(fullgraph=True)``.
@@ -86,7 +88,7 @@ class Cell:
         if self.compile not in COMPILE_MODES:
             raise ValueError(f"{self.name}: unknown compile mode {self.compile!r}")
         for stage, backend in self.attention.items():
-            if stage not in STAGES or backend not in ATTENTION_BACKENDS:
+            if stage not in STAGES or backend not in (*ATTENTION_BACKENDS, *KERNEL_BACKENDS):
                 raise ValueError(f"{self.name}: bad attention choice {stage}={backend}")
         if self.aot and not (self.warm_cache and self.buckets):
             raise ValueError(f"{self.name}: aot packages are a restart (warm_cache) of buckets")
@@ -296,6 +298,25 @@ CELLS: tuple[Cell, ...] = (
         "fp16, torch.compile, flash in col/row, cuDNN in ICL",
         compile="default",
         attention={"col": "flash", "row": "flash", "icl": "cudnn"},
+    ),
+    # tabserve's head-dim-16 kernel in the column and row stages (small_head_attention).
+    Cell(
+        "c30-fp16-compile-head16-colrow",
+        "tabserve",
+        "fp16",
+        "fp16, torch.compile, tabserve's head-dim-16 kernel in col/row, default SDPA in ICL",
+        compile="default",
+        attention={"col": "head16", "row": "head16"},
+    ),
+    Cell(
+        "c31-fp16-buckets-compile-cudagraphs-head16",
+        "tabserve",
+        "fp16",
+        "c23 with tabserve's head-dim-16 kernel in col/row (padded keys skipped, n on device)",
+        compile="default",
+        buckets="default",
+        cuda_graphs=True,
+        attention={"col": "head16", "row": "head16"},
     ),
     # c23 with autotuned Inductor kernels: the small table's replay is all kernel time.
     Cell(

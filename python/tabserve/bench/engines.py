@@ -17,7 +17,12 @@ from pathlib import Path
 
 import torch
 
-from tabserve.models.tabicl.recipes import autocast_dtype, precision_flags, sdpa_context
+from tabserve.models.tabicl.recipes import (
+    autocast_dtype,
+    precision_flags,
+    sdpa_context,
+    set_stage_kernels,
+)
 
 from .cells import Cell
 from .workloads import Workload
@@ -212,8 +217,9 @@ class TabserveEngine(Engine):
     def _prepare(self, model):
         """Applies per-stage attention and compilation to ``model`` in place; returns the cached
         predict callable (compiled the same way)."""
-        if self.cell.attention and not self.cell.uniform_attention:
-            for stage, backend in self.cell.attention.items():
+        for stage, backend in self.cell.attention.items():
+            set_stage_kernels(getattr(model, _STAGE_MODULES[stage]), backend)
+            if not self.cell.uniform_attention:
                 _pin_stage_attention(getattr(model, _STAGE_MODULES[stage]), backend)
         if self.cell.compile is None:
             return model.forward_with_cache

@@ -141,6 +141,9 @@ class Attention(nn.Module):
         #: Kernel of padded attention (``tabserve.ops.prefix_attention``'s ``backend``); a
         #: serving recipe may set it per stage.
         self.prefix_backend = "auto"
+        #: Attention through :func:`tabserve.ops.small_head_attention` where it applies (CUDA,
+        #: fp16 / bf16, head dimension 16); a serving recipe sets it per stage (``head16``).
+        self.small_heads = False
 
     def _split_heads(self, x: Tensor) -> Tensor:
         return x.unflatten(-1, (self.num_heads, self.head_dim)).transpose(-3, -2)
@@ -195,7 +198,9 @@ class Attention(nn.Module):
         query = query.expand(*batch_shape, *query.shape[-3:]).reshape(-1, *query.shape[-3:])
         k = k.expand(*batch_shape, *k.shape[-3:]).reshape(-1, *k.shape[-3:])
         v = v.expand(*batch_shape, *v.shape[-3:]).reshape(-1, *v.shape[-3:])
-        if n_keys is None:
+        if self.small_heads and _small_head_kernel_applies(query, k, v):
+            out = _padded_ops().small_head_attention(query, k, v, n_keys)
+        elif n_keys is None:
             out = batched_sdpa(query, k, v)
         else:
             out = prefix_sdpa(query, k, v, n_keys, self.prefix_backend)
@@ -242,6 +247,18 @@ def _rotary_op():
         return _padded_ops().rotary_embedding
     except (ImportError, OSError):
         return None
+
+
+def _small_head_kernel_applies(q: Tensor, k: Tensor, v: Tensor) -> bool:
+    """Whether :func:`tabserve.ops.small_head_attention` serves these operands (shapes and
+    dtypes only: static under compile)."""
+    return (
+        q.device.type == "cuda"
+        and q.shape[-1] == 16
+        and q.dtype in (torch.float16, torch.bfloat16)
+        and k.dtype == q.dtype
+        and v.dtype == q.dtype
+    )
 
 
 def _padded_ops():

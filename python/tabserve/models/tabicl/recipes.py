@@ -9,8 +9,9 @@ workload closest to the table; without a measurement it warns and serves :data:`
 Fields:
     precision: ``fp32`` (TF32 off for matmul and cuDNN), ``tf32``, ``bf16`` / ``fp16`` autocast.
     attention: ``{stage: backend}`` (stages ``col``, ``row``, ``icl``; backends ``math``,
-        ``flash``, ``efficient``, ``cudnn``), applied with ``torch.nn.attention.sdpa_kernel``
-        around each stage's SDPA calls. Padded attention (:func:`tabserve.ops.prefix_attention`)
+        ``flash``, ``efficient``, ``cudnn``, applied with ``torch.nn.attention.sdpa_kernel``
+        around each stage's SDPA calls, or ``head16``: tabserve's head-dim-16 kernel,
+        :func:`tabserve.ops.small_head_attention`, on CUDA in fp16 / bf16). Padded attention (:func:`tabserve.ops.prefix_attention`)
         takes the matching kernel from :data:`PREFIX_BACKENDS`.
     compile: ``none`` (eager), ``default`` / ``max-autotune-no-cudagraphs`` (whole model,
         ``torch.compile(fullgraph=True)``; static per bucket with ``buckets``) or ``regional``
@@ -48,10 +49,20 @@ ATTENTION_BACKENDS = {
     "efficient": "EFFICIENT_ATTENTION",
     "cudnn": "CUDNN_ATTENTION",
 }
-#: ``prefix_attention`` backend of padded attention for each SDPA backend: flash / efficient have
+#: tabserve's own attention kernels by the names recipes use: ``head16`` is
+#: :func:`tabserve.ops.small_head_attention` (CUDA, fp16 / bf16, head dimension 16: the column
+#: and row stages, padded or not); where it does not apply the stage runs PyTorch's default SDPA.
+KERNEL_BACKENDS = ("head16",)
+#: ``prefix_attention`` backend of padded attention for each backend: flash / efficient have
 #: varlen kernels reading n on the device; cuDNN and math run SDPA with a key mask (``masked``),
 #: under the stage's ``sdpa_kernel``.
-PREFIX_BACKENDS = {"flash": "flash", "efficient": "efficient", "cudnn": "masked", "math": "masked"}
+PREFIX_BACKENDS = {
+    "flash": "flash",
+    "efficient": "efficient",
+    "cudnn": "masked",
+    "math": "masked",
+    "head16": "auto",
+}
 #: The model's stages, in the order data flows through them (``stage -> submodule``).
 STAGES = {"col": "col_embedder", "row": "row_interactor", "icl": "icl_predictor"}
 COMPILE_MODES = ("none", "default", "max-autotune-no-cudagraphs", "regional")
@@ -81,7 +92,7 @@ class Recipe:
         if self.compile not in COMPILE_MODES:
             raise ValueError(f"recipe {self.name}: compile must be one of {COMPILE_MODES}")
         for stage, backend in self.attention.items():
-            if stage not in STAGES or backend not in ATTENTION_BACKENDS:
+            if stage not in STAGES or backend not in (*ATTENTION_BACKENDS, *KERNEL_BACKENDS):
                 raise ValueError(f"recipe {self.name}: bad attention choice {stage}={backend}")
         if self.cuda_graphs and not self.buckets:
             raise ValueError(f"recipe {self.name}: CUDA graphs need buckets (fixed shapes)")
@@ -137,10 +148,25 @@ def precision_context(precision: str, device_type: str, cast_cache: bool = True)
 
 
 def sdpa_context(backend: str):
-    """``sdpa_kernel`` restricted to one backend of :data:`ATTENTION_BACKENDS`."""
+    """``sdpa_kernel`` restricted to one backend of :data:`ATTENTION_BACKENDS`; no restriction
+    for tabserve's kernels (:data:`KERNEL_BACKENDS`: SDPA only runs where they do not apply)."""
+    if backend in KERNEL_BACKENDS:
+        return contextlib.nullcontext()
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     return sdpa_kernel([getattr(SDPBackend, ATTENTION_BACKENDS[backend])])
+
+
+def set_stage_kernels(module: torch.nn.Module, backend: str) -> None:
+    """Points every attention layer of one stage module at ``backend``'s kernels: the padded
+    attention kernel (:data:`PREFIX_BACKENDS`) and, for ``head16``, tabserve's head-dim-16
+    operator."""
+    from .layers import Attention
+
+    for attention in module.modules():
+        if isinstance(attention, Attention):
+            attention.prefix_backend = PREFIX_BACKENDS[backend]
+            attention.small_heads = backend == "head16"
 
 
 def _recipe(name: str, description: str, **fields) -> tuple[str, Recipe]:

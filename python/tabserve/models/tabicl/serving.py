@@ -42,11 +42,11 @@ from torch.utils._pytree import tree_map
 
 from tabserve.buckets import Bucket, BucketGrid
 
-from .layers import SKIP_VALUE, Attention, AttentionBlock
+from .layers import SKIP_VALUE, AttentionBlock
 from .learning import HIERARCHY_LOG_EPS
 from .model import TabICLv2, TabICLv2Cache
 from .quantiles import quantile_stats
-from .recipes import PREFIX_BACKENDS, STAGES, Recipe, get_recipe, sdpa_context
+from .recipes import STAGES, Recipe, get_recipe, sdpa_context, set_stage_kernels
 
 #: Compiled variants one transformer block needs per bucket under regional compile (attention
 #: with / without cached K/V, self-attention, CLS-only queries, ...), with margin.
@@ -198,9 +198,7 @@ class ServedTabICL:
         padded attention uses the matching ``prefix_attention`` kernel."""
         for stage, backend in self.recipe.attention.items():
             module = getattr(self.model, STAGES[stage])
-            for attention in module.modules():
-                if isinstance(attention, Attention):
-                    attention.prefix_backend = PREFIX_BACKENDS[backend]
+            set_stage_kernels(module, backend)
             for name in ("forward", "build_cache", "forward_cached", "hierarchical_probs"):
                 method = getattr(module, name, None)
                 if method is None:

@@ -1,0 +1,154 @@
+"""small_head_attention against PyTorch's SDPA backends on the column and row stages' shapes.
+
+Cases are the head-dim-16 attentions of the driver's large workload (8 tables, 8,192 train +
+2,048 test rows, 64 features): the row stage's self-attention over 68 tokens and its last block
+(the 4 CLS tokens over 68), the column stage's inducing points over the train rows and every row
+over the 128 induced tokens, with q, k and v as head-split views of packed projections (as the
+model makes them). Methods: the operator, SDPA with PyTorch's own choice, and SDPA restricted to
+cuDNN, memory-efficient and flash (chunked to the 65,535 batch limit, as the model does). Each
+method's error against fp32 maths on the first batch entries is reported next to its time.
+
+    python benchmarks/small_head_attention.py --device cuda
+    python benchmarks/small_head_attention.py --quick        # CPU, small cases (op vs SDPA)
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import environment, format_mib, format_ms, measure, print_table, write_json
+from tabserve import ops
+from tabserve.models.tabicl.layers import _in_cuda_batch_chunks
+from tabserve.models.tabicl.recipes import sdpa_context
+
+HEADS = 8
+#: (name, batch, queries, keys, broadcast queries): the large workload's head-dim-16 attentions.
+CASES = [
+    ("row", 8 * 10240, 68, 68, False),
+    ("row-cls", 8 * 10240, 4, 68, False),
+    ("col-inducing", 8 * 64, 128, 8192, True),
+    ("col-rows", 8 * 64, 10240, 128, False),
+]
+QUICK_CASES = [("row", 64, 12, 12, False), ("col-inducing", 8, 128, 160, True)]
+#: Rows of the batch the error is measured on (fp32 maths on the host's copy).
+CHECKED = 4
+
+
+def inputs(batch, queries, keys, broadcast, dtype, device):
+    g = torch.Generator().manual_seed(0)
+    width = 3 * HEADS * 16
+
+    def split(t, i):
+        return (
+            t[..., i * HEADS * 16 : (i + 1) * HEADS * 16].unflatten(-1, (HEADS, 16)).transpose(1, 2)
+        )
+
+    if broadcast:  # the learned inducing points, one set for every column
+        q = torch.randn(1, queries, HEADS * 16, generator=g).to(dtype).to(device)
+        q = q.unflatten(-1, (HEADS, 16)).transpose(1, 2).expand(batch, -1, -1, -1)
+    else:
+        q = split(torch.randn(batch, queries, width, generator=g).to(dtype).to(device), 0)
+    kv = torch.randn(batch, keys, width, generator=g).to(dtype).to(device)
+    return q, split(kv, 1), split(kv, 2)
+
+
+def methods(device):
+    found = {"tabserve op": ops.small_head_attention}
+    if device.type != "cuda":
+        found["sdpa"] = F.scaled_dot_product_attention
+        return found
+
+    def sdpa(backend=None):
+        def attend(q, k, v):
+            # reshape: the broadcast queries materialised, as the model's reshape does
+            q = q.reshape(q.shape)
+            if backend is None:
+                return _in_cuda_batch_chunks(F.scaled_dot_product_attention, q, k, v)
+            with sdpa_context(backend):
+                return _in_cuda_batch_chunks(F.scaled_dot_product_attention, q, k, v)
+
+        return attend
+
+    found["sdpa default"] = sdpa()
+    for backend in ("cudnn", "efficient", "flash"):
+        found[f"sdpa {backend}"] = sdpa(backend)
+    return found
+
+
+def max_error(out, q, k, v):
+    q, k, v = (t[:CHECKED].float().cpu() for t in (q, k, v))
+    want = torch.softmax(q @ k.transpose(-1, -2) * 0.25, -1) @ v
+    return (out[:CHECKED].float().cpu() - want).abs().max().item()
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--dtype", choices=("float16", "bfloat16"), default="float16")
+    parser.add_argument("--budget", type=float, default=0.5, help="seconds per measurement")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    dtype = getattr(torch, args.dtype) if device.type == "cuda" else torch.float32
+    records, rows = [], []
+    for name, batch, queries, keys, broadcast in QUICK_CASES if args.quick else CASES:
+        q, k, v = inputs(batch, queries, keys, broadcast, dtype, device)
+        for method, fn in methods(device).items():
+            try:
+                error = max_error(fn(q, k, v), q, k, v)
+                m = measure(lambda fn=fn, q=q, k=k, v=v: fn(q, k, v), device, budget_s=args.budget)
+            except RuntimeError as failure:  # a backend that refuses the shape is a result
+                records.append({"case": name, "method": method, "error": str(failure)[:300]})
+                rows.append([name, method, "failed", "", "", str(failure).split("\n")[0][:50]])
+                continue
+            records.append(
+                {
+                    "case": name,
+                    "shape": [batch, HEADS, queries, keys],
+                    "method": method,
+                    "max_abs_error_vs_fp32": error,
+                    **m.as_dict(),
+                }
+            )
+            rows.append(
+                [
+                    name,
+                    method,
+                    format_ms(m.median_ms),
+                    f"{format_ms(m.p20_ms)}-{format_ms(m.p80_ms)}",
+                    format_mib(m.peak_extra_bytes),
+                    f"{error:.2e}",
+                ]
+            )
+        del q, k, v
+    print_table(
+        f"small_head_attention, {dtype} on {device}",
+        ["case", "method", "median ms", "p20-p80", "peak extra MiB", "max |err| vs fp32"],
+        rows,
+    )
+    out = (
+        args.json or Path(__file__).parent / "results" / f"small-head-attention-{device.type}.json"
+    )
+    write_json(
+        out,
+        {
+            "benchmark": "small_head_attention",
+            "device": str(device),
+            "dtype": str(dtype),
+            "environment": environment(),
+            "records": records,
+        },
+    )
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

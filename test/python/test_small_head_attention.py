@@ -1,0 +1,247 @@
+"""small_head_attention (csrc/ops/attention.cpp, csrc/ops/cuda/attention.cu): float64 softmax maths
+over the first n keys, on seeded shapes of TabICLv2's column and row stages (head-split views of
+packed projections, broadcast queries, padded keys); its checks, opcheck, torch.compile, CUDA
+graph replay with a new n, and the model stages on it. CPU, and CUDA when present."""
+
+import pytest
+import tabserve  # noqa: F401  (registers torch.ops.tabserve)
+import torch
+from tabicl_helpers import our_model, random_table
+from tabserve import ops
+from tabserve.models.tabicl.recipes import set_stage_kernels
+
+HAS_CUDA = torch.cuda.is_available()
+cuda_only = [pytest.mark.cuda, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")]
+
+
+def exact(q, k, v, n=None, scale=0.25):
+    """float64 attention of q over the first n keys (n: None, an int, or one int per batch)."""
+    q, k, v = q.double().cpu(), k.double().cpu(), v.double().cpu()
+    counts = [k.shape[2]] * q.shape[0] if n is None else n
+    counts = [counts] * q.shape[0] if isinstance(counts, int) else counts
+    out = []
+    for b, count in enumerate(counts):
+        scores = q[b] @ k[b, :, :count].transpose(-1, -2) * scale
+        out.append(torch.softmax(scores, -1) @ v[b, :, :count])
+    return torch.stack(out)
+
+
+def packed_qkv(seed, batch, heads, queries, keys, dtype, device, spare=0):
+    """q, k, v as the model makes them: head-split views of packed projections [B, L, 3 E]
+    (``spare`` extra columns make the rows unaligned for vector loads)."""
+    g = torch.Generator().manual_seed(seed)
+    width = 3 * heads * 16 + spare
+    qs = torch.randn(batch, queries, width, generator=g).to(dtype).to(device)
+    kv = torch.randn(batch, keys, width, generator=g).to(dtype).to(device)
+
+    def split(t, i):
+        heads_part = t[..., i * heads * 16 : (i + 1) * heads * 16]
+        return heads_part.unflatten(-1, (heads, 16)).transpose(1, 2)
+
+    return split(qs, 0), split(kv, 1), split(kv, 2)
+
+
+# (batch, heads, queries, keys, n): the stages' shapes at small sizes, and edges.
+CASES = [
+    (6, 8, 68, 68, None),  # row stage: every token over every token
+    (6, 8, 4, 68, None),  # row stage, last block: the CLS tokens only
+    (3, 8, 128, 300, [300, 17, 1]),  # column stage, inducing points over padded train rows
+    (3, 8, 250, 128, None),  # column stage, every row over the induced tokens
+    (2, 1, 1, 1, None),  # one query, one key
+    (2, 2, 17, 129, 128),  # one key past a chunk, n shared (0-d)
+    (1, 3, 33, 257, [256]),  # keys over two chunks, n at the edge
+]
+
+
+def _n_tensor(n, device, dtype=torch.int64):
+    if n is None:
+        return None
+    return torch.tensor(n[0] if isinstance(n, list) and len(n) == 1 else n, dtype=dtype).to(device)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "b{}-h{}-q{}-k{}-n{}".format(*c))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_cpu_equals_float64_maths(case, dtype):
+    batch, heads, queries, keys, n = case
+    q, k, v = packed_qkv(1, batch, heads, queries, keys, dtype, "cpu")
+    out = ops.small_head_attention(q, k, v, _n_tensor(n, "cpu"))
+    n_exact = n[0] if isinstance(n, list) and len(n) == 1 else n
+    expected = exact(q, k, v, n_exact)
+    tolerance = {torch.float32: 2e-6, torch.float64: 1e-12, torch.bfloat16: 1e-2}[dtype]
+    assert out.dtype == dtype and out.shape == (batch, heads, queries, 16)
+    assert out.transpose(1, 2).is_contiguous()  # heads merge back with a view
+    assert (out.double() - expected).abs().max().item() <= tolerance
+
+
+def test_broadcast_queries_and_scale():
+    # The inducing points are one query set for every column: stride 0 over the batch.
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(1, 8, 128, 16, generator=g).expand(5, 8, 128, 16)
+    k, v = (torch.randn(5, 8, 40, 16, generator=g) for _ in range(2))
+    out = ops.small_head_attention(q, k, v, scale=0.7)
+    assert (out.double() - exact(q, k, v, scale=0.7)).abs().max().item() <= 2e-6
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda q, k, v: (q[0], k, v, None), "must be 4-D"),
+        (lambda q, k, v: (q[..., :8], k[..., :8], v[..., :8], None), "q must have head_dim 16"),
+        (lambda q, k, v: (q, k.double(), v, None), "k has dtype"),
+        (lambda q, k, v: (q, k, v[:, :, :3], None), "v must have as many keys as k"),
+        (lambda q, k, v: (q, k[:1], v[:1], None), "k must have q's batch and heads"),
+        (lambda q, k, v: (q, k[:, :, :0], v[:, :, :0], None), "at least one key"),
+        (lambda q, k, v: (q.long(), k.long(), v.long(), None), "floating-point"),
+        (lambda q, k, v: (q, k, v, torch.tensor(2.0)), "int32 or int64"),
+        (lambda q, k, v: (q, k, v, torch.tensor([1, 2, 3])), "must be 0-d or have shape"),
+        (lambda q, k, v: (q, k, v, torch.tensor(0)), "n_keys must be in [1, 5]"),
+        (lambda q, k, v: (q, k, v, torch.tensor([1, 6])), "got 6 at batch entry 1"),
+        (lambda q, k, v: (q, k.to("meta"), v, None), "k is on meta"),
+    ],
+)
+def test_bad_arguments_are_named(make, message):
+    q, k, v = (torch.randn(2, 3, 4 if i == 0 else 5, 16) for i in range(3))
+    with pytest.raises(RuntimeError, match=message.replace("[", r"\[")):
+        ops.small_head_attention(*make(q, k, v))
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=cuda_only)])
+def test_opcheck(device):
+    dtype = torch.float32 if device == "cpu" else torch.float16
+    q, k, v = packed_qkv(3, 2, 2, 9, 21, dtype, device)
+    op = torch.ops.tabserve.small_head_attention.default
+    torch.library.opcheck(op, (q, k, v))
+    torch.library.opcheck(op, (q, k, v, torch.tensor([21, 4], device=device), 0.5))
+    torch.library.opcheck(op, (q, k, v, torch.tensor(7, dtype=torch.int32, device=device)))
+
+
+def test_compiles_in_one_graph_with_n_from_a_tensor():
+    torch._dynamo.reset()
+
+    def attend(q, k, v, n):
+        return ops.small_head_attention(q, k, v, n).transpose(1, 2).flatten(-2) * 2
+
+    compiled = torch.compile(attend, fullgraph=True, backend="aot_eager")
+    q, k, v = packed_qkv(4, 2, 8, 10, 30, torch.float32, "cpu")
+    for n in (30, 11, 1):
+        count = torch.tensor(n)
+        assert torch.equal(compiled(q, k, v, count), attend(q, k, v, count))
+
+
+def test_stage_kernel_choice_reaches_the_attention_layers():
+    model = our_model("clf", "tiny")
+    set_stage_kernels(model.row_interactor, "head16")
+    row = [m.small_heads for m in model.row_interactor.modules() if hasattr(m, "small_heads")]
+    col = [m.small_heads for m in model.col_embedder.modules() if hasattr(m, "small_heads")]
+    assert row and all(row) and col and not any(col)
+    # On the CPU (fp32) the kernel does not apply: the stage runs SDPA, same numbers.
+    X, y = random_table(7, 2, 12, 4, 5, 3)
+    assert torch.equal(model(X, y), our_model("clf", "tiny")(X, y))
+
+
+# -- CUDA ---------------------------------------------------------------------------------------
+
+CUDA_CASES = CASES + [
+    (2, 8, 128, 8192, [8192, 5000]),  # inducing points over 8,192 padded train rows
+    (2, 8, 2000, 128, None),  # many query tiles over one staged chunk (blocks of 32 tiles)
+    (40, 8, 68, 68, [68] * 20 + [10] * 20),  # row stage with padded features
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("spare", [0, 1], ids=["aligned", "unaligned"])
+@pytest.mark.parametrize("case", CUDA_CASES, ids=lambda c: "b{}-h{}-q{}-k{}".format(*c[:4]))
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_cuda_equals_float64_maths_within_the_fused_kernels_error(case, dtype, spare):
+    """Within 2x the error of PyTorch's SDPA on the same half-precision inputs (plus 1 ulp of
+    the output dtype), and within an absolute bound, for aligned and unaligned rows."""
+    batch, heads, queries, keys, n = case
+    q, k, v = packed_qkv(5, batch, heads, queries, keys, dtype, "cuda", spare)
+    n_exact = n[0] if isinstance(n, list) and len(n) == 1 else n
+    for index_dtype in (torch.int64, torch.int32):
+        out = ops.small_head_attention(q, k, v, _n_tensor(n, "cuda", index_dtype))
+        expected = exact(q, k, v, n_exact)
+        error = (out.double().cpu() - expected).abs().max().item()
+        counts = [keys] * batch if n_exact is None else n_exact
+        counts = [counts] * batch if isinstance(counts, int) else counts
+        sdpa = torch.cat(
+            [
+                torch.nn.functional.scaled_dot_product_attention(
+                    q[b : b + 1], k[b : b + 1, :, :c], v[b : b + 1, :, :c]
+                )
+                for b, c in enumerate(counts)
+            ]
+        )
+        sdpa_error = (sdpa.double().cpu() - expected).abs().max().item()
+        ulp = torch.finfo(dtype).eps * expected.abs().max().item()
+        assert error <= 2 * sdpa_error + ulp, (error, sdpa_error)
+        assert error <= (2e-2 if dtype == torch.bfloat16 else 3e-3)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_cuda_clamps_counts_and_takes_a_batch_past_the_grid_limit():
+    q, k, v = packed_qkv(6, 70_000, 1, 5, 9, torch.float16, "cuda")  # batch > 65,535
+    counts = torch.randint(-3, 14, (70_000,), generator=torch.Generator().manual_seed(0))
+    out = ops.small_head_attention(q, k, v, counts.cuda())
+    clamped = counts.clamp(1, 9)
+    for b in (0, 1, 2, 69_999, *torch.nonzero(counts <= 0)[:2, 0].tolist()):
+        expected = exact(q[b : b + 1], k[b : b + 1], v[b : b + 1], int(clamped[b]))
+        assert (out[b : b + 1].double().cpu() - expected).abs().max().item() <= 3e-3
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_cuda_graph_replays_with_a_new_count():
+    q, k, v = packed_qkv(7, 3, 8, 128, 600, torch.float16, "cuda")
+    n = torch.tensor(600, device="cuda")
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        ops.small_head_attention(q, k, v, n)  # warm-up outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = ops.small_head_attention(q, k, v, n)
+    for count in (600, 129, 1):
+        n.fill_(count)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(captured, ops.small_head_attention(q, k, v, n))
+        assert (captured.double().cpu() - exact(q, k, v, count)).abs().max().item() <= 3e-3
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_cuda_refuses_fp32():
+    q, k, v = packed_qkv(8, 1, 1, 4, 4, torch.float32, "cuda")
+    with pytest.raises(RuntimeError, match="float16 or bfloat16"):
+        ops.small_head_attention(q, k, v)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("task", ["clf", "reg"])
+def test_cuda_model_on_the_kernel_matches_sdpa_in_fp16(task, monkeypatch):
+    """The released architecture's column and row stages (8 heads of 16) on
+    small_head_attention: the model's fp16 answers within the fp16 tolerance of the same model
+    on SDPA, and both close to fp32."""
+    calls = []
+    kernel_op = ops.small_head_attention
+    monkeypatch.setattr(ops, "small_head_attention", lambda *a: calls.append(1) or kernel_op(*a))
+    plain = our_model(task, "full").cuda()
+    kernel = our_model(task, "full").cuda()
+    for stage in (kernel.col_embedder, kernel.row_interactor):
+        set_stage_kernels(stage, "head16")
+    X, y = random_table(9, 4, 300, 40, 12, 3 if task == "clf" else 0)
+    X, y = X.cuda(), y.cuda()
+    with torch.no_grad():
+        fp32 = plain(X, y)
+        with torch.autocast("cuda", dtype=torch.float16):
+            sdpa = plain(X, y)
+            assert not calls
+            ours = kernel(X, y)
+    assert len(calls) >= 6  # every column and row block ran on the kernel
+    scale = fp32.abs().max().item()
+    assert (ours.float() - fp32).abs().max().item() <= 2e-2 * max(1.0, scale)
+    assert (ours.float() - sdpa.float()).abs().max().item() <= 2e-2 * max(1.0, scale)
