@@ -165,14 +165,15 @@ def test_cuda_equals_float64_maths_within_the_fused_kernels_error(case, dtype, s
         error = (out.double().cpu() - expected).abs().max().item()
         counts = [keys] * batch if n_exact is None else n_exact
         counts = [counts] * batch if isinstance(counts, int) else counts
-        # SDPA on contiguous copies: PyTorch's fused kernels assume aligned rows (cuDNN
-        # raised "misaligned address" on the unaligned views on the H200).
+        # SDPA on fresh copies: PyTorch's fused kernels assume aligned rows ("misaligned
+        # address" on the unaligned views on the H200, scripts/probe_unaligned.py); a size-1
+        # view counts as contiguous, so copy with clone, not contiguous().
         sdpa = torch.cat(
             [
                 torch.nn.functional.scaled_dot_product_attention(
-                    q[b : b + 1].contiguous(),
-                    k[b : b + 1, :, :c].contiguous(),
-                    v[b : b + 1, :, :c].contiguous(),
+                    q[b : b + 1].clone(memory_format=torch.contiguous_format),
+                    k[b : b + 1, :, :c].clone(memory_format=torch.contiguous_format),
+                    v[b : b + 1, :, :c].clone(memory_format=torch.contiguous_format),
                 )
                 for b, c in enumerate(counts)
             ]
