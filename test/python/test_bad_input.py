@@ -71,6 +71,7 @@ class World:
         # Padding ops.
         self.x = torch.randn(2, 10, 3)
         self.q = torch.randn(2, 2, 5, 8)
+        self.q16 = torch.randn(2, 2, 5, 16)  # head dimension 16: small_head_attention
         self.base_mlp = (torch.randn(4, 1), torch.randn(4), torch.randn(16, 4), torch.randn(16))
         self.query_mlp = (torch.randn(4, 8), torch.randn(4), torch.randn(8, 4), torch.randn(8))
         # Tables, alignment, encoding.
@@ -137,6 +138,10 @@ GOOD_CALLS: dict[str, Callable[[World], Any]] = {
         ops.pad_labels(w.x[:, :6, 0], 8),
         ops.prefix_attention(w.q, w.q, w.q, torch.tensor(3)),
         ops.qassmax_scale(w.q, torch.tensor(3), w.base_mlp, w.query_mlp),
+    ),
+    "attention": lambda w: (
+        ops.small_head_attention(w.q16, w.q16, w.q16),
+        ops.small_head_attention(w.q16, w.q16, w.q16, torch.tensor([3, 5])),
     ),
     "tables": lambda w: (w.align(w.table), w.encoder.transform(w.frame)),
     "buckets": lambda w: (w.grid.bucket_for(5, 3, 4), w.grid.plan(5, 20, 4)),
@@ -211,6 +216,13 @@ def attention(w: World, q=None, k=None, v=None, n=None, **kw):
     q = w.q if q is None else q
     k, v = w.q if k is None else k, w.q if v is None else v
     return ops.prefix_attention(q, k, v, torch.tensor(3) if n is None else n, **kw)
+
+
+def small_heads(w: World, q=None, k=None, v=None, n=None, **kw):
+    """small_head_attention on the good arguments (head dim 16, 5 keys) with some replaced."""
+    q = w.q16 if q is None else q
+    k, v = (w.q16 if t is None else t for t in (k, v))
+    return ops.small_head_attention(q, k, v, n, **kw)
 
 
 def offsets(*values) -> torch.Tensor:
@@ -337,6 +349,20 @@ REFUSED = [
     C("padding", "qassmax_scale: weight shape", lambda w: ops.qassmax_scale(w.q, torch.tensor(3), (*w.base_mlp[:2], torch.randn(5, 4), w.base_mlp[3]), w.query_mlp), RuntimeError, "base_weight2"),
     C("padding", "qassmax_scale: integer q", lambda w: ops.qassmax_scale(w.q.int(), torch.tensor(3), w.base_mlp, w.query_mlp), RuntimeError, "q must be a floating-point"),
     C("padding", "qassmax_scale: n_keys 2-D", lambda w: ops.qassmax_scale(w.q, torch.ones(1, 1, dtype=torch.long), w.base_mlp, w.query_mlp), RuntimeError, "n_keys must be 0-d"),
+    # -- small_head_attention --------------------------------------------------------------------
+    C("attention", "small_head_attention: head_dim 8", lambda w: small_heads(w, q=w.q, k=w.q, v=w.q), RuntimeError, "q must have head_dim 16"),
+    C("attention", "small_head_attention: v head_dim 8", lambda w: small_heads(w, v=w.q), RuntimeError, "v must have head_dim 16"),
+    C("attention", "small_head_attention: 3-D q", lambda w: small_heads(w, q=w.q16[0]), RuntimeError, "q, k and v must be 4-D"),
+    C("attention", "small_head_attention: integer q", lambda w: small_heads(w, q=w.q16.int(), k=w.q16.int(), v=w.q16.int()), RuntimeError, "q must be a floating-point"),
+    C("attention", "small_head_attention: mixed dtypes", lambda w: small_heads(w, v=w.q16.double()), RuntimeError, "v has dtype Double"),
+    C("attention", "small_head_attention: other batch", lambda w: small_heads(w, k=w.q16[:1]), RuntimeError, "k must have q's batch and heads"),
+    C("attention", "small_head_attention: v keys differ", lambda w: small_heads(w, v=w.q16[:, :, :4]), RuntimeError, "v must have as many keys as k"),
+    C("attention", "small_head_attention: no keys", lambda w: small_heads(w, k=w.q16[:, :, :0], v=w.q16[:, :, :0]), RuntimeError, "at least one key"),
+    C("attention", "small_head_attention: n_keys 0", lambda w: small_heads(w, n=torch.tensor(0)), RuntimeError, r"n_keys must be in \[1, 5\]"),
+    C("attention", "small_head_attention: n_keys past keys", lambda w: small_heads(w, n=torch.tensor([3, 6])), RuntimeError, r"got 6 at batch entry 1"),
+    C("attention", "small_head_attention: n_keys float", lambda w: small_heads(w, n=torch.tensor(3.0)), RuntimeError, "n_keys must be an int32 or int64"),
+    C("attention", "small_head_attention: n_keys wrong shape", lambda w: small_heads(w, n=torch.tensor([1, 2, 3])), RuntimeError, "n_keys must be 0-d or have shape"),
+    C("attention", "small_head_attention: n_keys on meta", lambda w: small_heads(w, n=torch.tensor(3, device="meta")), RuntimeError, "n_keys is on meta but q is on cpu"),
     # -- StringColumn / StringIndex ------------------------------------------------------------
     C("strings", "StringColumn: data int64", lambda w: StringColumn(torch.zeros(3, dtype=torch.long), offsets(0, 3)), TypeError, "data must be a 1-D uint8"),
     C("strings", "StringColumn: offsets int32", lambda w: StringColumn(torch.zeros(3, dtype=U8), torch.tensor([0, 3], dtype=I32)), TypeError, "offsets must be a 1-D int64"),
@@ -439,6 +465,8 @@ REFUSED = [
     C("strings", "lookup: CPU query against a CUDA table", lambda w: _cuda_lookup(w, query_on="cpu"), RuntimeError, "query_data is on cpu", cuda=True),
     C("strings", "StringIndex: CPU query for a CUDA index", lambda w: w.index.to("cuda").lookup(w.query), ValueError, "query is on cpu but the index is on cuda", cuda=True),
     C("padding", "prefix_attention: CPU n_keys with CUDA q", lambda w: attention(w, q=w.q.cuda(), k=w.q.cuda(), v=w.q.cuda(), n=torch.tensor(3)), RuntimeError, "n_keys", cuda=True),
+    C("attention", "small_head_attention: fp32 on CUDA", lambda w: small_heads(w, q=w.q16.cuda(), k=w.q16.cuda(), v=w.q16.cuda()), RuntimeError, "float16 or bfloat16", cuda=True),
+    C("attention", "small_head_attention: CPU n_keys with CUDA q", lambda w: small_heads(w, q=w.q16.cuda().half(), k=w.q16.cuda().half(), v=w.q16.cuda().half(), n=torch.tensor(3)), RuntimeError, "n_keys", cuda=True),
     C("model", "X on CUDA, model on CPU", lambda w: w.model(w.X.cuda(), w.y.cuda()), ValueError, "X is on cuda:0 but the model is on cpu", cuda=True),
 ]
 # fmt: on

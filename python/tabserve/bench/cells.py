@@ -318,6 +318,16 @@ CELLS: tuple[Cell, ...] = (
         cuda_graphs=True,
         attention={"col": "head16", "row": "head16"},
     ),
+    # c30 with the kernel only where it won on the H200 (row stage; the column stage keeps
+    # cuDNN, 2-3x faster there): benchmarks/results/h200/small-head-attention-cuda.json.
+    Cell(
+        "c32-fp16-compile-head16-row",
+        "tabserve",
+        "fp16",
+        "fp16, torch.compile, tabserve's head-dim-16 kernel in the row stage only",
+        compile="default",
+        attention={"row": "head16"},
+    ),
     # c23 with autotuned Inductor kernels: the small table's replay is all kernel time.
     Cell(
         "c26-fp16-buckets-max-autotune-cudagraphs",
