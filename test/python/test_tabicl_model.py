@@ -35,6 +35,8 @@ CLASSIFIER_CASES = [
     ("tiny", 1, 300, 30, 40, 10),
     ("tiny", 2, 150, 12, 9, 11),
     ("tiny", 1, 400, 25, 4, 25),
+    ("tiny", 3, 150, 20, 6, 25),  # members walk the hierarchy together, uneven rows per group
+    ("tiny", 2, 404, 6, 3, 101),  # three levels: the 11-class group splits again
     ("tiny", 1, 1, 500, 3, 1),
 ]
 REGRESSOR_CASES = [
@@ -84,6 +86,21 @@ def test_probabilities_match_reference(case):
     X, y, expected = _reference(case, return_logits=False, softmax_temperature=0.7)
     got = our_model("clf", case[0])(X, y, return_logits=False, softmax_temperature=0.7)
     torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("classes", [14, 37])
+def test_hierarchy_of_a_batch_equals_each_table_alone(classes):
+    """The tables of a batch walk the class hierarchy together (one ICL pass per node, each
+    table's rows of the node packed to the front and counted as keys): each table's answer is
+    the one it gets alone, at two and three levels."""
+    X, y = random_table(21, 3, 90, 7, 5, classes)
+    model = our_model("clf", "tiny")
+    with torch.no_grad():
+        together = model(X, y)
+        alone = [model(X[b : b + 1], y[b : b + 1]) for b in range(3)]
+    # Logits of a few units: 1e-6 of their scale (a few fp32 ulp; GEMMs of other row counts).
+    atol = 1e-6 * max(1.0, together.abs().max().item())
+    torch.testing.assert_close(together, torch.cat(alone), atol=atol, rtol=0)
 
 
 @pytest.mark.parametrize("case", [REGRESSOR_CASES[0], REGRESSOR_CASES[3]], ids=_case_id)

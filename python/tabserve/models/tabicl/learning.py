@@ -7,7 +7,8 @@ K/V (the ICL cache) with the same result.
 
 More than ``max_classes`` classes: the reference's class hierarchy. Classes (sorted) are split into
 at most ``max_classes`` contiguous groups, recursively; each tree node runs one ICL pass on its train
-rows, and class probabilities are products of group probabilities along the path.
+rows, and class probabilities are products of group probabilities along the path. The tables of a
+batch walk the tree together (one pass per node for all of them).
 """
 
 from __future__ import annotations
@@ -121,41 +122,74 @@ class InContextLearner(nn.Module):
         cache = self.build_cache(R[:, :rows], y_train, n_train)
         return self.forward_cached(R[:, rows:], cache, n_train)
 
-    def _node_probs(
-        self, R_train: Tensor, labels: Tensor, R_test: Tensor, num_labels: int
-    ) -> Tensor:
-        logits = self(torch.cat([R_train, R_test])[None], labels[None])[0, :, :num_labels]
-        return torch.softmax(logits / HIERARCHY_TEMPERATURE, dim=-1)
+    def hierarchical_probs(self, R: Tensor, y_train: Tensor) -> Tensor:
+        """Class probabilities ``(B, M, K)`` through the class hierarchy.
+
+        Every table has the classes 0..K-1 (the model checks the labels), so the tables walk the
+        tree together: each node is one ICL pass over all of them, every table's train rows of
+        the node packed to the front and padded to the largest count, the counts passed as the
+        number of keys (padded rows are never keys: each table's answer is the one it would get
+        alone).
+        """
+        n_train = y_train.shape[1]
+        labels = y_train.long()
+        classes = torch.unique(labels)
+        return self._hierarchy(R[:, :n_train], labels, None, R[:, n_train:], classes, len(classes))
 
     def _hierarchy(
-        self, R_train: Tensor, y: Tensor, R_test: Tensor, classes: Tensor, num_classes: int
+        self,
+        R_train: Tensor,
+        y: Tensor,
+        counts: Tensor | None,
+        R_test: Tensor,
+        classes: Tensor,
+        num_classes: int,
     ) -> Tensor:
-        """Probabilities ``(M, num_classes)`` from the subtree whose sorted classes are ``classes``."""
-        out = torch.zeros(R_test.shape[0], num_classes, device=R_test.device)
+        """Probabilities ``(B, M, num_classes)`` from the subtree whose sorted classes are
+        ``classes``, for tables ``R_train (B, N, D)`` whose first ``counts[b]`` rows are table
+        b's train rows of the subtree (all N when ``counts`` is None), labelled ``y (B, N)``
+        (any of ``classes`` in the padded rows), and their test rows ``R_test (B, M, D)``."""
+        tables, rows = y.shape
+        out = torch.zeros(tables, R_test.shape[1], num_classes, device=R_test.device)
         local = torch.searchsorted(classes, y)
         if len(classes) <= self.max_classes:
-            out[:, classes] = self._node_probs(R_train, local, R_test, len(classes))
+            out[:, :, classes] = self._node_probs(R_train, local, counts, R_test, len(classes))
             return out
         groups = class_groups(len(classes), self.max_classes).to(y.device)
         node_labels = groups[local]
-        group_probs = self._node_probs(R_train, node_labels, R_test, int(groups[-1]) + 1)
+        group_probs = self._node_probs(R_train, node_labels, counts, R_test, int(groups[-1]) + 1)
+        real = torch.ones_like(y, dtype=torch.bool)
+        if counts is not None:
+            real = torch.arange(rows, device=y.device)[None] < counts[:, None]
         for g in range(int(groups[-1]) + 1):
-            rows = node_labels == g
+            member = (node_labels == g) & real
+            child_counts = member.sum(1)
+            width = int(child_counts.max())
+            # Each table's rows of the group, in their order, first; then other rows (padding).
+            order = torch.argsort((~member).to(torch.int8), dim=1, stable=True)[:, :width]
+            child_classes = classes[groups == g]
+            padded = torch.arange(width, device=y.device)[None] >= child_counts[:, None]
+            child_y = torch.gather(y, 1, order).masked_fill(padded, int(child_classes[0]))
+            child_R = torch.gather(R_train, 1, order[..., None].expand(-1, -1, R_train.shape[-1]))
+            uniform = bool((child_counts == width).all())
             child = self._hierarchy(
-                R_train[rows], y[rows], R_test, classes[groups == g], num_classes
+                child_R,
+                child_y,
+                None if uniform else child_counts,
+                R_test,
+                child_classes,
+                num_classes,
             )
-            out += child * group_probs[:, g : g + 1]
+            out += child * group_probs[:, :, g : g + 1]
         return out
 
-    def hierarchical_probs(self, R: Tensor, y_train: Tensor) -> Tensor:
-        """Class probabilities ``(B, M, K)`` through the class hierarchy, one table at a time."""
-        n_train = y_train.shape[1]
-        out = []
-        for R_table, y_table in zip(R, y_train.long()):
-            classes = torch.unique(y_table)
-            out.append(
-                self._hierarchy(
-                    R_table[:n_train], y_table, R_table[n_train:], classes, len(classes)
-                )
-            )
-        return torch.stack(out)
+    def _node_probs(
+        self,
+        R_train: Tensor,
+        labels: Tensor,
+        counts: Tensor | None,
+        R_test: Tensor,
+        num_labels: int,
+    ) -> Tensor:
+        logits = self(torch.cat([R_train, R_test], dim=1), labels, counts)[:, :, :num_labels]
+        return torch.softmax(logits / HIERARCHY_TEMPERATURE, dim=-1)
