@@ -299,35 +299,6 @@ CELLS: tuple[Cell, ...] = (
         compile="default",
         attention={"col": "flash", "row": "flash", "icl": "cudnn"},
     ),
-    # tabserve's head-dim-16 kernel in the column and row stages (small_head_attention).
-    Cell(
-        "c30-fp16-compile-head16-colrow",
-        "tabserve",
-        "fp16",
-        "fp16, torch.compile, tabserve's head-dim-16 kernel in col/row, default SDPA in ICL",
-        compile="default",
-        attention={"col": "head16", "row": "head16"},
-    ),
-    Cell(
-        "c31-fp16-buckets-compile-cudagraphs-head16",
-        "tabserve",
-        "fp16",
-        "c23 with tabserve's head-dim-16 kernel in col/row (padded keys skipped, n on device)",
-        compile="default",
-        buckets="default",
-        cuda_graphs=True,
-        attention={"col": "head16", "row": "head16"},
-    ),
-    # c30 with the kernel only where it won on the H200 (row stage; the column stage keeps
-    # cuDNN, 2-3x faster there): benchmarks/results/h200/small-head-attention-cuda.json.
-    Cell(
-        "c32-fp16-compile-head16-row",
-        "tabserve",
-        "fp16",
-        "fp16, torch.compile, tabserve's head-dim-16 kernel in the row stage only",
-        compile="default",
-        attention={"row": "head16"},
-    ),
     # c23 with autotuned Inductor kernels: the small table's replay is all kernel time.
     Cell(
         "c26-fp16-buckets-max-autotune-cudagraphs",
@@ -367,6 +338,45 @@ CELLS: tuple[Cell, ...] = (
         cuda_graphs=True,
         warm_cache=True,
         aot=True,
+    ),
+    # tabserve's head-dim-16 kernel in the column and row stages (small_head_attention).
+    Cell(
+        "c30-fp16-compile-head16-colrow",
+        "tabserve",
+        "fp16",
+        "fp16, torch.compile, tabserve's head-dim-16 kernel in col/row, default SDPA in ICL",
+        compile="default",
+        attention={"col": "head16", "row": "head16"},
+    ),
+    Cell(
+        "c31-fp16-buckets-compile-cudagraphs-head16",
+        "tabserve",
+        "fp16",
+        "c23 with tabserve's head-dim-16 kernel in col/row (padded keys skipped, n on device)",
+        compile="default",
+        buckets="default",
+        cuda_graphs=True,
+        attention={"col": "head16", "row": "head16"},
+    ),
+    # c30 with the kernel only where it won on the H200 (row stage; the column stage keeps
+    # cuDNN, 2-3x faster there): benchmarks/results/h200/small-head-attention-cuda.json.
+    Cell(
+        "c32-fp16-compile-head16-row",
+        "tabserve",
+        "fp16",
+        "fp16, torch.compile, tabserve's head-dim-16 kernel in the row stage only",
+        compile="default",
+        attention={"row": "head16"},
+    ),
+    Cell(
+        "c33-fp16-buckets-compile-cudagraphs-head16-row",
+        "tabserve",
+        "fp16",
+        "c23 with tabserve's head-dim-16 kernel in the row stage only (feature padding skipped)",
+        compile="default",
+        buckets="default",
+        cuda_graphs=True,
+        attention={"row": "head16"},
     ),
 )
 
