@@ -11,8 +11,9 @@ Fields:
     attention: ``{stage: backend}`` (stages ``col``, ``row``, ``icl``; backends ``math``,
         ``flash``, ``efficient``, ``cudnn``, applied with ``torch.nn.attention.sdpa_kernel``
         around each stage's SDPA calls, or ``head16``: tabserve's head-dim-16 kernel,
-        :func:`tabserve.ops.small_head_attention`, on CUDA in fp16 / bf16). Padded attention (:func:`tabserve.ops.prefix_attention`)
-        takes the matching kernel from :data:`PREFIX_BACKENDS`.
+        :func:`tabserve.ops.small_head_attention`, on CUDA in fp16 / bf16). Padded attention
+        (:func:`tabserve.ops.prefix_attention`) takes the matching kernel from
+        :data:`PREFIX_BACKENDS`.
     compile: ``none`` (eager), ``default`` / ``max-autotune-no-cudagraphs`` (whole model,
         ``torch.compile(fullgraph=True)``; static per bucket with ``buckets``) or ``regional``
         (every transformer block compiled on its own, one compiled code object reused by the
