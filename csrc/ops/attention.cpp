@@ -16,56 +16,27 @@
 namespace tabserve {
 namespace ops {
 
-void check_small_head_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                const std::optional<at::Tensor>& n_keys) {
-  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4,
-              "q, k and v must be 4-D [batch, heads, length, 16], got shapes ", q.sizes(), ", ",
-              k.sizes(), " and ", v.sizes());
-  TORCH_CHECK(at::isFloatingType(q.scalar_type()), "q must be a floating-point tensor, got ",
-              q.scalar_type());
-  TORCH_CHECK(q.size(3) == kSmallHeadDim, "q must have head_dim ", kSmallHeadDim, ", got ",
-              q.size(3));
-  for (const auto& [name, t] : {std::pair<const char*, const at::Tensor&>{"k", k}, {"v", v}}) {
-    TORCH_CHECK(t.device() == q.device(), name, " is on ", t.device(), " but q is on ",
-                q.device());
-    TORCH_CHECK(t.scalar_type() == q.scalar_type(), name, " has dtype ", t.scalar_type(),
-                " but q has ", q.scalar_type());
-    TORCH_CHECK(t.size(0) == q.size(0) && t.size(1) == q.size(1), name,
-                " must have q's batch and heads (", q.size(0), ", ", q.size(1), "), got shape ",
-                t.sizes());
-    TORCH_CHECK(t.size(3) == kSmallHeadDim, name, " must have head_dim ", kSmallHeadDim,
-                ", got ", t.size(3));
-  }
-  TORCH_CHECK(v.size(2) == k.size(2), "v must have as many keys as k (", k.size(2), "), got ",
-              v.size(2));
-  TORCH_CHECK(k.size(2) >= 1, "k must hold at least one key");
-  if (n_keys.has_value()) {
-    const at::Tensor& n = *n_keys;
-    TORCH_CHECK(n.scalar_type() == at::kInt || n.scalar_type() == at::kLong,
-                "n_keys must be an int32 or int64 tensor, got ", n.scalar_type());
-    TORCH_CHECK(n.dim() == 0 || (n.dim() == 1 && n.size(0) == q.size(0)),
-                "n_keys must be 0-d or have shape [", q.size(0), "] (one count per batch entry), ",
-                "got shape ", n.sizes());
-    TORCH_CHECK(n.device() == q.device(), "n_keys is on ", n.device(), " but q is on ",
-                q.device());
-  }
+void check_n_keys(const at::Tensor& n_keys, const at::Tensor& q) {
+  TORCH_CHECK(n_keys.scalar_type() == at::kInt || n_keys.scalar_type() == at::kLong,
+              "n_keys must be an int32 or int64 tensor, got ", n_keys.scalar_type());
+  TORCH_CHECK(n_keys.dim() == 0 || (n_keys.dim() == 1 && q.dim() >= 4 &&
+                                    n_keys.size(0) == q.size(0)),
+              "n_keys must be 0-d or have shape [", q.size(0), "] (one count per batch entry of ",
+              "a 4-D q), got shape ", n_keys.sizes(), " for q of shape ", q.sizes());
+  TORCH_CHECK(n_keys.device() == q.device(), "n_keys is on ", n_keys.device(),
+              " but q is on ", q.device());
 }
 
-at::Tensor small_head_attention_output(const at::Tensor& q) {
-  return at::empty({q.size(0), q.size(2), q.size(1), kSmallHeadDim}, q.options()).transpose(1, 2);
+void check_like_q(const char* name, const at::Tensor& t, const at::Tensor& q) {
+  TORCH_CHECK(t.device() == q.device(), name, " is on ", t.device(), " but q is on ", q.device());
+  TORCH_CHECK(t.scalar_type() == q.scalar_type(), name, " has dtype ", t.scalar_type(),
+              " but q has ", q.scalar_type());
 }
 
-namespace {
-
-// Exact attention: SDPA over the used keys in fp32 (fp64 for fp64 inputs), one call per distinct
-// key count.
-at::Tensor small_head_attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                    const std::optional<at::Tensor>& n_keys,
-                                    std::optional<double> scale) {
-  check_small_head_attention(q, k, v, n_keys);
+void exact_attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                         const std::optional<at::Tensor>& n_keys, std::optional<double> scale,
+                         at::Tensor& out) {
   const int64_t keys = k.size(2);
-  at::Tensor out = small_head_attention_output(q);
-  if (out.numel() == 0) return out;
   const auto exact = q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   const at::Tensor qf = q.to(exact), kf = k.to(exact), vf = v.to(exact);
   const auto attend = [&](const at::Tensor& qb, int64_t count, const at::Tensor& kb,
@@ -75,7 +46,7 @@ at::Tensor small_head_attention_cpu(const at::Tensor& q, const at::Tensor& k, co
   };
   if (!n_keys.has_value()) {
     out.copy_(attend(qf, keys, kf, vf));
-    return out;
+    return;
   }
   const at::Tensor n = n_keys->to(at::kLong).reshape({-1});
   const int64_t* counts = n.const_data_ptr<int64_t>();
@@ -86,12 +57,50 @@ at::Tensor small_head_attention_cpu(const at::Tensor& q, const at::Tensor& k, co
   }
   if (n_keys->dim() == 0) {
     out.copy_(attend(qf, counts[0], kf, vf));
-  } else {
-    for (int64_t b = 0; b < q.size(0); ++b) {
-      out.narrow(0, b, 1).copy_(
-          attend(qf.narrow(0, b, 1), counts[b], kf.narrow(0, b, 1), vf.narrow(0, b, 1)));
-    }
+    return;
   }
+  for (int64_t b = 0; b < q.size(0); ++b) {
+    out.narrow(0, b, 1).copy_(
+        attend(qf.narrow(0, b, 1), counts[b], kf.narrow(0, b, 1), vf.narrow(0, b, 1)));
+  }
+}
+
+void check_small_head_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                const std::optional<at::Tensor>& n_keys) {
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4,
+              "q, k and v must be 4-D [batch, heads, length, 16], got shapes ", q.sizes(), ", ",
+              k.sizes(), " and ", v.sizes());
+  TORCH_CHECK(at::isFloatingType(q.scalar_type()), "q must be a floating-point tensor, got ",
+              q.scalar_type());
+  TORCH_CHECK(q.size(3) == kSmallHeadDim, "q must have head_dim ", kSmallHeadDim, ", got ",
+              q.size(3));
+  for (const auto& [name, t] : {std::pair<const char*, const at::Tensor&>{"k", k}, {"v", v}}) {
+    check_like_q(name, t, q);
+    TORCH_CHECK(t.size(0) == q.size(0) && t.size(1) == q.size(1), name,
+                " must have q's batch and heads (", q.size(0), ", ", q.size(1), "), got shape ",
+                t.sizes());
+    TORCH_CHECK(t.size(3) == kSmallHeadDim, name, " must have head_dim ", kSmallHeadDim,
+                ", got ", t.size(3));
+  }
+  TORCH_CHECK(v.size(2) == k.size(2), "v must have as many keys as k (", k.size(2), "), got ",
+              v.size(2));
+  TORCH_CHECK(k.size(2) >= 1, "k must hold at least one key");
+  if (n_keys.has_value()) check_n_keys(*n_keys, q);
+}
+
+at::Tensor small_head_attention_output(const at::Tensor& q) {
+  return at::empty({q.size(0), q.size(2), q.size(1), kSmallHeadDim}, q.options()).transpose(1, 2);
+}
+
+namespace {
+
+// Exact attention (fp32 maths; fp64 for fp64 inputs).
+at::Tensor small_head_attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                    const std::optional<at::Tensor>& n_keys,
+                                    std::optional<double> scale) {
+  check_small_head_attention(q, k, v, n_keys);
+  at::Tensor out = small_head_attention_output(q);
+  if (out.numel() > 0) exact_attention_cpu(q, k, v, n_keys, scale, out);
   return out;
 }
 

@@ -8,6 +8,8 @@
 // and the padding changes no number. Contracts: docs/ops.md.
 #include "padding.h"
 
+#include "attention.h"
+
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -61,23 +63,6 @@ constexpr std::array<std::pair<std::string_view, AttentionBackend>, 4> kBackends
     {"masked", AttentionBackend::kMasked},
 }};
 
-void check_n_keys(const at::Tensor& n_keys, const at::Tensor& q) {
-  TORCH_CHECK(n_keys.scalar_type() == at::kInt || n_keys.scalar_type() == at::kLong,
-              "n_keys must be an int32 or int64 tensor, got ", n_keys.scalar_type());
-  TORCH_CHECK(n_keys.dim() == 0 || (n_keys.dim() == 1 && q.dim() >= 4 &&
-                                    n_keys.size(0) == q.size(0)),
-              "n_keys must be 0-d or have shape [", q.size(0), "] (one count per batch entry of ",
-              "a 4-D q), got shape ", n_keys.sizes(), " for q of shape ", q.sizes());
-  TORCH_CHECK(n_keys.device() == q.device(), "n_keys is on ", n_keys.device(),
-              " but q is on ", q.device());
-}
-
-void check_same(const char* name, const at::Tensor& t, const at::Tensor& q) {
-  TORCH_CHECK(t.device() == q.device(), name, " is on ", t.device(), " but q is on ", q.device());
-  TORCH_CHECK(t.scalar_type() == q.scalar_type(), name, " has dtype ", t.scalar_type(),
-              " but q has ", q.scalar_type());
-}
-
 }  // namespace
 
 AttentionBackend check_prefix_attention(const at::Tensor& q, const at::Tensor& k,
@@ -88,8 +73,8 @@ AttentionBackend check_prefix_attention(const at::Tensor& q, const at::Tensor& k
               ", ", k.sizes(), " and ", v.sizes());
   TORCH_CHECK(at::isFloatingType(q.scalar_type()), "q must be a floating-point tensor, got ",
               q.scalar_type());
-  check_same("k", k, q);
-  check_same("v", v, q);
+  check_like_q("k", k, q);
+  check_like_q("v", v, q);
   TORCH_CHECK(k.size(0) == q.size(0) && v.size(0) == q.size(0) && k.size(1) == q.size(1) &&
                   v.size(1) == q.size(1),
               "k and v must have q's batch and heads (", q.size(0), ", ", q.size(1),
@@ -222,32 +207,8 @@ at::Tensor prefix_attention_cpu(const at::Tensor& q, const at::Tensor& k, const 
                                 const at::Tensor& n_keys, std::optional<double> scale,
                                 c10::string_view backend) {
   check_prefix_attention(q, k, v, n_keys, backend);
-  const int64_t keys = k.size(2);
-  const at::Tensor n = n_keys.to(at::kLong).reshape({-1});
-  const int64_t* counts = n.const_data_ptr<int64_t>();
-  for (int64_t i = 0; i < n.numel(); ++i) {
-    TORCH_CHECK(counts[i] >= 1 && counts[i] <= keys, "n_keys must be in [1, ", keys,
-                "] (the keys in k), got ", counts[i], n.numel() > 1 ? " at batch entry " : "",
-                n.numel() > 1 ? std::to_string(i) : std::string());
-  }
   at::Tensor out = prefix_attention_output(q, v);
-  if (out.numel() == 0) return out;
-  // fp32 maths for half and bfloat16 inputs; fp32 and fp64 run in their own dtype.
-  const auto exact = q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-  const at::Tensor qf = q.to(exact), kf = k.to(exact), vf = v.to(exact);
-  const auto attend = [&](const at::Tensor& qb, int64_t count, const at::Tensor& kb,
-                          const at::Tensor& vb) {
-    return at::scaled_dot_product_attention(qb, kb.narrow(2, 0, count), vb.narrow(2, 0, count),
-                                            /*attn_mask=*/{}, 0.0, false, scale);
-  };
-  if (n_keys.dim() == 0) {
-    out.copy_(attend(qf, counts[0], kf, vf));
-  } else {
-    for (int64_t b = 0; b < q.size(0); ++b) {
-      out.narrow(0, b, 1).copy_(
-          attend(qf.narrow(0, b, 1), counts[b], kf.narrow(0, b, 1), vf.narrow(0, b, 1)));
-    }
-  }
+  if (out.numel() > 0) exact_attention_cpu(q, k, v, n_keys, scale, out);
   return out;
 }
 
