@@ -506,7 +506,14 @@ def test_targets_read_the_promoted_cells_and_never_call_unmeasured_met():
     assert verdict["xlarge one-shot vs reference fp16"] == "met"
     assert rows["xlarge peak memory over reference fp16"]["value"] == pytest.approx(1.2)
     assert verdict["xlarge peak memory over reference fp16"] == "missed"
-    assert verdict["stream fresh p50 over warm, 0 recompiles"] == "missed"  # fast, but recompiled
+    stream_target = "stream fresh p50 over warm, 0 recompiles / captures"
+    assert verdict[stream_target] == "missed"  # fast, but recompiled
+    for captures, expected in ((3, "missed"), (0, "met"), (None, "met")):  # None: no graphs
+        quiet = dict(results[3], stream={"fresh_over_warm_p50": 1.1, "recompiles": 0,
+                                         "captures": captures})
+        again = {"results": [*results[:3], quiet, *results[4:]], "promotion": promotion}
+        rows = {r["target"]: r for r in targets.evaluate(again)}
+        assert rows[stream_target]["verdict"] == expected, captures
     restart = rows["restart from compile-cache artifacts, s"]  # the timed-out restart is ignored
     assert (restart["cell"], restart["workload"], restart["value"], restart["verdict"]) == (
         "c20", "small", 21.7, "met")
@@ -531,6 +538,7 @@ def test_stream_reports_fresh_over_warm_and_recompiles(tmp_path, capsys):
         assert stream["fresh_over_warm_p50"] == pytest.approx(statistics.median(ratios))
         assert stream["warm_median_ms"] == pytest.approx(statistics.median(stream["warm_samples_ms"]))
         assert stream["recompiles"] == 0  # eager cells: nothing to compile
+        assert stream["captures"] is None  # nor to capture
     printed = capsys.readouterr().out
     assert "fresh/warm p50" in printed and "target <= 1.25x" in printed
 

@@ -390,6 +390,7 @@ def _stream(job: Job, engine) -> dict:
         engine.one_shot(*model_tables(job.workload, seed + 1000 + k, job.device, shape))
     reset_jit_counters()
     reset_peak_memory(job.device)
+    captures_before = engine.captures
     times, gate_table = [], stream_gate_table(shapes)
     for k, shape in enumerate(shapes):
         X, y = model_tables(job.workload, seed + k, job.device, shape)
@@ -403,6 +404,8 @@ def _stream(job: Job, engine) -> dict:
         gate_table=gate_table,
         jit=jit_counters(),
         recompiles=jit_counters()["frames_compiled"],
+        # CUDA graphs captured by the fresh tables (None: the cell captures none).
+        captures=None if captures_before is None else engine.captures - captures_before,
         memory=peak_memory(job.device),
     )
     # The same tables again, now warm: a fresh table's latency against the warm latency of its

@@ -293,6 +293,7 @@ STREAM_COLUMNS = (
     ">fresh/warm p50",
     ">x ref16",
     ">recomp",
+    ">captures",
     ">MiB alloc/resv",
     "gate",
 )
@@ -350,6 +351,7 @@ def stream_rows(results: list) -> list:
                 _fmt_x(stream.get("fresh_over_warm_p50")),
                 _fmt_x(r.get("speedup", {}).get("stream", {}).get("ref16")),
                 stream.get("recompiles", "-"),
+                "-" if stream.get("captures") is None else stream["captures"],
                 _fmt_mib(stream.get("memory")),
                 _gate_text(r.get("gate")),
             ]
@@ -400,7 +402,8 @@ def render(document: dict) -> str:
             "",
             (
                 "Fresh-table stream (each table once; fresh/warm: median over the tables of the"
-                f" first call over the same table warm; target <= {STREAM_TARGET:g}x, 0 recompiles)"
+                f" first call over the same table warm; target <= {STREAM_TARGET:g}x, 0 recompiles"
+                " and 0 captures)"
             ),
             format_table(STREAM_COLUMNS, stream_rows(results)),
         ]
