@@ -61,6 +61,11 @@ class Measurement:
     def as_dict(self) -> dict:
         return asdict(self)
 
+    def table_cells(self) -> list:
+        """The median, the p20-p80 spread and the peak extra MiB, as table cells."""
+        spread = f"{format_ms(self.p20_ms)}-{format_ms(self.p80_ms)}"
+        return [format_ms(self.median_ms), spread, format_mib(self.peak_extra_bytes)]
+
 
 def measure(
     fn: Callable[[], object],
@@ -93,8 +98,10 @@ def measure(
         if time.perf_counter() - start > slow_s:
             min_repeats = max_repeats = min(min_repeats, 3)
             break
-    times = _time_cuda(fn, min_repeats, max_repeats, budget_s) if on_cuda else _time_cpu(
-        fn, min_repeats, max_repeats, budget_s
+    times = (
+        _time_cuda(fn, min_repeats, max_repeats, budget_s)
+        if on_cuda
+        else _time_cpu(fn, min_repeats, max_repeats, budget_s)
     )
     if not memory:
         peak, method, probes = None, "not measured", {}
@@ -232,9 +239,7 @@ def print_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[obje
     print(title)
     widths = [max([len(n)] + [len(r[i]) for r in cells]) for i, n in enumerate(names)]
     for row in [names, ["-" * w for w in widths], *cells]:
-        print(
-            "  ".join(v.rjust(w) if r else v.ljust(w) for v, w, r in zip(row, widths, right))
-        )
+        print("  ".join(v.rjust(w) if r else v.ljust(w) for v, w, r in zip(row, widths, right)))
 
 
 def _plain_width(names, cells) -> int:

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import environment, format_mib, format_ms, measure, print_table, write_json
+from harness import environment, measure, print_table, write_json
 from tabserve import ops
 from tabserve.models.tabicl.layers import RotaryEmbedding, rotate_half
 
@@ -72,9 +72,7 @@ def main(argv=None) -> int:
                 [
                     name,
                     method,
-                    format_ms(m.median_ms),
-                    f"{format_ms(m.p20_ms)}-{format_ms(m.p80_ms)}",
-                    format_mib(m.peak_extra_bytes),
+                    *m.table_cells(),
                     same,
                 ]
             )

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import environment, format_mib, format_ms, measure, print_table, write_json
+from harness import environment, measure, print_table, write_json
 from tabserve import ops
 from tabserve.models.tabicl.layers import _in_cuda_batch_chunks
 from tabserve.models.tabicl.recipes import sdpa_context
@@ -121,9 +121,7 @@ def main(argv=None) -> int:
                 [
                     name,
                     method,
-                    format_ms(m.median_ms),
-                    f"{format_ms(m.p20_ms)}-{format_ms(m.p80_ms)}",
-                    format_mib(m.peak_extra_bytes),
+                    *m.table_cells(),
                     f"{error:.2e}",
                 ]
             )
