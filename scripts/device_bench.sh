@@ -100,7 +100,7 @@ for part in "$@"; do
         --json "$OUT/soak-cuda.json" >"$LOG/soak.log" 2>&1
       echo "soak rc=$?"; tail -30 "$LOG/soak.log" ;;
     sanitize)
-      STAGES=sanitize SAN_TOOLS="${SAN_TOOLS:-synccheck racecheck memcheck initcheck}" SAN_TIMEOUT=${SAN_TIMEOUT:-120} \
+      SKIP_BUILD=1 STAGES=sanitize SAN_TOOLS="${SAN_TOOLS:-synccheck racecheck memcheck initcheck}" SAN_TIMEOUT=${SAN_TIMEOUT:-120} \
         DEADLINE=$(left $((LIMIT - 120))) OUT="$LOG/sanitize" bash scripts/device_check.sh 2>&1 | tail -8 ;;
     *) echo "unknown part $part (small, large, compiled, medium, xlarge, stream, restart, soak, sanitize, profile, cudatests, align, pytest, attention)"; exit 2 ;;
   esac

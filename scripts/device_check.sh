@@ -41,9 +41,12 @@ PY
 
 # The system compiler: the image's default g++ (/opt/gcc) builds an extension that crashes on
 # every C++ error (seen 2026-11-29); scripts/run.sh makes the same choice.
-if [ -x /usr/bin/g++ ]; then build CC=/usr/bin/gcc CXX=/usr/bin/g++; else build; fi
+# SKIP_BUILD=1: the caller built this tree in the same call (device_bench.sh's sanitize part).
 DESELECT=()
-probe || { echo "!! C++ errors crash: deselecting error-path tests"; DESELECT=(-k "not reject and not bad and not raise and not error"); }
+if [ -z "${SKIP_BUILD:-}" ]; then
+  if [ -x /usr/bin/g++ ]; then build CC=/usr/bin/gcc CXX=/usr/bin/g++; else build; fi
+  probe || { echo "!! C++ errors crash: deselecting error-path tests"; DESELECT=(-k "not reject and not bad and not raise and not error"); }
+fi
 
 # Stages after the build, each skipped once $DEADLINE seconds (default 540) have passed, so one
 # device call (10 min at most) always ends with its logs written. STAGES picks them (default all).
@@ -89,6 +92,10 @@ if stage sanitize; then
     if [ $tool = memcheck ] || [ $tool = initcheck ]; then
       nocache=(PYTORCH_NO_CUDA_MEMORY_CACHING=1); select="cuda and not graph"
     fi
+    select="$select${SAN_K:+ and ($SAN_K)}"  # SAN_K: a further pytest -k expression
+    # SAN_KERNEL: check only kernels whose name contains it (the tests' SDPA comparisons run
+    # cuDNN kernels whose own racecheck reports would bury ours).
+    [ -n "${SAN_KERNEL:-}" ] && extra+=(--kernel-name "kns=$SAN_KERNEL")
     env "${nocache[@]}" timeout "${SAN_TIMEOUT:-90}" "$CS" --tool $tool "${extra[@]}" --error-exitcode 1 --target-processes all \
       python3 -m pytest -q -p no:cacheprovider -p no:logging -k "$select" "${SAN_TESTS[@]}" \
       >"$OUT/sanitize_$tool.log" 2>&1

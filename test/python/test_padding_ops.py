@@ -443,6 +443,30 @@ def test_prefix_attention_cuda_half_precision(backend, dtype):
 
 
 @cuda
+@pytest.mark.parametrize(
+    "dtype, head_dim, value_dim",
+    [(torch.float16, 4, 4), (torch.bfloat16, 12, 12), (torch.float32, 2, 2), (torch.float16, 8, 4)],
+)
+def test_prefix_attention_cuda_auto_runs_shapes_no_fused_kernel_takes(dtype, head_dim, value_dim):
+    """Head dims the fused kernels have no kernel for (the tiny test models' fp16 head dim 4 made
+    the memory-efficient kernel fail with "cutlassF: no kernel found"): "auto" falls back to the
+    masked SDPA and stays exact; an explicit fused backend is refused by name."""
+    gen = torch.Generator().manual_seed(head_dim)
+    q, k, v = (
+        torch.randn(3, 2, length, dim, generator=gen).to(dtype).cuda()
+        for length, dim in ((7, head_dim), (11, head_dim), (11, value_dim))
+    )
+    n = torch.tensor([11, 4, 1], device="cuda")
+    got = ops.prefix_attention(q, k, v, n)
+    expected = sliced_reference(q, k, v, n.cpu(), dtype=torch.float64)
+    atol = 2e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.double(), expected, atol=atol, rtol=0)
+    for backend in ("flash", "efficient"):
+        with pytest.raises(RuntimeError, match=f'backend "{backend}" needs'):
+            ops.prefix_attention(q, k, v, n, backend=backend)
+
+
+@cuda
 def test_prefix_attention_cuda_clamps_out_of_range_counts():
     q, k, v = (torch.randn(2, 2, length, 8, device="cuda") for length in (5, 9, 9))
     got = ops.prefix_attention(q, k, v, torch.tensor([0, 50], device="cuda"))

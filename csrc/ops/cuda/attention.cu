@@ -1,30 +1,37 @@
 // CUDA kernel of small_head_attention (schema and contract: ../attention.cpp).
 //
-// A head of dimension 16 is exactly one 16x16x16 tensor-core tile, so a warp computes the scores
-// of 16 queries against 16 keys with one WMMA product. Each block serves one (batch, head) pair
-// and a run of 16-query tiles, one tile per warp at a time:
-//   - keys and values are staged in shared memory 128 at a time (zeros past the used keys, n read
-//     from the device: padded keys cost nothing and nothing waits for the host);
-//   - per 128-key chunk a warp writes its 16 x 128 fp32 scores to its shared-memory rows, two
-//     lanes per query row take the online-softmax step (running max and sum in fp32, exp2 with
-//     the scale folded in), write the probabilities back over the scores in the input dtype, and
-//     multiply them with the values on the tensor cores; the fp32 output rows live in registers
-//     and are rescaled per chunk;
-//   - when all keys fit one chunk (the row stage's ~70 tokens, the induced tokens of the column
-//     stage) a block stages them once and runs up to 32 query tiles over them.
-// Loads use 16-byte vectors when every row is 16-byte aligned, scalar loads otherwise.
+// A head of dimension 16 is exactly the k = 16 of one m16n8k16 tensor-core product, so a warp
+// takes 16 queries at a time (a query tile) and keeps everything of the softmax in registers, as
+// FlashAttention-2 does: the scores of 16 queries against up to 128 keys are the accumulator
+// fragments of the Q K^T products (4 fp32 per lane per 8 keys); each lane owns 2 columns of 2 rows
+// of every 8-key tile, so the row max and the row sum take two shuffles among the 4 lanes of a
+// row; the probabilities, packed to the input dtype, are already the A fragments of the P V
+// products. Nothing of a score goes through shared memory.
+//
+// Keys and values are staged in shared memory, 16-byte halves of their rows swizzled so that the
+// ldmatrix loads (plain for K, transposed for V) meet no bank conflict:
+//   - when every key fits one chunk (<= 128: the row stage's ~70 tokens, the column stage's 128
+//     induced tokens) a block stages its keys once and its 8 warps run query tiles over them; where
+//     a batch entry has few query tiles (the row stage: 5 tiles per head) a block stages all heads
+//     of the entry (their rows are contiguous) and runs heads x tiles;
+//   - past 128 keys (the column stage's train rows) a block owns up to 8 query tiles of one head,
+//     one per warp, and streams the keys through shared memory 128 at a time with an online
+//     softmax (running max and sum in fp32, exp2 with the scale folded in).
+// Keys past n (n read on the device, so nothing waits for the host and one CUDA graph serves every
+// n) are never loaded; the zero rows that round a chunk up to 16 keys are masked to -inf.
+// Global loads use 16-byte vectors when every row is 16-byte aligned, 2-byte loads otherwise.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
-#include <mma.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 
 #include "../attention.h"
 
@@ -32,29 +39,65 @@ namespace tabserve {
 namespace ops {
 namespace {
 
-namespace wmma = nvcuda::wmma;
-
-constexpr int kD = 16;                  // head dimension: one WMMA tile edge
-constexpr int kWarps = 4;               // query tiles in flight per block
+constexpr int kD = 16;              // head dimension: the k of one m16n8k16 product
+constexpr int kWarps = 8;           // query tiles in flight per block
 constexpr int kThreads = kWarps * 32;
-constexpr int kChunk = 128;             // keys staged per pass
-constexpr int kScoreLd = kChunk + 4;    // floats per score row (padding against bank conflicts)
-constexpr int kProbLd = 2 * kScoreLd;   // the same rows read as 16-bit probabilities
-constexpr int64_t kMaxTilesPerBlock = 32;
+constexpr int kChunk = 128;         // keys per shared-memory chunk, scores held in registers
+constexpr int kKeyTiles = kChunk / 16;
+constexpr int64_t kMaxOneChunkTiles = 64;  // query tiles of one block when the keys fit a chunk
+constexpr int64_t kStagingBytes = 48 * 1024;  // static shared-memory limit, no opt-in needed
 constexpr float kLog2e = 1.4426950408889634f;
 
+__host__ __device__ __forceinline__ int64_t smaller(int64_t a, int64_t b) { return a < b ? a : b; }
+
+// Two floats rounded into the input dtype, packed as one 32-bit register (first in the low half).
 template <typename T>
-struct Convert;
-template <>
-struct Convert<__half> {
-  static __device__ __forceinline__ __half from_float(float x) { return __float2half_rn(x); }
-};
-template <>
-struct Convert<__nv_bfloat16> {
-  static __device__ __forceinline__ __nv_bfloat16 from_float(float x) {
-    return __float2bfloat16_rn(x);
+__device__ __forceinline__ uint32_t pack_two(float lo, float hi) {
+  if constexpr (std::is_same_v<T, __half>) {
+    const __half2 h = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t*>(&h);
+  } else {
+    const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t*>(&h);
   }
-};
+}
+
+// d += a b: one m16n8k16 tensor-core product, fp32 accumulators.
+template <typename T>
+__device__ __forceinline__ void mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
+                                    uint32_t b1) {
+#define TABSERVE_MMA(TYPE)                                                                  \
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." TYPE "." TYPE                        \
+               ".f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"                \
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])                              \
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1))
+  if constexpr (std::is_same_v<T, __half>) {
+    TABSERVE_MMA("f16");
+  } else {
+    TABSERVE_MMA("bf16");
+  }
+#undef TABSERVE_MMA
+}
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* row) {
+  const auto address = static_cast<uint32_t>(__cvta_generic_to_shared(row));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(address));
+}
+
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* row) {
+  const auto address = static_cast<uint32_t>(__cvta_generic_to_shared(row));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(address));
+}
+
+// Element offset of half `half` (0: dims 0-7, 1: dims 8-15) of staged row `key`: the halves swap
+// on every other run of 4 rows, so 8 consecutive rows' same halves fill all 32 banks.
+__device__ __forceinline__ int swizzled(int key, int half) {
+  return key * kD + ((half ^ ((key >> 2) & 1)) * 8);
+}
 
 struct Operand {
   const void* data;
@@ -65,123 +108,184 @@ struct Params {
   Operand q, k, v;
   void* out;  // [B, Lq, heads, 16], contiguous
   int64_t heads, queries, keys;
-  int64_t tiles_per_block, blocks_per_head;
-  const void* n_keys;  // nullptr: every key is used
+  int64_t heads_per_block;   // 1, or every head (keys in one chunk, few query tiles)
+  int64_t tiles_per_block;   // query tiles of one head in one block
+  int64_t blocks_per_group;  // blocks per (batch entry, heads of a block)
+  int staged_rows;           // rows of one head's keys a block stages at once (multiple of 16)
+  const void* n_keys;        // nullptr: every key is used
   bool n_keys_long;
   int64_t n_keys_stride;  // 0 for one count shared by the batch
   float scale_log2;       // softmax scale * log2(e)
   bool aligned;           // every row of q, k and v starts on a 16-byte boundary
 };
 
-__device__ __forceinline__ int64_t smaller(int64_t a, int64_t b) { return a < b ? a : b; }
-
-// `count` (8 or 16) elements of a row into shared memory, zeros for a row past the end.
-template <typename T, int count>
-__device__ __forceinline__ void load_row(const T* src, T* dst, bool aligned, bool valid) {
-  static_assert(count * sizeof(T) % sizeof(uint4) == 0, "whole 16-byte vectors");
-  constexpr int vectors = count * sizeof(T) / sizeof(uint4);
-  uint4* out = reinterpret_cast<uint4*>(dst);
-  if (!valid) {
+// Rows [start, start + count) of keys and values of heads [h0, h0 + heads) into shared memory,
+// zero rows up to `padded`; the block's threads split the 16-byte halves of the rows.
+template <typename T>
+__device__ __forceinline__ void stage(const Params& p, const T* k, const T* v, int64_t start,
+                                      int count, int padded, int heads, T* keys, T* values) {
+  const int halves = 2 * padded * heads;
+  for (int i = static_cast<int>(threadIdx.x); i < 2 * halves; i += kThreads) {
+    const bool is_value = i >= halves;
+    const int j = is_value ? i - halves : i;
+    const int half = j & 1, head = (j >> 1) % heads, key = (j >> 1) / heads;
+    T* dst = (is_value ? values : keys) + head * p.staged_rows * kD + swizzled(key, half);
+    uint4* dst4 = reinterpret_cast<uint4*>(dst);
+    if (key >= count) {
+      *dst4 = make_uint4(0, 0, 0, 0);
+      continue;
+    }
+    const Operand& o = is_value ? p.v : p.k;
+    const T* src = (is_value ? v : k) + head * o.head_stride + (start + key) * o.row_stride + half * 8;
+    if (p.aligned) {
+      *dst4 = *reinterpret_cast<const uint4*>(src);
+    } else {
 #pragma unroll
-    for (int i = 0; i < vectors; ++i) out[i] = make_uint4(0, 0, 0, 0);
-  } else if (aligned) {
-    const uint4* in = reinterpret_cast<const uint4*>(src);
-#pragma unroll
-    for (int i = 0; i < vectors; ++i) out[i] = in[i];
-  } else {
-#pragma unroll
-    for (int i = 0; i < count; ++i) dst[i] = src[i];
+      for (int e = 0; e < 8; ++e) dst[e] = src[e];
+    }
   }
 }
 
-// Running state of one query row, held by the two lanes that own it (each keeps 8 of the 16
-// output columns).
-struct RowState {
-  float max = -INFINITY;  // running max of the scaled scores (log2 domain)
-  float sum = 0.f;        // running sum of exp2(score - max)
-  float out[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+// The A fragment of 16 query rows (zeros past the last query): lane (g, t) = (lane / 4, lane % 4)
+// holds dims 2t, 2t + 1 and 2t + 8, 2t + 9 of rows g and g + 8.
+template <typename T>
+__device__ __forceinline__ void load_queries(const T* q, int64_t row_stride, int64_t first,
+                                             int64_t queries, bool aligned, uint32_t (&a)[4]) {
+  const int g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int64_t query = first + g + 8 * (i & 1);
+    const int dim = 2 * t + 8 * (i >> 1);
+    a[i] = 0;
+    if (query >= queries) continue;
+    const T* src = q + query * row_stride + dim;
+    if (aligned) {
+      a[i] = *reinterpret_cast<const uint32_t*>(src);
+    } else {
+      T pair[2] = {src[0], src[1]};
+      a[i] = *reinterpret_cast<const uint32_t*>(pair);
+    }
+  }
+}
+
+// Online-softmax state of a warp's 16 query rows: lane (g, t) holds rows g and g + 8.
+struct TileState {
+  float max[2] = {-INFINITY, -INFINITY};  // running max of the scaled scores (log2 domain)
+  float sum[2] = {0.f, 0.f};              // this lane's part of the running sum of exp2(s - max)
+  float out[2][4] = {};                   // [dims 0-7 | 8-15] accumulator fragments
 };
 
-// One chunk of `count` used keys (staged, zero-padded to `padded`, a multiple of 16) for the
-// warp's 16 queries in `q_tile`. `scores` is the warp's [16, kScoreLd] fp32 scratch.
+// One staged chunk of `count` keys (rows rounded up to 16 with zeros) for the warp's queries.
 template <typename T>
-__device__ __forceinline__ void attend_chunk(
-    const wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major>& q_tile,
-    const T* keys, const T* values, float* scores, int padded, int count, float scale_log2,
-    int row, int half, RowState& state) {
-  wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
-  for (int tile = 0; tile < padded / 16; ++tile) {
-    wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major> key_tile;  // K^T
-    wmma::load_matrix_sync(key_tile, keys + tile * 16 * kD, kD);
-    wmma::fill_fragment(acc, 0.f);
-    wmma::mma_sync(acc, q_tile, key_tile, acc);
-    wmma::store_matrix_sync(scores + tile * 16, acc, kScoreLd, wmma::mem_row_major);
-  }
-  __syncwarp();
+__device__ __forceinline__ void attend(const uint32_t (&query)[4], const T* keys, const T* values,
+                                       int count, float scale_log2, TileState& st) {
+  const int lane = threadIdx.x % 32, t = lane % 4;
+  const int matrix = lane / 8, row = lane % 8;
+  const int tiles = (count + 15) / 16;
 
-  // Lanes 2r and 2r + 1 own row r: the even and the odd columns.
-  float p[kChunk / 2];
-  float chunk_max = -INFINITY;
+  float s[2 * kKeyTiles][4];
 #pragma unroll
-  for (int j = 0; j < kChunk / 2; ++j) {
-    const int column = 2 * j + half;
-    p[j] = column < count ? scores[row * kScoreLd + column] * scale_log2 : -INFINITY;
-    chunk_max = fmaxf(chunk_max, p[j]);
-  }
-  chunk_max = fmaxf(chunk_max, __shfl_xor_sync(0xffffffffu, chunk_max, 1));
-  const float new_max = fmaxf(state.max, chunk_max);  // finite: the chunk has a used key
-  const float rescale = exp2f(state.max - new_max);    // 0 on the first chunk
-  float chunk_sum = 0.f;
+  for (int kt = 0; kt < kKeyTiles; ++kt) {
+    if (kt < tiles) {
+      // Matrices: keys +0..7 / +8..15 (bit 1) x dims 0-7 / 8-15 (bit 0): B fragments of 2 tiles.
+      uint32_t b[4];
+      ldmatrix_x4(b, keys + swizzled(kt * 16 + row + 8 * (matrix >> 1), matrix & 1));
 #pragma unroll
-  for (int j = 0; j < kChunk / 2; ++j) {
-    p[j] = exp2f(p[j] - new_max);  // 0 for unused columns
-    chunk_sum += p[j];
+      for (int i = 0; i < 4; ++i) s[2 * kt][i] = s[2 * kt + 1][i] = 0.f;
+      mma<T>(s[2 * kt], query, b[0], b[1]);
+      mma<T>(s[2 * kt + 1], query, b[2], b[3]);
+    }
   }
-  chunk_sum += __shfl_xor_sync(0xffffffffu, chunk_sum, 1);
-  state.sum = state.sum * rescale + chunk_sum;
-  state.max = new_max;
-  __syncwarp();  // every lane has read its scores: the probabilities overwrite them
 
-  T* probabilities = reinterpret_cast<T*>(scores);  // row r in the first half of score row r
+  float chunk_max[2] = {-INFINITY, -INFINITY};
 #pragma unroll
-  for (int j = 0; j < kChunk / 2; ++j) {
-    const int column = 2 * j + half;
-    if (column < padded) probabilities[row * kProbLd + column] = Convert<T>::from_float(p[j]);
+  for (int n = 0; n < 2 * kKeyTiles; ++n) {
+    if (n < 2 * tiles) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int key = n * 8 + 2 * t + (i & 1);
+        s[n][i] = key < count ? s[n][i] * scale_log2 : -INFINITY;
+        chunk_max[i >> 1] = fmaxf(chunk_max[i >> 1], s[n][i]);
+      }
+    }
   }
-  __syncwarp();
+  float rescale[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    chunk_max[r] = fmaxf(chunk_max[r], __shfl_xor_sync(0xffffffffu, chunk_max[r], 1));
+    chunk_max[r] = fmaxf(chunk_max[r], __shfl_xor_sync(0xffffffffu, chunk_max[r], 2));
+    const float new_max = fmaxf(st.max[r], chunk_max[r]);  // finite: the chunk has a used key
+    rescale[r] = exp2f(st.max[r] - new_max);               // 0 on the first chunk
+    st.max[r] = new_max;
+    st.sum[r] *= rescale[r];
+  }
+#pragma unroll
+  for (int d = 0; d < 2; ++d) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) st.out[d][i] *= rescale[i >> 1];
+  }
 
-  wmma::fill_fragment(acc, 0.f);
-  for (int tile = 0; tile < padded / 16; ++tile) {
-    wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> p_tile;
-    wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major> v_tile;
-    wmma::load_matrix_sync(p_tile, probabilities + tile * 16, kProbLd);
-    wmma::load_matrix_sync(v_tile, values + tile * 16 * kD, kD);
-    wmma::mma_sync(acc, p_tile, v_tile, acc);
-  }
-  __syncwarp();  // the products have read the probabilities: the chunk's output goes there
-  wmma::store_matrix_sync(scores, acc, kScoreLd, wmma::mem_row_major);
-  __syncwarp();
 #pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    state.out[i] = state.out[i] * rescale + scores[row * kScoreLd + half * 8 + i];
+  for (int kt = 0; kt < kKeyTiles; ++kt) {
+    if (kt < tiles) {
+      uint32_t a[4];  // P of keys kt*16 .. +15: the two 8-key score tiles, packed
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int n = 2 * kt + half;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          s[n][i] = exp2f(s[n][i] - st.max[i >> 1]);  // 0 for masked keys
+          st.sum[i >> 1] += s[n][i];
+        }
+        a[2 * half] = pack_two<T>(s[n][0], s[n][1]);      // row g
+        a[2 * half + 1] = pack_two<T>(s[n][2], s[n][3]);  // row g + 8
+      }
+      // Matrices: keys +0..7 / +8..15 (bit 0) x dims 0-7 / 8-15 (bit 1), transposed: B fragments
+      // of the two 8-dim output tiles.
+      uint32_t b[4];
+      ldmatrix_x4_trans(b, values + swizzled(kt * 16 + row + 8 * (matrix & 1), matrix >> 1));
+      mma<T>(st.out[0], a, b[0], b[1]);
+      mma<T>(st.out[1], a, b[2], b[3]);
+    }
   }
-  __syncwarp();  // the scratch is free for the next chunk
+}
+
+// Output rows of the warp's tile: out[b, query, h, :] = accumulator / row sum.
+template <typename T>
+__device__ __forceinline__ void write_tile(const Params& p, int64_t b, int64_t h, int64_t first,
+                                           TileState& st) {
+  const int g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    st.sum[r] += __shfl_xor_sync(0xffffffffu, st.sum[r], 1);
+    st.sum[r] += __shfl_xor_sync(0xffffffffu, st.sum[r], 2);
+  }
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int64_t query = first + g + 8 * r;
+    if (query >= p.queries) continue;
+    const float inverse = 1.f / st.sum[r];
+    T* dst = static_cast<T*>(p.out) + ((b * p.queries + query) * p.heads + h) * kD + 2 * t;
+#pragma unroll
+    for (int d = 0; d < 2; ++d) {
+      *reinterpret_cast<uint32_t*>(dst + 8 * d) =
+          pack_two<T>(st.out[d][2 * r] * inverse, st.out[d][2 * r + 1] * inverse);
+    }
+  }
 }
 
 template <typename T>
-__global__ void __launch_bounds__(kThreads) small_head_attention_kernel(Params p) {
+__global__ void __launch_bounds__(kThreads, 2) small_head_attention_kernel(Params p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  __shared__ __align__(32) T keys[kChunk * kD];
-  __shared__ __align__(32) T values[kChunk * kD];
-  __shared__ __align__(32) float scratch[kWarps][16 * kScoreLd];
-
+  extern __shared__ __align__(16) unsigned char staging[];
   const int warp = static_cast<int>(threadIdx.x) / 32;
-  const int lane = static_cast<int>(threadIdx.x) % 32;
-  const int row = lane >> 1, half = lane & 1;
-  const int64_t pair = blockIdx.x / p.blocks_per_head;  // (batch, head)
-  const int64_t first_tile = (blockIdx.x % p.blocks_per_head) * p.tiles_per_block;
-  const int64_t b = pair / p.heads, h = pair % p.heads;
-  const int64_t end_tile = smaller(first_tile + p.tiles_per_block, (p.queries + 15) / 16);
+  const int heads = static_cast<int>(p.heads_per_block);
+  const int64_t group = blockIdx.x / p.blocks_per_group;  // (batch entry, head group)
+  const int64_t groups_per_entry = p.heads / heads;
+  const int64_t b = group / groups_per_entry, h0 = group % groups_per_entry * heads;
+  const int64_t all_tiles = (p.queries + 15) / 16;
+  const int64_t first_tile = blockIdx.x % p.blocks_per_group * p.tiles_per_block;
+  const int64_t tiles = smaller(p.tiles_per_block, all_tiles - first_tile);
 
   int64_t used = p.keys;
   if (p.n_keys != nullptr) {
@@ -190,57 +294,44 @@ __global__ void __launch_bounds__(kThreads) small_head_attention_kernel(Params p
                                       : static_cast<const int32_t*>(p.n_keys)[index];
     used = smaller(raw < 1 ? int64_t{1} : raw, p.keys);
   }
-  const T* q = static_cast<const T*>(p.q.data) + b * p.q.batch_stride + h * p.q.head_stride;
-  const T* k = static_cast<const T*>(p.k.data) + b * p.k.batch_stride + h * p.k.head_stride;
-  const T* v = static_cast<const T*>(p.v.data) + b * p.v.batch_stride + h * p.v.head_stride;
-  float* scores = scratch[warp];
-  const bool one_chunk = p.keys <= kChunk;  // staged once for every tile of the block
+  T* keys = reinterpret_cast<T*>(staging);
+  T* values = keys + heads * p.staged_rows * kD;
+  const T* q = static_cast<const T*>(p.q.data) + b * p.q.batch_stride + h0 * p.q.head_stride;
+  const T* k = static_cast<const T*>(p.k.data) + b * p.k.batch_stride + h0 * p.k.head_stride;
+  const T* v = static_cast<const T*>(p.v.data) + b * p.v.batch_stride + h0 * p.v.head_stride;
 
-  for (int64_t round_start = first_tile; round_start < end_tile; round_start += kWarps) {
-    const int64_t tile = round_start + warp;
-    const bool active = tile < end_tile;
-    RowState state;
-    wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> q_tile;
-    if (active) {
-      const int64_t query = tile * 16 + row;
-      T* staged = reinterpret_cast<T*>(scores);
-      load_row<T, 8>(q + query * p.q.row_stride + half * 8, staged + row * kD + half * 8,
-                     p.aligned, query < p.queries);
-      __syncwarp();
-      wmma::load_matrix_sync(q_tile, staged, kD);
-      __syncwarp();
+  if (p.keys <= kChunk) {  // every key staged once; the warps take (head, tile) items in turn
+    const int count = static_cast<int>(used);
+    stage<T>(p, k, v, 0, count, (count + 15) & ~15, heads, keys, values);
+    __syncthreads();
+    for (int64_t item = warp; item < heads * tiles; item += kWarps) {
+      const int head = static_cast<int>(item / tiles);
+      const int64_t first = (first_tile + item % tiles) * 16;
+      uint32_t query[4];
+      load_queries<T>(q + head * p.q.head_stride, p.q.row_stride, first, p.queries, p.aligned,
+                      query);
+      TileState st;
+      attend<T>(query, keys + head * p.staged_rows * kD, values + head * p.staged_rows * kD,
+                count, p.scale_log2, st);
+      write_tile<T>(p, b, h0 + head, first, st);
     }
-    for (int64_t start = 0; start < used; start += kChunk) {
-      const int count = static_cast<int>(smaller(int64_t{kChunk}, used - start));
-      const int padded = (count + 15) & ~15;
-      if (!one_chunk || round_start == first_tile) {
-        __syncthreads();  // every warp is done with the previous chunk
-        for (int r = static_cast<int>(threadIdx.x); r < 2 * padded; r += kThreads) {
-          const bool is_value = r >= padded;
-          const int key = is_value ? r - padded : r;
-          const T* src = is_value ? v + (start + key) * p.v.row_stride
-                                  : k + (start + key) * p.k.row_stride;
-          load_row<T, kD>(src, (is_value ? values : keys) + key * kD, p.aligned, key < count);
-        }
-        __syncthreads();
-      }
-      if (active) {
-        attend_chunk<T>(q_tile, keys, values, scores, padded, count, p.scale_log2, row, half,
-                        state);
-      }
-    }
-    if (active) {
-      const int64_t query = tile * 16 + row;
-      if (query < p.queries) {
-        const float inverse = 1.f / state.sum;
-        __align__(16) T packed[8];
-#pragma unroll
-        for (int i = 0; i < 8; ++i) packed[i] = Convert<T>::from_float(state.out[i] * inverse);
-        T* dst = static_cast<T*>(p.out) + ((b * p.queries + query) * p.heads + h) * kD + half * 8;
-        *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(packed);
-      }
-    }
+    return;
   }
+
+  // Keys streamed 128 at a time through shared memory; warp w owns query tile w of the block.
+  const bool active = warp < tiles;
+  const int64_t first = (first_tile + warp) * 16;
+  uint32_t query[4];
+  if (active) load_queries<T>(q, p.q.row_stride, first, p.queries, p.aligned, query);
+  TileState st;
+  for (int64_t start = 0; start < used; start += kChunk) {
+    const int count = static_cast<int>(smaller(int64_t{kChunk}, used - start));
+    if (start > 0) __syncthreads();  // every warp is done with the previous chunk
+    stage<T>(p, k, v, start, count, (count + 15) & ~15, 1, keys, values);
+    __syncthreads();
+    if (active) attend<T>(query, keys, values, count, p.scale_log2, st);
+  }
+  if (active) write_tile<T>(p, b, h0, first, st);
 #endif
 }
 
@@ -274,14 +365,28 @@ at::Tensor small_head_attention_cuda(const at::Tensor& q_in, const at::Tensor& k
 
   const int64_t batch = q.size(0), heads = q.size(1), queries = q.size(2), keys = k.size(2);
   const int64_t tiles = (queries + 15) / 16;
-  const int64_t per_block = keys <= kChunk ? std::min(tiles, kMaxTilesPerBlock) : kWarps;
-  const int64_t blocks_per_head = (tiles + per_block - 1) / per_block;
-  const int64_t blocks = batch * heads * blocks_per_head;
+  Params params{};
+  params.heads_per_block = 1;
+  if (keys <= kChunk) {
+    params.staged_rows = static_cast<int>((keys + 15) & ~int64_t{15});
+    const int64_t head_bytes = 2 * params.staged_rows * kD * q.element_size();
+    // Few query tiles per head (the row stage): one block takes every head of a batch entry.
+    if (heads * tiles <= kMaxOneChunkTiles && heads * head_bytes <= kStagingBytes) {
+      params.heads_per_block = heads;
+    }
+    params.tiles_per_block = std::min(tiles, kMaxOneChunkTiles);
+  } else {
+    params.staged_rows = kChunk;
+    params.tiles_per_block = std::min<int64_t>(tiles, kWarps);
+  }
+  // Even split of a head's tiles over its blocks (640 tiles: 10 blocks of 64, not 9 + 1 of 64).
+  params.blocks_per_group = (tiles + params.tiles_per_block - 1) / params.tiles_per_block;
+  params.tiles_per_block = (tiles + params.blocks_per_group - 1) / params.blocks_per_group;
+  const int64_t blocks = batch * (heads / params.heads_per_block) * params.blocks_per_group;
   TORCH_CHECK(blocks <= std::numeric_limits<int32_t>::max(),
               "small_head_attention: batch * heads * query blocks must fit the grid (2^31 - 1), ",
               "got ", blocks);
 
-  Params params{};
   params.q = operand(q);
   params.k = operand(k);
   params.v = operand(v);
@@ -289,8 +394,6 @@ at::Tensor small_head_attention_cuda(const at::Tensor& q_in, const at::Tensor& k
   params.heads = heads;
   params.queries = queries;
   params.keys = keys;
-  params.tiles_per_block = per_block;
-  params.blocks_per_head = blocks_per_head;
   params.n_keys = nullptr;
   if (n_keys.has_value()) {
     params.n_keys = n_keys->const_data_ptr();
@@ -302,10 +405,12 @@ at::Tensor small_head_attention_cuda(const at::Tensor& q_in, const at::Tensor& k
 
   const auto stream = c10::cuda::getCurrentCUDAStream();
   const auto grid = static_cast<unsigned int>(blocks);
+  const auto shared = static_cast<size_t>(2 * params.heads_per_block * params.staged_rows * kD *
+                                          q.element_size());
   if (q.scalar_type() == at::kHalf) {
-    small_head_attention_kernel<__half><<<grid, kThreads, 0, stream>>>(params);
+    small_head_attention_kernel<__half><<<grid, kThreads, shared, stream>>>(params);
   } else {
-    small_head_attention_kernel<__nv_bfloat16><<<grid, kThreads, 0, stream>>>(params);
+    small_head_attention_kernel<__nv_bfloat16><<<grid, kThreads, shared, stream>>>(params);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return out;

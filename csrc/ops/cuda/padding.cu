@@ -68,15 +68,34 @@ at::Tensor pad_labels_cuda(const at::Tensor& y_train, int64_t train_bucket, doub
   return pad_labels_with(&pad_rows_cuda, y_train, train_bucket, fill);
 }
 
-// "auto": varlen flash where it applies (half / bfloat16, head_dim a multiple of 8 up to 256),
-// else the memory-efficient kernel (fp32 on sm80+).
-AttentionBackend resolve(AttentionBackend backend, const at::Tensor& q, const at::Tensor& v) {
-  if (backend != AttentionBackend::kAuto) return backend;
+// Which fused kernel can run these shapes: varlen flash takes fp16 / bf16 with head_dim a
+// multiple of 8 up to 256 and Dv == D; the memory-efficient kernel takes fp32 / fp16 / bf16 rows
+// of q, k and v that are whole 16-byte vectors (its fp16 kernels for head_dim 4 do not exist: "cutlassF: no kernel
+// found to launch"). "auto" takes flash, then efficient, then the masked SDPA, which runs any
+// shape; an explicit fused backend that cannot run the shapes is refused by name.
+bool flash_applies(const at::Tensor& q, const at::Tensor& v) {
   const bool half = q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16;
-  const int64_t head_dim = q.size(3);
-  return half && head_dim % 8 == 0 && head_dim <= 256 && v.size(3) == head_dim
-             ? AttentionBackend::kFlash
-             : AttentionBackend::kEfficient;
+  return half && q.size(3) % 8 == 0 && q.size(3) <= 256 && v.size(3) == q.size(3);
+}
+
+bool efficient_applies(const at::Tensor& q, const at::Tensor& v) {
+  if (q.scalar_type() == at::kDouble) return false;
+  const int64_t bytes = static_cast<int64_t>(q.element_size());
+  return q.size(3) * bytes % 16 == 0 && v.size(3) * bytes % 16 == 0;
+}
+
+AttentionBackend resolve(AttentionBackend backend, const at::Tensor& q, const at::Tensor& v) {
+  TORCH_CHECK(backend != AttentionBackend::kFlash || flash_applies(q, v),
+              "prefix_attention: backend \"flash\" needs float16 or bfloat16 q with head_dim a "
+              "multiple of 8 up to 256 and v's head_dim equal to it, got ", q.scalar_type(),
+              ", head_dim ", q.size(3), ", v head_dim ", v.size(3), "; use \"auto\" or \"masked\"");
+  TORCH_CHECK(backend != AttentionBackend::kEfficient || efficient_applies(q, v),
+              "prefix_attention: backend \"efficient\" needs float32, float16 or bfloat16 q and head_dim and v's head_dim to fill whole "
+              "16-byte vectors, got ", q.scalar_type(), " with head_dim ", q.size(3), ", v head_dim ", v.size(3), "; use \"auto\" or "
+              "\"masked\"");
+  if (backend != AttentionBackend::kAuto) return backend;
+  if (flash_applies(q, v)) return AttentionBackend::kFlash;
+  return efficient_applies(q, v) ? AttentionBackend::kEfficient : AttentionBackend::kMasked;
 }
 
 // [B, heads, L, D] -> [B * L, heads, D]: a view for the usual head-split projection layout

@@ -194,6 +194,14 @@ RECIPES: dict[str, Recipe] = dict(
             compile="default",
         ),
         _recipe(
+            "fp16-compile-head16-row",
+            "fp16-compile with tabserve's head-dim-16 kernel in the row stage (cell c32: the "
+            "fastest on the large workload on the H200)",
+            precision="fp16",
+            compile="default",
+            attention={"row": "head16"},
+        ),
+        _recipe(
             "fp16-dynamic-flash",
             "torch.compile(dynamic=True) of the unpadded model, flash attention first, fp16",
             precision="fp16",
