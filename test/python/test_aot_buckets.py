@@ -121,8 +121,13 @@ RESTART = textwrap.dedent(
 def test_a_restarted_process_serves_from_the_packages(packages):
     directory, _ = packages
     tests = os.path.dirname(__file__)
-    done = subprocess.run([sys.executable, "-c", RESTART, str(directory), tests],
-                          capture_output=True, text=True, timeout=300, check=False)
+    done = subprocess.run(
+        [sys.executable, "-c", RESTART, str(directory), tests],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
     assert report["loaded"] == 3 and report["aot_calls"] == 1 and report["graphs"] == 0
@@ -144,11 +149,23 @@ def _edited(packages, tmp_path, edit):
 @pytest.mark.parametrize(
     "edit, error, match",
     [
-        (lambda m, d: m.update(recipe="fp32-buckets-compile"), aot.AotPackageError, "made for recipe 'fp32-buckets-compile'"),
+        (
+            lambda m, d: m.update(recipe="fp32-buckets-compile"),
+            aot.AotPackageError,
+            "made for recipe 'fp32-buckets-compile'",
+        ),
         (lambda m, d: m.update(torch="0.0.1"), aot.AotPackageError, "made for torch '0.0.1'"),
         (lambda m, d: m["grid"].update(features=[6, 12]), aot.AotPackageError, "made for grid"),
-        (lambda m, d: m.update(format="other/1"), aot.AotPackageError, "not a tabserve-aot-buckets/1 manifest"),
-        (lambda m, d: (d / m["packages"][0]["file"]).unlink(), FileNotFoundError, "named by the manifest, missing"),
+        (
+            lambda m, d: m.update(format="other/1"),
+            aot.AotPackageError,
+            "not a tabserve-aot-buckets/1 manifest",
+        ),
+        (
+            lambda m, d: (d / m["packages"][0]["file"]).unlink(),
+            FileNotFoundError,
+            "named by the manifest, missing",
+        ),
     ],
 )
 def test_directories_for_something_else_are_refused_by_name(packages, tmp_path, edit, error, match):
@@ -192,16 +209,25 @@ def test_autocast_recipes_export_with_their_precision(tmp_path):
     assert served.aot_calls == 3 and exporter.aot_calls == 0
 
 
-@pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_cuda_packages_captured_per_bucket(tmp_path):
+def test_cuda_packages_are_refused_unless_allowed(monkeypatch):
+    """Loading CUDA packages crashed the process on the H200 (docs/serving.md): refused by name
+    unless TABSERVE_ALLOW_CUDA_AOT=1; CPU packages are never refused. (The check needs no GPU.)"""
+    monkeypatch.delenv(aot.ALLOW_CUDA_ENV, raising=False)
+    with pytest.raises(aot.AotPackageError, match=f"disabled.*{aot.ALLOW_CUDA_ENV}=1"):
+        aot.refuse_cuda_packages("cuda:0")
+    aot.refuse_cuda_packages("cpu")
+    monkeypatch.setenv(aot.ALLOW_CUDA_ENV, "1")
+    aot.refuse_cuda_packages(torch.device("cuda", 0))
+
+
+def cuda_packages_captured_per_bucket(directory) -> None:
     """fp16 packages on the GPU, replayed from a CUDA graph per bucket: the answers of the
     recipe's own (eager, captured) path within fp16 rounding, one-shot and KV-cached."""
     recipe = "fp16-buckets-cudagraphs"
     exporter = ServedTabICL(our_model("clf", "tiny").cuda(), recipe, GRID)
-    exporter.export_buckets(tmp_path, GRID.buckets(), tables=TABLES, kv_cache=True)
+    exporter.export_buckets(directory, GRID.buckets(), tables=TABLES, kv_cache=True)
     served = ServedTabICL(our_model("clf", "tiny").cuda(), recipe, GRID)
-    assert served.load_buckets(tmp_path) == 3
+    assert served.load_buckets(directory) == 3
     for X, y in _tables(4, seed=13):
         X, y = X.cuda(), y.cuda()
         got, want = served(X, y), exporter(X, y)
@@ -210,6 +236,25 @@ def test_cuda_packages_captured_per_bucket(tmp_path):
         cached = served.forward_with_cache(X[:, n_train:], served.build_cache(X[:, :n_train], y))
         assert (cached.float() - want.float()).abs().max() <= 2e-2
     assert served.aot_calls == 12 and served.captures >= 1
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_packages_captured_per_bucket(tmp_path):
+    """In a child process with the CUDA refusal lifted: the load crashed the process on the
+    H200, and a crash must fail this test, not end the test run."""
+    code = f"import test_aot_buckets as t; t.cuda_packages_captured_per_bucket({str(tmp_path)!r})"
+    env = {**os.environ, aot.ALLOW_CUDA_ENV: "1"}
+    child = subprocess.run(
+        [sys.executable, "-c", code],
+        check=False,
+        cwd=os.path.dirname(__file__),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert child.returncode == 0, child.stderr[-3000:]
 
 
 def test_packages_loaded_after_captures_replace_those_graphs(packages, monkeypatch):

@@ -465,6 +465,8 @@ REFUSED = [
     C("strings", "lookup: CPU query against a CUDA table", lambda w: _cuda_lookup(w, query_on="cpu"), RuntimeError, "query_data is on cpu", cuda=True),
     C("strings", "StringIndex: CPU query for a CUDA index", lambda w: w.index.to("cuda").lookup(w.query), ValueError, "query is on cpu but the index is on cuda", cuda=True),
     C("padding", "prefix_attention: CPU n_keys with CUDA q", lambda w: attention(w, q=w.q.cuda(), k=w.q.cuda(), v=w.q.cuda(), n=torch.tensor(3)), RuntimeError, "n_keys", cuda=True),
+    C("padding", "prefix_attention: flash for fp32 on CUDA", lambda w: attention(w, q=w.q.cuda(), k=w.q.cuda(), v=w.q.cuda(), n=torch.tensor(3, device="cuda"), backend="flash"), RuntimeError, 'backend "flash" needs float16 or bfloat16', cuda=True),
+    C("padding", "prefix_attention: efficient for fp16 head dim 4 on CUDA", lambda w: attention(w, q=w.q[..., :4].cuda().half(), k=w.q[..., :4].cuda().half(), v=w.q[..., :4].cuda().half(), n=torch.tensor(3, device="cuda"), backend="efficient"), RuntimeError, 'backend "efficient" needs', cuda=True),
     C("attention", "small_head_attention: fp32 on CUDA", lambda w: small_heads(w, q=w.q16.cuda(), k=w.q16.cuda(), v=w.q16.cuda()), RuntimeError, "float16 or bfloat16", cuda=True),
     C("attention", "small_head_attention: CPU n_keys with CUDA q", lambda w: small_heads(w, q=w.q16.cuda().half(), k=w.q16.cuda().half(), v=w.q16.cuda().half(), n=torch.tensor(3)), RuntimeError, "n_keys", cuda=True),
     C("model", "X on CUDA, model on CPU", lambda w: w.model(w.X.cuda(), w.y.cuda()), ValueError, "X is on cuda:0 but the model is on cpu", cuda=True),

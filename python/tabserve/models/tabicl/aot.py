@@ -37,9 +37,26 @@ MANIFEST = "manifest.json"
 FORMAT = "tabserve-aot-buckets/1"
 
 
+#: Loading CUDA packages crashed the process on the H200 (a segmentation fault inside
+#: ``torch._inductor.aoti_load_package``, torch 2.11.0+cu130, 2026-11-30; docs/serving.md), so
+#: :func:`load` refuses them unless this variable is ``1`` (for whoever investigates the crash).
+ALLOW_CUDA_ENV = "TABSERVE_ALLOW_CUDA_AOT"
+
+
 class AotPackageError(ValueError):
     """A bucket directory that is missing, malformed, or made for another environment, recipe or
-    bucket grid."""
+    bucket grid, or packages this build refuses to load (CUDA: :data:`ALLOW_CUDA_ENV`)."""
+
+
+def refuse_cuda_packages(device: torch.device | str) -> None:
+    """Raises :class:`AotPackageError` for packages of a CUDA model unless :data:`ALLOW_CUDA_ENV`
+    is ``1``: a crash of the server process is worse than serving without the packages."""
+    if torch.device(device).type == "cuda" and os.environ.get(ALLOW_CUDA_ENV) != "1":
+        raise AotPackageError(
+            "loading AOT bucket packages on CUDA is disabled: torch's AOTInductor loader crashed "
+            "the process on them (segmentation fault, torch 2.11, see docs/serving.md); serve "
+            f"with compile-cache artifacts instead, or set {ALLOW_CUDA_ENV}=1 to try anyway"
+        )
 
 
 def environment() -> dict:
@@ -180,8 +197,10 @@ def load(served, directory: str | os.PathLike) -> dict:
     Raises:
         FileNotFoundError: no manifest, or a package file it names is missing.
         AotPackageError: a malformed manifest, or one made under another torch / tabserve / GPU,
-            recipe or bucket grid (the message names the difference).
+            recipe or bucket grid (the message names the difference); a CUDA model without
+            :data:`ALLOW_CUDA_ENV` (:func:`refuse_cuda_packages`).
     """
+    refuse_cuda_packages(served.device)
     directory = Path(directory)
     manifest = read_manifest(directory)
     expected = {
