@@ -45,7 +45,7 @@ constexpr int kThreads = kWarps * 32;
 constexpr int kChunk = 128;         // keys per shared-memory chunk, scores held in registers
 constexpr int kKeyTiles = kChunk / 16;
 constexpr int64_t kMaxOneChunkTiles = 64;  // query tiles of one block when the keys fit a chunk
-constexpr int64_t kStagingBytes = 48 * 1024;  // static shared-memory limit, no opt-in needed
+constexpr int64_t kStagingBytes = 48 * 1024;  // shared memory a launch gets without opting in
 constexpr float kLog2e = 1.4426950408889634f;
 
 __host__ __device__ __forceinline__ int64_t smaller(int64_t a, int64_t b) { return a < b ? a : b; }
@@ -136,7 +136,8 @@ __device__ __forceinline__ void stage(const Params& p, const T* k, const T* v, i
       continue;
     }
     const Operand& o = is_value ? p.v : p.k;
-    const T* src = (is_value ? v : k) + head * o.head_stride + (start + key) * o.row_stride + half * 8;
+    const T* src =
+        (is_value ? v : k) + head * o.head_stride + (start + key) * o.row_stride + half * 8;
     if (p.aligned) {
       *dst4 = *reinterpret_cast<const uint4*>(src);
     } else {
@@ -354,8 +355,9 @@ at::Tensor small_head_attention_cuda(const at::Tensor& q_in, const at::Tensor& k
               "got ", q_in.scalar_type(), "; fp32 attention runs through SDPA");
   const c10::cuda::CUDAGuard guard(q_in.device());
   int major = 0, minor = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, q_in.get_device()));
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, q_in.get_device()));
+  const int device = q_in.get_device();
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
   TORCH_CHECK(major >= 8, "small_head_attention needs a GPU of compute capability 8.0 or newer ",
               "(bf16 / fp16 tensor-core tiles), got ", major, ".", minor);
   at::Tensor out = small_head_attention_output(q_in);

@@ -70,9 +70,9 @@ at::Tensor pad_labels_cuda(const at::Tensor& y_train, int64_t train_bucket, doub
 
 // Which fused kernel can run these shapes: varlen flash takes fp16 / bf16 with head_dim a
 // multiple of 8 up to 256 and Dv == D; the memory-efficient kernel takes fp32 / fp16 / bf16 rows
-// of q, k and v that are whole 16-byte vectors (its fp16 kernels for head_dim 4 do not exist: "cutlassF: no kernel
-// found to launch"). "auto" takes flash, then efficient, then the masked SDPA, which runs any
-// shape; an explicit fused backend that cannot run the shapes is refused by name.
+// of q, k and v that are whole 16-byte vectors (it has no fp16 kernel for head_dim 4: "cutlassF:
+// no kernel found to launch"). "auto" takes flash, then efficient, then the masked SDPA, which
+// runs any shape; an explicit fused backend that cannot run the shapes is refused by name.
 bool flash_applies(const at::Tensor& q, const at::Tensor& v) {
   const bool half = q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16;
   return half && q.size(3) % 8 == 0 && q.size(3) <= 256 && v.size(3) == q.size(3);
@@ -90,9 +90,10 @@ AttentionBackend resolve(AttentionBackend backend, const at::Tensor& q, const at
               "multiple of 8 up to 256 and v's head_dim equal to it, got ", q.scalar_type(),
               ", head_dim ", q.size(3), ", v head_dim ", v.size(3), "; use \"auto\" or \"masked\"");
   TORCH_CHECK(backend != AttentionBackend::kEfficient || efficient_applies(q, v),
-              "prefix_attention: backend \"efficient\" needs float32, float16 or bfloat16 q and head_dim and v's head_dim to fill whole "
-              "16-byte vectors, got ", q.scalar_type(), " with head_dim ", q.size(3), ", v head_dim ", v.size(3), "; use \"auto\" or "
-              "\"masked\"");
+              "prefix_attention: backend \"efficient\" needs float32, float16 or bfloat16 q and "
+              "head_dim and v's head_dim to fill whole 16-byte vectors, got ", q.scalar_type(),
+              " with head_dim ", q.size(3), ", v head_dim ", v.size(3),
+              "; use \"auto\" or \"masked\"");
   if (backend != AttentionBackend::kAuto) return backend;
   if (flash_applies(q, v)) return AttentionBackend::kFlash;
   return efficient_applies(q, v) ? AttentionBackend::kEfficient : AttentionBackend::kMasked;
