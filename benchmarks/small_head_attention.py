@@ -81,6 +81,20 @@ def methods(device):
     return found
 
 
+def floor_rates(batch, queries, keys, broadcast, dtype, ms):
+    """The least memory traffic and the maths of one call, as rates at ``ms``: (GB/s, TFLOP/s).
+    Traffic: q once (one set when broadcast), k and v once, the output once; maths: the two
+    products (4 x B x heads x Lq x Lk x 16 FLOP). Against the H200's ~4.8 TB/s and ~990 TFLOP/s
+    (fp16 dense) they say how far a kernel is from its floor."""
+    head_elements = HEADS * 16
+    elements = head_elements * (
+        queries * (1 if broadcast else batch) + 2 * batch * keys + batch * queries
+    )
+    seconds = ms / 1e3
+    flop = 4 * batch * HEADS * queries * keys * 16
+    return elements * dtype.itemsize / seconds / 1e9, flop / seconds / 1e12
+
+
 def max_error(out, q, k, v):
     q, k, v = (t[:CHECKED].float().cpu() for t in (q, k, v))
     want = torch.softmax(q @ k.transpose(-1, -2) * 0.25, -1) @ v
@@ -108,27 +122,34 @@ def main(argv=None) -> int:
                 records.append({"case": name, "method": method, "error": str(failure)[:300]})
                 rows.append([name, method, "failed", "", "", str(failure).split("\n")[0][:50]])
                 continue
+            gb_s, tflop_s = floor_rates(batch, queries, keys, broadcast, dtype, m.median_ms)
             records.append(
                 {
                     "case": name,
                     "shape": [batch, HEADS, queries, keys],
                     "method": method,
                     "max_abs_error_vs_fp32": error,
+                    "least_traffic_gb_per_s": gb_s,
+                    "tflop_per_s": tflop_s,
                     **m.as_dict(),
                 }
             )
             rows.append(
-                [
-                    name,
-                    method,
-                    *m.table_cells(),
-                    f"{error:.2e}",
-                ]
+                [name, method, *m.table_cells(), f"{gb_s:.0f}", f"{tflop_s:.1f}", f"{error:.2e}"]
             )
         del q, k, v
     print_table(
         f"small_head_attention, {dtype} on {device}",
-        ["case", "method", "median ms", "p20-p80", "peak extra MiB", "max |err| vs fp32"],
+        [
+            "case",
+            "method",
+            "median ms",
+            "p20-p80",
+            "peak extra MiB",
+            "GB/s (least)",
+            "TFLOP/s",
+            "max |err| vs fp32",
+        ],
         rows,
     )
     out = (
