@@ -3,8 +3,10 @@
 For each cell (names as in ``python -m tabserve.bench --list``) on one workload: the warm wall time
 of a one-shot call, the GPU time of each stage (column embedding, row interaction, in-context
 learning; CUDA events around the stage modules' methods, so the reference and tabserve split the
-same way), the share of the wall time the GPU is busy, and ``torch.profiler`` tables of the
-kernels by device time and of the operators by host time. Not a benchmark: the driver measures;
+same way), the share of the wall time the GPU is busy, the GPU time per kernel family
+(attention kernels, GEMMs, Inductor's fused kernels, ...: the split that compiled and captured
+cells still show), and ``torch.profiler`` tables of the kernels by device time and of the
+operators by host time. Not a benchmark: the driver measures;
 this explains.
 
     python benchmarks/profile_tabiclv2.py --device cuda --workload large \
@@ -74,6 +76,44 @@ class StageTimer:
 #: Rows of the profiler's table kept in the JSON summary, heaviest self time first.
 TOP_ROWS = 40
 
+#: Kernel families by name (first match wins): where a compiled or captured cell's GPU time goes,
+#: since its stage modules no longer run as such. Patterns are lower-case substrings.
+KERNEL_FAMILIES = (
+    ("tabserve head-dim-16 attention", ("small_head_attention",)),
+    ("memory-efficient attention", ("fmha_cutlass", "memeffattention", "attentionkernel")),
+    ("cuDNN attention", ("cudnn",)),  # before flash: cuDNN's names say "flash" too
+    ("flash attention", ("flash",)),
+    ("GEMM", ("gemm", "nvjet", "xmma", "cutlass", "cublas")),
+    ("Triton (Inductor-fused)", ("triton_",)),
+    ("other tabserve", ("tabserve",)),
+    ("copies and casts", ("copy", "cast", "memcpy", "memset")),
+    ("normalisation", ("layer_norm", "layernorm", "norm_kernel")),
+    ("softmax", ("softmax",)),
+    ("elementwise", ("elementwise", "vectorized", "unrolled")),
+    ("reductions", ("reduce",)),
+)
+
+
+def kernel_family(name: str) -> str:
+    """The family of :data:`KERNEL_FAMILIES` a kernel name falls in, else ``"other"``."""
+    lowered = name.lower()
+    for family, patterns in KERNEL_FAMILIES:
+        if any(pattern in lowered for pattern in patterns):
+            return family
+    return "other"
+
+
+def kernel_families(events) -> dict:
+    """Device ms of the GPU kernels among profiler ``events`` (key averages), per family,
+    heaviest first. Only kernel rows count (operators would count their kernels twice)."""
+    totals = {}
+    for event in events:
+        if getattr(event, "device_type", None) != torch.autograd.DeviceType.CUDA:
+            continue
+        family = kernel_family(event.key)
+        totals[family] = totals.get(family, 0.0) + event.self_device_time_total / 1e3
+    return {k: round(v, 3) for k, v in sorted(totals.items(), key=lambda kv: -kv[1])}
+
 
 def profile_cell(name: str, workload, checkpoint: Path, device: torch.device, repeats: int):
     cell = cell_by_name(name)
@@ -117,11 +157,16 @@ def profile_cell(name: str, workload, checkpoint: Path, device: torch.device, re
     if device.type == "cuda":  # operator and kernel rows both count: read it as an upper bound
         result["device_busy_ms"] = round(kernel_us / 1e3, 3)
         result["device_busy_share"] = round(kernel_us / 1e3 / wall, 3)
+        result["kernel_family_ms"] = kernel_families(events)
     # The heaviest rows as data (the printed tables are lost with the call's log otherwise).
     self_time = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
     heaviest = sorted(events, key=lambda e: getattr(e, self_time, 0.0), reverse=True)[:TOP_ROWS]
     result["top_rows"] = [
-        {"name": e.key[:160], "calls": e.count, "self_ms": round(getattr(e, self_time, 0.0) / 1e3, 3)}
+        {
+            "name": e.key[:160],
+            "calls": e.count,
+            "self_ms": round(getattr(e, self_time, 0.0) / 1e3, 3),
+        }
         for e in heaviest
     ]
     tables = (
