@@ -141,6 +141,23 @@ def test_stage_kernel_choice_reaches_the_attention_layers():
     assert torch.equal(model(X, y), our_model("clf", "tiny")(X, y))
 
 
+def test_the_named_row_recipe_puts_the_kernel_in_the_row_stage_only():
+    """``fp16-compile-head16-row`` (cell c32, promoted for large tables on the H200) reaches the
+    row stage's attention layers through ServedTabICL, and only those."""
+    from tabserve.models.tabicl.serving import ServedTabICL
+
+    model = copy.deepcopy(our_model("clf", "tiny"))
+    ServedTabICL(model, "fp16-compile-head16-row")
+    row = [m.small_heads for m in model.row_interactor.modules() if hasattr(m, "small_heads")]
+    others = [
+        m.small_heads
+        for stage in (model.col_embedder, model.icl_predictor)
+        for m in stage.modules()
+        if hasattr(m, "small_heads")
+    ]
+    assert row and all(row) and others and not any(others)
+
+
 # -- CUDA ---------------------------------------------------------------------------------------
 
 CUDA_CASES = CASES + [
