@@ -6,8 +6,7 @@ learning; CUDA events around the stage modules' methods, so the reference and ta
 same way), the share of the wall time the GPU is busy, the GPU time per kernel family
 (attention kernels, GEMMs, Inductor's fused kernels, ...: the split that compiled and captured
 cells still show), and ``torch.profiler`` tables of the kernels by device time and of the
-operators by host time. Not a benchmark: the driver measures;
-this explains.
+operators by host time. Not a benchmark: the driver measures; this explains.
 
     python benchmarks/profile_tabiclv2.py --device cuda --workload large \
         --cells c1-ref-fp16 c5-fp16 --out profile-large.txt
