@@ -52,7 +52,7 @@ for part in "$@"; do
       bench medium medium many-class regression -- ${MEDIUM_CELLS:-c0-ref-fp32 c1-ref-fp16 c5-fp16 \
         c9-fp16-flash-cudnn-icl c18-fp16-buckets-cudagraphs c19-fp16-buckets-cudagraphs-kv} ;;
     xlarge)
-      bench xlarge xlarge -- c0-ref-fp32 c1-ref-fp16 c5-fp16 c9-fp16-flash-cudnn-icl ;;
+      bench xlarge xlarge -- ${XLARGE_CELLS:-c0-ref-fp32 c1-ref-fp16 c5-fp16 c9-fp16-flash-cudnn-icl} ;;
     stream)
       bench stream stream -- ${STREAM_CELLS:-c0-ref-fp32 c1-ref-fp16 c5-fp16 c18-fp16-buckets-cudagraphs} ;;
     restart)  # issue 6's restart target: compile-cache artifacts (c20) against bucket packages (c27)
@@ -67,10 +67,13 @@ for part in "$@"; do
         -p no:cacheprovider -p no:logging -rfE ${PYTEST_ARGS:-test/python} >"$LOG/pytest.log" 2>&1
       echo "pytest rc=$?"; grep -n -B2 -A12 "Error\|^E " "$LOG/pytest.log" | tail -${PYTEST_TAIL:-60}
       tail -3 "$LOG/pytest.log" ;;
-    profile)  # where the time goes (benchmarks/profile_tabiclv2.py), large then small
-      for w in large small; do
+    profile)  # where the time goes (benchmarks/profile_tabiclv2.py): PROFILE_WORKLOADS, and
+      # PROFILE_CELLS_LARGE / PROFILE_CELLS_SMALL / ... per workload (else PROFILE_CELLS)
+      for w in ${PROFILE_WORKLOADS:-large small}; do
+        cells_var=PROFILE_CELLS_${w^^}; cells_var=${cells_var//-/_}
+        cells=${!cells_var:-${PROFILE_CELLS:-c1-ref-fp16 c5-fp16 c7-fp16-flash c18-fp16-buckets-cudagraphs}}
         timeout "$(left $((LIMIT - 60)))" python3 benchmarks/profile_tabiclv2.py --device cuda \
-          --workload $w --cells ${PROFILE_CELLS:-c1-ref-fp16 c5-fp16 c7-fp16-flash c18-fp16-buckets-cudagraphs} \
+          --workload $w --cells $cells \
           --out "$LOG/profile_$w.txt" --json "$OUT/profile_$w.json" 2>"$LOG/profile_$w.err"
         echo "profile $w rc=$?"; cat "$OUT/profile_$w.json" 2>/dev/null | tr -d '\n ' | cut -c1-1500; echo
       done ;;

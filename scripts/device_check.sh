@@ -96,6 +96,10 @@ if stage sanitize; then
     # SAN_KERNEL: check only kernels whose name contains it (the tests' SDPA comparisons run
     # cuDNN kernels whose own racecheck reports would bury ours).
     [ -n "${SAN_KERNEL:-}" ] && extra+=(--kernel-name "kns=$SAN_KERNEL")
+    # initcheck with a kernel filter tracks no writes of the other kernels: the tests' copies of
+    # their outputs to the host then read "uninitialised" memory (seen on the H200, 2026-11-30);
+    # only the filtered kernels' own device reads are meaningful, so leave the host API out.
+    [ -n "${SAN_KERNEL:-}" ] && [ $tool = initcheck ] && extra+=(--check-api-memory-access no)
     env "${nocache[@]}" timeout "${SAN_TIMEOUT:-90}" "$CS" --tool $tool "${extra[@]}" --error-exitcode 1 --target-processes all \
       python3 -m pytest -q -p no:cacheprovider -p no:logging -k "$select" "${SAN_TESTS[@]}" \
       >"$OUT/sanitize_$tool.log" 2>&1

@@ -14,6 +14,7 @@
 
 #include <torch/library.h>
 
+#include <algorithm>
 #include <string>
 
 namespace tabserve {
@@ -69,7 +70,9 @@ void exact_attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Ten
 }
 
 void check_small_head_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                const std::optional<at::Tensor>& n_keys) {
+                                const std::optional<at::Tensor>& n_keys,
+                                const std::optional<at::Tensor>& rotary_cos,
+                                const std::optional<at::Tensor>& rotary_sin) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4,
               "q, k and v must be 4-D [batch, heads, length, 16], got shapes ", q.sizes(), ", ",
               k.sizes(), " and ", v.sizes());
@@ -89,6 +92,20 @@ void check_small_head_attention(const at::Tensor& q, const at::Tensor& k, const 
               v.size(2));
   TORCH_CHECK(k.size(2) >= 1, "k must hold at least one key");
   if (n_keys.has_value()) check_n_keys(*n_keys, q);
+  TORCH_CHECK(rotary_cos.has_value() == rotary_sin.has_value(),
+              "rotary_cos and rotary_sin must be given together");
+  if (!rotary_cos.has_value()) return;
+  const int64_t positions = std::max(q.size(2), k.size(2));
+  for (const auto& [name, t] : {std::pair<const char*, const at::Tensor&>{"rotary_cos", *rotary_cos},
+                                {"rotary_sin", *rotary_sin}}) {
+    TORCH_CHECK(t.dim() == 2 && t.size(0) >= positions && t.size(1) == kSmallHeadDim, name,
+                " must be [L, ", kSmallHeadDim, "] with L >= max(Lq, Lk) = ", positions,
+                ", got shape ", t.sizes());
+    TORCH_CHECK(t.scalar_type() == at::kFloat, name, " must be float32 (RoPE tables are built ",
+                "and applied in fp32), got ", t.scalar_type());
+    TORCH_CHECK(t.device() == q.device(), name, " is on ", t.device(), " but q is on ",
+                q.device());
+  }
 }
 
 at::Tensor small_head_attention_output(const at::Tensor& q) {
@@ -97,13 +114,30 @@ at::Tensor small_head_attention_output(const at::Tensor& q) {
 
 namespace {
 
-// Exact attention (fp32 maths; fp64 for fp64 inputs).
+// Rotate-half RoPE at positions 0..L-1 in fp32, rounded back to x's dtype (what
+// tabserve::rotary_embedding and the model's composite compute).
+at::Tensor rotate_half(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  const int64_t half = kSmallHeadDim / 2, length = x.size(2);
+  const at::Tensor rotated = at::cat({x.narrow(3, half, half).neg(), x.narrow(3, 0, half)}, 3);
+  return (x * cos.narrow(0, 0, length) + rotated * sin.narrow(0, 0, length))
+      .to(x.scalar_type());
+}
+
+// Exact attention (fp32 maths; fp64 for fp64 inputs), after RoPE when tables are given.
 at::Tensor small_head_attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                     const std::optional<at::Tensor>& n_keys,
-                                    std::optional<double> scale) {
-  check_small_head_attention(q, k, v, n_keys);
+                                    std::optional<double> scale,
+                                    const std::optional<at::Tensor>& rotary_cos,
+                                    const std::optional<at::Tensor>& rotary_sin) {
+  check_small_head_attention(q, k, v, n_keys, rotary_cos, rotary_sin);
   at::Tensor out = small_head_attention_output(q);
-  if (out.numel() > 0) exact_attention_cpu(q, k, v, n_keys, scale, out);
+  if (out.numel() == 0) return out;
+  if (rotary_cos.has_value()) {
+    exact_attention_cpu(rotate_half(q, *rotary_cos, *rotary_sin),
+                        rotate_half(k, *rotary_cos, *rotary_sin), v, n_keys, scale, out);
+  } else {
+    exact_attention_cpu(q, k, v, n_keys, scale, out);
+  }
   return out;
 }
 
@@ -118,9 +152,12 @@ TORCH_LIBRARY_FRAGMENT(tabserve, m) {
   // as [B, Lq, heads, 16]. CPU: fp32 maths (fp64 for fp64). CUDA: float16 / bfloat16 on sm80+,
   // tensor cores with fp32 accumulation and softmax (probabilities rounded to the input dtype
   // before the product with v, as the fused SDPA kernels do); no host synchronisation.
+  // rotary_cos, rotary_sin (optional, together): float32 [L >= max(Lq, Lk), 16] tables; q and k
+  // are then first rotated (rotate-half RoPE at their row positions, in fp32, rounded to their
+  // dtype), as the row stage does, without the rotated copies being written out.
   m.def(
       "small_head_attention(Tensor q, Tensor k, Tensor v, Tensor? n_keys=None, "
-      "float? scale=None) -> Tensor",
+      "float? scale=None, Tensor? rotary_cos=None, Tensor? rotary_sin=None) -> Tensor",
       {at::Tag::pt2_compliant_tag});
 }
 

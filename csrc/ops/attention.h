@@ -27,9 +27,12 @@ void exact_attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Ten
 
 // Checks small_head_attention's arguments, each named in the message: q [B, heads, Lq, 16],
 // k and v [B, heads, Lk, 16] (Lk >= 1), one floating dtype and device; n_keys (if given) int32 or
-// int64, 0-d or [B], on q's device.
+// int64, 0-d or [B], on q's device; rotary_cos / rotary_sin (both or neither) float32
+// [L >= max(Lq, Lk), 16] on q's device.
 void check_small_head_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                const std::optional<at::Tensor>& n_keys);
+                                const std::optional<at::Tensor>& n_keys,
+                                const std::optional<at::Tensor>& rotary_cos,
+                                const std::optional<at::Tensor>& rotary_sin);
 
 // The output: [B, heads, Lq, 16] in q's dtype, laid out as [B, Lq, heads, 16] (so the heads merge
 // back into the embedding with a view), as prefix_attention returns it.

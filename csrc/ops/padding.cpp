@@ -95,11 +95,11 @@ at::Tensor prefix_attention_output(const at::Tensor& q, const at::Tensor& v) {
   return at::empty({q.size(0), q.size(2), q.size(1), v.size(3)}, q.options()).transpose(1, 2);
 }
 
-at::Tensor qassmax_scale_composite(const at::Tensor& q, const at::Tensor& n_keys,
-                                   const at::Tensor& base_weight1, const at::Tensor& base_bias1,
-                                   const at::Tensor& base_weight2, const at::Tensor& base_bias2,
-                                   const at::Tensor& query_weight1, const at::Tensor& query_bias1,
-                                   const at::Tensor& query_weight2, const at::Tensor& query_bias2) {
+void check_qassmax_scale(const at::Tensor& q, const at::Tensor& n_keys,
+                         const at::Tensor& base_weight1, const at::Tensor& base_bias1,
+                         const at::Tensor& base_weight2, const at::Tensor& base_bias2,
+                         const at::Tensor& query_weight1, const at::Tensor& query_bias1,
+                         const at::Tensor& query_weight2, const at::Tensor& query_bias2) {
   TORCH_CHECK(q.dim() >= 3, "q must be [..., heads, queries, head_dim], got shape ", q.sizes());
   TORCH_CHECK(at::isFloatingType(q.scalar_type()), "q must be a floating-point tensor, got ",
               q.scalar_type());
@@ -141,7 +141,16 @@ at::Tensor qassmax_scale_composite(const at::Tensor& q, const at::Tensor& n_keys
   TORCH_CHECK(base_bias2.size(0) == base_weight2.size(0) &&
                   query_bias2.size(0) == query_weight2.size(0),
               "base_bias2 / query_bias2 must match the rows of base_weight2 / query_weight2");
+}
 
+at::Tensor qassmax_scale_composite(const at::Tensor& q, const at::Tensor& n_keys,
+                                   const at::Tensor& base_weight1, const at::Tensor& base_bias1,
+                                   const at::Tensor& base_weight2, const at::Tensor& base_bias2,
+                                   const at::Tensor& query_weight1, const at::Tensor& query_bias1,
+                                   const at::Tensor& query_weight2, const at::Tensor& query_bias2) {
+  check_qassmax_scale(q, n_keys, base_weight1, base_bias1, base_weight2, base_bias2,
+                      query_weight1, query_bias1, query_weight2, query_bias2);
+  const int64_t heads = q.size(-3);
   // Weights in q's dtype, as autocast runs the reference's Linear layers.
   const auto as_q = [&](const at::Tensor& t) { return t.to(q.scalar_type()); };
   // ln(max(n, 1)) in double, rounded once to q's dtype (the reference's math.log then tensor()).

@@ -38,7 +38,15 @@ AttentionBackend check_prefix_attention(const at::Tensor& q, const at::Tensor& k
 // the fused kernels write, as SDPA's flash path does); the fake kernel in ops.py matches it.
 at::Tensor prefix_attention_output(const at::Tensor& q, const at::Tensor& v);
 
-// QASSMax query scaling (the same ATen composite on every device; contract in padding.cpp).
+// Checks qassmax_scale's arguments (contract in padding.cpp), naming the one that does not fit.
+void check_qassmax_scale(const at::Tensor& q, const at::Tensor& n_keys,
+                         const at::Tensor& base_weight1, const at::Tensor& base_bias1,
+                         const at::Tensor& base_weight2, const at::Tensor& base_bias2,
+                         const at::Tensor& query_weight1, const at::Tensor& query_bias1,
+                         const at::Tensor& query_weight2, const at::Tensor& query_bias2);
+
+// QASSMax query scaling as an ATen composite (linear, GELU, tanh, one product per rounding of
+// the reference's autocast maths): the CPU kernel, and CUDA's for shapes its fused kernel skips.
 at::Tensor qassmax_scale_composite(const at::Tensor& q, const at::Tensor& n_keys,
                                    const at::Tensor& base_weight1, const at::Tensor& base_bias1,
                                    const at::Tensor& base_weight2, const at::Tensor& base_bias2,

@@ -487,8 +487,16 @@ SMALL_HEAD_DIM = 16
 
 
 @torch.library.register_fake("tabserve::small_head_attention")
-def _small_head_attention_fake(q, k, v, n_keys=None, scale=None):
-    _same_device("small_head_attention", q=q, k=k, v=v, n_keys=n_keys)
+def _small_head_attention_fake(q, k, v, n_keys=None, scale=None, rotary_cos=None, rotary_sin=None):
+    _same_device(
+        "small_head_attention",
+        q=q,
+        k=k,
+        v=v,
+        n_keys=n_keys,
+        rotary_cos=rotary_cos,
+        rotary_sin=rotary_sin,
+    )
     torch._check(
         q.dim() == 4 and q.shape[-1] == SMALL_HEAD_DIM,
         lambda: f"q must be [batch, heads, length, {SMALL_HEAD_DIM}], got {tuple(q.shape)}",
@@ -503,9 +511,11 @@ def small_head_attention(
     v: Tensor,
     n_keys: Tensor | None = None,
     scale: float | None = None,
+    rotary: tuple[Tensor, Tensor] | None = None,
 ) -> Tensor:
     """Attention with head dimension 16 (TabICLv2's column and row stages), optionally over
-    only the first ``n_keys`` keys, n read from a tensor.
+    only the first ``n_keys`` keys, n read from a tensor, optionally after rotary position
+    embedding of q and k.
 
     Equals ``F.scaled_dot_product_attention(q, k[:, :, :n], v[:, :, :n], scale=scale)``. On CUDA
     one fused kernel on the tensor cores built for these shapes (a 16-wide head is the k of one
@@ -522,6 +532,11 @@ def small_head_attention(
             the first n keys are used (padded buckets). CPU checks n in [1, Lk]; CUDA clamps
             into it (checking would synchronise with the host).
         scale: softmax scale, default 1 / 4 (= 1 / sqrt(16)).
+        rotary: optional ``(cos, sin)`` float32 tables [L >= max(Lq, Lk), 16] (as
+            ``RotaryEmbedding.tables`` builds them): q and k are first rotated at their row
+            positions (rotate-half RoPE in fp32, rounded to their dtype, as
+            :func:`rotary_embedding` computes), inside the kernel on CUDA, so the row stage's
+            rotated copies are never written.
 
     Returns:
         [B, heads, Lq, 16] in q's dtype, stored as [B, Lq, heads, 16] (a transposed view, so the
@@ -532,6 +547,8 @@ def small_head_attention(
 
     Raises:
         RuntimeError naming the argument for wrong ranks, shapes, head dims, dtypes or devices,
-        (CPU) n outside [1, Lk], and (CUDA) fp32 / fp64 inputs or a GPU older than sm80.
+        (CPU) n outside [1, Lk], RoPE tables of the wrong shape, dtype or device, and (CUDA)
+        fp32 / fp64 inputs or a GPU older than sm80.
     """
-    return torch.ops.tabserve.small_head_attention(q, k, v, n_keys, scale)
+    cos, sin = rotary if rotary is not None else (None, None)
+    return torch.ops.tabserve.small_head_attention(q, k, v, n_keys, scale, cos, sin)

@@ -207,7 +207,13 @@ def dictionary(w: World, **change):
     queries = {"query_data": [w.query.data] * 2, "query_offsets": [w.query.offsets] * 2}
     codes = torch.tensor([[0, 1], [3, -1], [2, 9]])
     return ops.dictionary_lookup(
-        **{**_table_args(w), **queries, "query_valid": [w.query.valid] * 2, "codes": codes, **change}
+        **{
+            **_table_args(w),
+            **queries,
+            "query_valid": [w.query.valid] * 2,
+            "codes": codes,
+            **change,
+        }
     )
 
 
@@ -363,6 +369,8 @@ REFUSED = [
     C("attention", "small_head_attention: n_keys float", lambda w: small_heads(w, n=torch.tensor(3.0)), RuntimeError, "n_keys must be an int32 or int64"),
     C("attention", "small_head_attention: n_keys wrong shape", lambda w: small_heads(w, n=torch.tensor([1, 2, 3])), RuntimeError, "n_keys must be 0-d or have shape"),
     C("attention", "small_head_attention: n_keys on meta", lambda w: small_heads(w, n=torch.tensor(3, device="meta")), RuntimeError, "n_keys is on meta but q is on cpu"),
+    C("attention", "small_head_attention: rotary tables too short", lambda w: small_heads(w, rotary=(torch.ones(4, 16), torch.ones(4, 16))), RuntimeError, r"rotary_cos must be \[L, 16\] with L >= max\(Lq, Lk\) = 5"),
+    C("attention", "small_head_attention: rotary tables float64", lambda w: small_heads(w, rotary=(torch.ones(5, 16, dtype=torch.float64), torch.ones(5, 16))), RuntimeError, "rotary_cos must be float32"),
     # -- StringColumn / StringIndex ------------------------------------------------------------
     C("strings", "StringColumn: data int64", lambda w: StringColumn(torch.zeros(3, dtype=torch.long), offsets(0, 3)), TypeError, "data must be a 1-D uint8"),
     C("strings", "StringColumn: offsets int32", lambda w: StringColumn(torch.zeros(3, dtype=U8), torch.tensor([0, 3], dtype=I32)), TypeError, "offsets must be a 1-D int64"),
@@ -468,6 +476,8 @@ REFUSED = [
     C("padding", "prefix_attention: flash for fp32 on CUDA", lambda w: attention(w, q=w.q.cuda(), k=w.q.cuda(), v=w.q.cuda(), n=torch.tensor(3, device="cuda"), backend="flash"), RuntimeError, 'backend "flash" needs float16 or bfloat16', cuda=True),
     C("padding", "prefix_attention: efficient for fp16 head dim 4 on CUDA", lambda w: attention(w, q=w.q[..., :4].cuda().half(), k=w.q[..., :4].cuda().half(), v=w.q[..., :4].cuda().half(), n=torch.tensor(3, device="cuda"), backend="efficient"), RuntimeError, 'backend "efficient" needs', cuda=True),
     C("attention", "small_head_attention: fp32 on CUDA", lambda w: small_heads(w, q=w.q16.cuda(), k=w.q16.cuda(), v=w.q16.cuda()), RuntimeError, "float16 or bfloat16", cuda=True),
+    C("attention", "small_head_attention: CPU rotary tables with CUDA q", lambda w: small_heads(w, q=w.q16.cuda().half(), k=w.q16.cuda().half(), v=w.q16.cuda().half(), rotary=(torch.ones(5, 16), torch.ones(5, 16))), RuntimeError, "rotary_cos is on cpu", cuda=True),
+    C("padding", "qassmax_scale: CPU weights with CUDA q", lambda w: ops.qassmax_scale(w.q.cuda().half(), torch.tensor(3, device="cuda"), w.base_mlp, w.query_mlp), RuntimeError, "base_weight1 is on cpu", cuda=True),
     C("attention", "small_head_attention: CPU n_keys with CUDA q", lambda w: small_heads(w, q=w.q16.cuda().half(), k=w.q16.cuda().half(), v=w.q16.cuda().half(), n=torch.tensor(3)), RuntimeError, "n_keys", cuda=True),
     C("model", "X on CUDA, model on CPU", lambda w: w.model(w.X.cuda(), w.y.cuda()), ValueError, "X is on cuda:0 but the model is on cpu", cuda=True),
 ]

@@ -115,6 +115,64 @@ def test_opcheck(device):
     torch.library.opcheck(op, (q, k, v))
     torch.library.opcheck(op, (q, k, v, torch.tensor([21, 4], device=device), 0.5))
     torch.library.opcheck(op, (q, k, v, torch.tensor(7, dtype=torch.int32, device=device)))
+    cos, sin = rope_tables(21, dtype, device)
+    torch.library.opcheck(op, (q, k, v, torch.tensor([3, 21], device=device), None, cos, sin))
+
+
+def rope_tables(length, dtype, device, base=10_000.0):
+    """The row stage's RoPE tables (fp32 [length, 16]), as the model builds them."""
+    from tabserve.models.tabicl.layers import RotaryEmbedding
+
+    return RotaryEmbedding(16, base).to(device).tables(length, device, dtype)
+
+
+def rotated(x, tables):
+    """x rotated by the model's ATen composite (rotate-half in fp32, back to x's dtype)."""
+    from tabserve.models.tabicl.layers import rotate_half
+
+    cos, sin = (t[: x.shape[-2]] for t in tables)
+    return rotate_half(x, cos, sin)
+
+
+ROPE_CASES = [
+    (6, 8, 68, 68, None),  # the row stage
+    (5, 8, 20, 20, [20, 3, 1, 20, 7]),  # padded features: a count per row
+    (2, 2, 150, 150, 140),  # more tokens than one staged chunk (keys streamed)
+]
+
+
+@pytest.mark.parametrize("case", ROPE_CASES, ids=lambda c: "b{}-h{}-q{}-k{}".format(*c[:4]))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_rotary_tables_equal_rotating_first(case, dtype):
+    batch, heads, queries, keys, n = case
+    q, k, v = packed_qkv(11, batch, heads, queries, keys, dtype, "cpu")
+    tables = rope_tables(max(queries, keys) + 3, dtype, "cpu")  # longer tables are fine
+    count = _n_tensor(n, "cpu")
+    got = ops.small_head_attention(q, k, v, count, rotary=tables)
+    assert torch.equal(
+        got, ops.small_head_attention(rotated(q, tables), rotated(k, tables), v, count)
+    )
+    n_exact = n[0] if isinstance(n, list) and len(n) == 1 else n
+    expected = exact(rotated(q.double(), tables), rotated(k.double(), tables), v, n_exact)
+    tolerance = 2e-6 if dtype == torch.float32 else 3e-2
+    assert (got.double() - expected).abs().max().item() <= tolerance
+
+
+@pytest.mark.parametrize(
+    "tables, message",
+    [
+        (lambda c, s: (c, None), "rotary_cos and rotary_sin must be given together"),
+        (lambda c, s: (c[:4], s[:4]), "rotary_cos must be \\[L, 16\\] with L >= max"),
+        (lambda c, s: (c, s[:, :8]), "rotary_sin must be \\[L, 16\\]"),
+        (lambda c, s: (c.double(), s.double()), "rotary_cos must be float32"),
+        (lambda c, s: (c, s.to("meta")), "rotary_sin is on meta"),
+    ],
+)
+def test_bad_rotary_tables_are_named(tables, message):
+    q, k, v = packed_qkv(12, 2, 2, 5, 6, torch.float32, "cpu")
+    cos, sin = tables(*rope_tables(6, torch.float32, "cpu"))
+    with pytest.raises(RuntimeError, match=message):
+        torch.ops.tabserve.small_head_attention(q, k, v, None, None, cos, sin)
 
 
 def test_compiles_in_one_graph_with_n_from_a_tensor():
@@ -170,11 +228,24 @@ CUDA_CASES = CASES + [
 ]
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
-@pytest.mark.parametrize("spare", [0, 1], ids=["aligned", "unaligned"])
-@pytest.mark.parametrize("case", CUDA_CASES, ids=lambda c: "b{}-h{}-q{}-k{}".format(*c[:4]))
-@pytest.mark.cuda
-@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def on_cuda_cases(cases):
+    """A CUDA test over ``cases`` x (fp16, bf16) x (aligned, unaligned rows)."""
+
+    def decorate(test):
+        for mark in (
+            pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU"),
+            pytest.mark.cuda,
+            pytest.mark.parametrize("case", cases, ids=lambda c: "b{}-h{}-q{}-k{}".format(*c[:4])),
+            pytest.mark.parametrize("spare", [0, 1], ids=["aligned", "unaligned"]),
+            pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"]),
+        ):
+            test = mark(test)
+        return test
+
+    return decorate
+
+
+@on_cuda_cases(CUDA_CASES)
 def test_cuda_equals_float64_maths_within_the_fused_kernels_error(case, dtype, spare):
     """Within 2x the error of PyTorch's SDPA on the same half-precision inputs (plus 1 ulp of
     the output dtype), and within an absolute bound, for aligned and unaligned rows."""
@@ -238,6 +309,19 @@ def test_cuda_graph_replays_with_a_new_count():
         assert (captured.double().cpu() - exact(q, k, v, count)).abs().max().item() <= 3e-3
 
 
+@on_cuda_cases(ROPE_CASES)
+def test_cuda_rotary_in_the_kernel_is_bitwise_rotating_first(case, dtype, spare):
+    """The kernel's RoPE rounds each product and the sum in fp32, as ATen's composite does:
+    the rotated operands, and so the outputs, are bit for bit those of rotating first."""
+    batch, heads, queries, keys, n = case
+    q, k, v = packed_qkv(13, batch, heads, queries, keys, dtype, "cuda", spare)
+    tables = rope_tables(max(queries, keys), dtype, "cuda")
+    count = _n_tensor(n, "cuda")
+    got = ops.small_head_attention(q, k, v, count, rotary=tables)
+    first = ops.small_head_attention(rotated(q, tables), rotated(k, tables), v, count)
+    assert torch.equal(got, first)
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 def test_cuda_refuses_fp32():
@@ -255,7 +339,9 @@ def test_cuda_model_on_the_kernel_matches_sdpa_in_fp16(task, monkeypatch):
     on SDPA, and both close to fp32."""
     calls = []
     kernel_op = ops.small_head_attention
-    monkeypatch.setattr(ops, "small_head_attention", lambda *a: calls.append(1) or kernel_op(*a))
+    monkeypatch.setattr(
+        ops, "small_head_attention", lambda *a, **kw: calls.append(1) or kernel_op(*a, **kw)
+    )
     # Copies: our_model is cached, and the stage kernels must not leak into it.
     plain = copy.deepcopy(our_model(task, "full")).cuda()
     kernel = copy.deepcopy(plain)

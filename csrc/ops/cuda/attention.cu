@@ -117,17 +117,46 @@ struct Params {
   int64_t n_keys_stride;  // 0 for one count shared by the batch
   float scale_log2;       // softmax scale * log2(e)
   bool aligned;           // every row of q, k and v starts on a 16-byte boundary
+  const float* cos;       // nullptr, or RoPE tables [>= max(Lq, Lk), 16]: q and k are rotated
+  const float* sin;
 };
+
+// Two packed input-dtype values as floats.
+template <typename T>
+__device__ __forceinline__ float2 unpack_two(uint32_t packed) {
+  if constexpr (std::is_same_v<T, __half>) {
+    return __half22float2(*reinterpret_cast<const __half2*>(&packed));
+  } else {
+    return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&packed));
+  }
+}
+
+// Rotate-half RoPE of dims d, d + 1 (d even) and their partners d + 8, d + 9 of a row at
+// `position`, in fp32 as the composite computes it (two products and a sum, each rounded: no
+// contraction into an FMA):  lo' = lo cos[d] - hi sin[d],  hi' = hi cos[d + 8] + lo sin[d + 8].
+__device__ __forceinline__ void rotate_two(const Params& p, int64_t position, int d, float2& lo,
+                                           float2& hi) {
+  const float2* c = reinterpret_cast<const float2*>(p.cos + position * kD + d);
+  const float2* s = reinterpret_cast<const float2*>(p.sin + position * kD + d);
+  const float2 c_lo = __ldg(c), c_hi = __ldg(c + 4), s_lo = __ldg(s), s_hi = __ldg(s + 4);
+  const float2 new_lo = {__fadd_rn(__fmul_rn(lo.x, c_lo.x), __fmul_rn(-hi.x, s_lo.x)),
+                         __fadd_rn(__fmul_rn(lo.y, c_lo.y), __fmul_rn(-hi.y, s_lo.y))};
+  hi = {__fadd_rn(__fmul_rn(hi.x, c_hi.x), __fmul_rn(lo.x, s_hi.x)),
+        __fadd_rn(__fmul_rn(hi.y, c_hi.y), __fmul_rn(lo.y, s_hi.y))};
+  lo = new_lo;
+}
 
 // Rows [start, start + count) of keys and values of heads [h0, h0 + heads) into shared memory,
 // zero rows up to `padded`; the block's threads split the 16-byte halves of the rows.
-template <typename T>
+// With RoPE tables the keys are staged a whole row per thread (a rotation pairs dims d and d + 8
+// of the two halves) and rotated at their positions start + key.
+template <typename T, bool kRotate>
 __device__ __forceinline__ void stage(const Params& p, const T* k, const T* v, int64_t start,
                                       int count, int padded, int heads, T* keys, T* values) {
   const int halves = 2 * padded * heads;
-  for (int i = static_cast<int>(threadIdx.x); i < 2 * halves; i += kThreads) {
-    const bool is_value = i >= halves;
-    const int j = is_value ? i - halves : i;
+  for (int i = static_cast<int>(threadIdx.x); i < (kRotate ? halves : 2 * halves); i += kThreads) {
+    const bool is_value = kRotate || i >= halves;
+    const int j = kRotate ? i : (is_value ? i - halves : i);
     const int half = j & 1, head = (j >> 1) % heads, key = (j >> 1) / heads;
     T* dst = (is_value ? values : keys) + head * p.staged_rows * kD + swizzled(key, half);
     uint4* dst4 = reinterpret_cast<uint4*>(dst);
@@ -145,13 +174,52 @@ __device__ __forceinline__ void stage(const Params& p, const T* k, const T* v, i
       for (int e = 0; e < 8; ++e) dst[e] = src[e];
     }
   }
+  if constexpr (kRotate) {
+    for (int i = static_cast<int>(threadIdx.x); i < padded * heads; i += kThreads) {
+      const int head = i % heads, key = i / heads;
+      T* row = keys + head * p.staged_rows * kD;
+      uint32_t packed[8] = {};  // dims 2e, 2e + 1
+      if (key < count) {
+        const T* src = k + head * p.k.head_stride + (start + key) * p.k.row_stride;
+        if (p.aligned) {
+          const uint4 lo = *reinterpret_cast<const uint4*>(src);
+          const uint4 hi = *reinterpret_cast<const uint4*>(src + 8);
+          const uint32_t words[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+#pragma unroll
+          for (int e = 0; e < 8; ++e) packed[e] = words[e];
+        } else {
+#pragma unroll
+          for (int e = 0; e < 8; ++e) {
+            T pair[2] = {src[2 * e], src[2 * e + 1]};
+            packed[e] = *reinterpret_cast<const uint32_t*>(pair);
+          }
+        }
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {  // dims 2e, 2e + 1 with their partners 2e + 8, 2e + 9
+          float2 lo = unpack_two<T>(packed[e]), hi = unpack_two<T>(packed[e + 4]);
+          rotate_two(p, start + key, 2 * e, lo, hi);
+          packed[e] = pack_two<T>(lo.x, lo.y);
+          packed[e + 4] = pack_two<T>(hi.x, hi.y);
+        }
+      }
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        *reinterpret_cast<uint4*>(row + swizzled(key, half)) =
+            make_uint4(packed[4 * half], packed[4 * half + 1], packed[4 * half + 2],
+                       packed[4 * half + 3]);
+      }
+    }
+  }
 }
 
 // The A fragment of 16 query rows (zeros past the last query): lane (g, t) = (lane / 4, lane % 4)
 // holds dims 2t, 2t + 1 and 2t + 8, 2t + 9 of rows g and g + 8.
-template <typename T>
-__device__ __forceinline__ void load_queries(const T* q, int64_t row_stride, int64_t first,
-                                             int64_t queries, bool aligned, uint32_t (&a)[4]) {
+// With RoPE tables the lane's dims 2t, 2t + 1 and their partners 2t + 8, 2t + 9 are rotated at
+// the row's position (both halves of a row sit in the same lane).
+template <typename T, bool kRotate>
+__device__ __forceinline__ void load_queries(const Params& p, const T* q, int64_t row_stride,
+                                             int64_t first, int64_t queries, bool aligned,
+                                             uint32_t (&a)[4]) {
   const int g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
@@ -165,6 +233,17 @@ __device__ __forceinline__ void load_queries(const T* q, int64_t row_stride, int
     } else {
       T pair[2] = {src[0], src[1]};
       a[i] = *reinterpret_cast<const uint32_t*>(pair);
+    }
+  }
+  if constexpr (kRotate) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int64_t query = first + g + 8 * r;
+      if (query >= queries) continue;
+      float2 lo = unpack_two<T>(a[r]), hi = unpack_two<T>(a[r + 2]);
+      rotate_two(p, query, 2 * t, lo, hi);
+      a[r] = pack_two<T>(lo.x, lo.y);
+      a[r + 2] = pack_two<T>(hi.x, hi.y);
     }
   }
 }
@@ -275,7 +354,7 @@ __device__ __forceinline__ void write_tile(const Params& p, int64_t b, int64_t h
   }
 }
 
-template <typename T>
+template <typename T, bool kRotate>
 __global__ void __launch_bounds__(kThreads, 2) small_head_attention_kernel(Params p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   extern __shared__ __align__(16) unsigned char staging[];
@@ -303,14 +382,14 @@ __global__ void __launch_bounds__(kThreads, 2) small_head_attention_kernel(Param
 
   if (p.keys <= kChunk) {  // every key staged once; the warps take (head, tile) items in turn
     const int count = static_cast<int>(used);
-    stage<T>(p, k, v, 0, count, (count + 15) & ~15, heads, keys, values);
+    stage<T, kRotate>(p, k, v, 0, count, (count + 15) & ~15, heads, keys, values);
     __syncthreads();
     for (int64_t item = warp; item < heads * tiles; item += kWarps) {
       const int head = static_cast<int>(item / tiles);
       const int64_t first = (first_tile + item % tiles) * 16;
       uint32_t query[4];
-      load_queries<T>(q + head * p.q.head_stride, p.q.row_stride, first, p.queries, p.aligned,
-                      query);
+      load_queries<T, kRotate>(p, q + head * p.q.head_stride, p.q.row_stride, first, p.queries,
+                      p.aligned, query);
       TileState st;
       attend<T>(query, keys + head * p.staged_rows * kD, values + head * p.staged_rows * kD,
                 count, p.scale_log2, st);
@@ -323,12 +402,12 @@ __global__ void __launch_bounds__(kThreads, 2) small_head_attention_kernel(Param
   const bool active = warp < tiles;
   const int64_t first = (first_tile + warp) * 16;
   uint32_t query[4];
-  if (active) load_queries<T>(q, p.q.row_stride, first, p.queries, p.aligned, query);
+  if (active) load_queries<T, kRotate>(p, q, p.q.row_stride, first, p.queries, p.aligned, query);
   TileState st;
   for (int64_t start = 0; start < used; start += kChunk) {
     const int count = static_cast<int>(smaller(int64_t{kChunk}, used - start));
     if (start > 0) __syncthreads();  // every warp is done with the previous chunk
-    stage<T>(p, k, v, start, count, (count + 15) & ~15, 1, keys, values);
+    stage<T, kRotate>(p, k, v, start, count, (count + 15) & ~15, 1, keys, values);
     __syncthreads();
     if (active) attend<T>(query, keys, values, count, p.scale_log2, st);
   }
@@ -348,8 +427,10 @@ bool rows_aligned(const at::Tensor& t) {
 at::Tensor small_head_attention_cuda(const at::Tensor& q_in, const at::Tensor& k_in,
                                      const at::Tensor& v_in,
                                      const std::optional<at::Tensor>& n_keys,
-                                     std::optional<double> scale) {
-  check_small_head_attention(q_in, k_in, v_in, n_keys);
+                                     std::optional<double> scale,
+                                     const std::optional<at::Tensor>& rotary_cos,
+                                     const std::optional<at::Tensor>& rotary_sin) {
+  check_small_head_attention(q_in, k_in, v_in, n_keys, rotary_cos, rotary_sin);
   TORCH_CHECK(q_in.scalar_type() == at::kHalf || q_in.scalar_type() == at::kBFloat16,
               "small_head_attention on CUDA takes float16 or bfloat16 q, k and v (tensor cores), "
               "got ", q_in.scalar_type(), "; fp32 attention runs through SDPA");
@@ -404,15 +485,27 @@ at::Tensor small_head_attention_cuda(const at::Tensor& q_in, const at::Tensor& k
   }
   params.scale_log2 = static_cast<float>(scale.value_or(0.25)) * kLog2e;
   params.aligned = rows_aligned(q) && rows_aligned(k) && rows_aligned(v);
+  // Contiguous tables (a copy only for a strided view: they are [L, 16] floats).
+  at::Tensor cos, sin;
+  if (rotary_cos.has_value()) {
+    cos = rotary_cos->contiguous();
+    sin = rotary_sin->contiguous();
+    params.cos = cos.const_data_ptr<float>();
+    params.sin = sin.const_data_ptr<float>();
+  }
 
   const auto stream = c10::cuda::getCurrentCUDAStream();
   const auto grid = static_cast<unsigned int>(blocks);
   const auto shared = static_cast<size_t>(2 * params.heads_per_block * params.staged_rows * kD *
                                           q.element_size());
+  const auto launch = [&](auto kernel) { kernel<<<grid, kThreads, shared, stream>>>(params); };
+  const bool rotate = params.cos != nullptr;
   if (q.scalar_type() == at::kHalf) {
-    small_head_attention_kernel<__half><<<grid, kThreads, shared, stream>>>(params);
+    launch(rotate ? small_head_attention_kernel<__half, true>
+                  : small_head_attention_kernel<__half, false>);
   } else {
-    small_head_attention_kernel<__nv_bfloat16><<<grid, kThreads, shared, stream>>>(params);
+    launch(rotate ? small_head_attention_kernel<__nv_bfloat16, true>
+                  : small_head_attention_kernel<__nv_bfloat16, false>);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return out;

@@ -148,6 +148,17 @@ class Attention(nn.Module):
     def _split_heads(self, x: Tensor) -> Tensor:
         return x.unflatten(-1, (self.num_heads, self.head_dim)).transpose(-3, -2)
 
+    def _rope_in_kernel(self, rope: RotaryEmbedding, q: Tensor, k: Tensor, v: Tensor) -> bool:
+        """Self-attention with RoPE and no QASSMax (the row stage) on the head-dim-16 kernel:
+        the kernel rotates q and k itself from fp32 tables (shapes and dtypes only: static
+        under compile)."""
+        return (
+            self.small_heads
+            and self.ssmax_layer is None
+            and rope.freqs.dtype == torch.float32
+            and _small_head_kernel_applies(q, k, v)
+        )
+
     def project_kv(self, kv: Tensor, rope: RotaryEmbedding | None = None) -> KeyValue:
         """Head-split K and V of (already normalised) tokens ``(..., L, E)``."""
         dim = kv.shape[-1]
@@ -173,17 +184,20 @@ class Attention(nn.Module):
         shapes stay the bucket's and n never reaches the host.
         """
         dim = q.shape[-1]
+        fused_rope = None  # RoPE tables handed to the head-dim-16 kernel instead
         if kv is None:  # one packed projection, as the reference's self-attention does
             packed = F.linear(q, self.in_proj_weight, self.in_proj_bias).chunk(3, dim=-1)
             query, k, v = (self._split_heads(t) for t in packed)
-            if rope is not None:
+            if rope is not None and self._rope_in_kernel(rope, query, k, v):
+                fused_rope = rope.tables(query.shape[-2], query.device, query.dtype)
+            elif rope is not None:
                 k = rope(k)
         else:
             query = self._split_heads(
                 F.linear(q, self.in_proj_weight[:dim], self.in_proj_bias[:dim])
             )
             k, v = kv
-        if rope is not None:
+        if rope is not None and fused_rope is None:
             query = rope(query)
         if self.ssmax_layer is not None:
             # Before broadcasting: the scale depends only on the query and the number of keys.
@@ -199,7 +213,7 @@ class Attention(nn.Module):
         k = k.expand(*batch_shape, *k.shape[-3:]).reshape(-1, *k.shape[-3:])
         v = v.expand(*batch_shape, *v.shape[-3:]).reshape(-1, *v.shape[-3:])
         if self.small_heads and _small_head_kernel_applies(query, k, v):
-            out = _padded_ops().small_head_attention(query, k, v, n_keys)
+            out = _padded_ops().small_head_attention(query, k, v, n_keys, rotary=fused_rope)
         elif n_keys is None:
             out = batched_sdpa(query, k, v)
         else:
