@@ -419,6 +419,8 @@ def test_cells_without_an_fp32_cell_get_a_gate_only_reference(tmp_path, capsys):
     assert {c["name"] for c in document["cells"]} == {"c0-ref-fp32", "c13-fp32-kv"}
     printed = capsys.readouterr().out
     assert "gate-ref" in printed
+    # The plot draws the timed cell only (a gate-only row has no one-shot figures).
+    assert report.plot(document, tmp_path / "bench.png").stat().st_size > 0
 
     # Opting out leaves the gate unchecked, and nothing is promoted.
     out2 = tmp_path / "bench2.json"
