@@ -556,9 +556,11 @@ def test_profiler_splits_eager_time_by_stage_and_writes_tables(tmp_path):
     eager, cuda_only = json.loads(js.read_text())
     assert eager["cell"] == "c2-fp32" and len(eager["wall_ms_all"]) == 2
     assert eager["wall_ms_median"] > 0
-    # Every stage ran and was timed; together they are most of the call.
+    # Every stage ran and was timed; together they fit in the same calls' wall time (read
+    # against those calls, not the separately timed ones: a busy CI box slows one set alone).
     assert all(eager["stage_gpu_ms"][s] > 0 for s in ("col", "row", "icl"))
-    assert sum(eager["stage_gpu_ms"].values()) <= 1.5 * max(eager["wall_ms_all"])
+    assert len(eager["stage_call_wall_ms"]) == 2
+    assert sum(eager["stage_gpu_ms"].values()) <= 1.5 * max(eager["stage_call_wall_ms"])
     # A cell that cannot run on this device is reported, not fatal.
     assert cuda_only == {"cell": "c5-fp16", "workload": "small-quick",
                          "skipped": "skipped: no CUDA device"}

@@ -6,6 +6,7 @@ raw outputs (logits / quantiles) and the KV-cached paths. Tolerance: 1e-5 absolu
 
 from __future__ import annotations
 
+import math
 import zlib
 
 import pytest
@@ -254,6 +255,99 @@ def test_bad_cache_use_raises():
         ours.predict_stats(X, y)
     with pytest.raises(ValueError, match="unknown output_type"):
         our_model("reg", "tiny").predict_stats(*random_table(2, 1, 10, 2, 3), output_type="mode")
+
+
+def expected_label_error(y):
+    """The label contract, from Python sets: None when y_train is valid, else the message's start."""
+    rows = y.tolist()
+    values = [v for row in rows for v in row]
+    if not all(math.isfinite(v) for v in values):
+        return "y_train contains NaN or infinite values"
+    if any(v < 0 or v != int(v) for v in values):
+        return "classification labels must be non-negative integers"
+    counts = [len(set(row)) for row in rows]
+    if any(c != counts[0] for c in counts):
+        return "all tables must have the same number of classes"
+    if any(set(row) != set(range(counts[0])) for row in rows):
+        return "labels of every table must be exactly 0..K-1"
+    return None
+
+
+def test_label_checks_equal_the_contract_on_random_labels():
+    """The one-transfer label checks (distinct labels from sorted rows) against Python sets, on
+    valid labels and every way to break them."""
+    model = our_model("clf", "tiny")
+    gen = torch.Generator().manual_seed(11)
+    breaks = [None, "gap", "negative", "fraction", "nan", "inf", "uneven", "duplicate-only"]
+    seen = set()
+    for trial in range(160):
+        tables, classes = 1 + trial % 3, 1 + trial % 4
+        rows = classes + trial % 6
+        y = torch.randint(0, classes, (tables, rows), generator=gen).float()
+        y[:, :classes] = torch.arange(classes).float()  # every class present
+        kind = breaks[trial % len(breaks)]
+        if kind == "gap":
+            y[y == classes - 1] = classes
+        elif kind == "negative":
+            y[0, -1] = -1
+        elif kind == "fraction":
+            y[-1, 0] = 0.5
+        elif kind == "nan":
+            y[0, 0] = float("nan")
+        elif kind == "inf":
+            y[-1, -1] = float("inf")
+        elif kind == "uneven" and tables > 1:
+            y[0] = 0
+        elif kind == "duplicate-only":
+            y[:] = 0
+        X = torch.randn(tables, rows + 1, 3, generator=gen)
+        expected = expected_label_error(y)
+        seen.add(expected)
+        if expected is None:
+            _, num_classes = model._check_inputs(X, y)
+            assert num_classes == len(set(y[0].tolist()))
+        else:
+            with pytest.raises(ValueError, match=expected.replace("..", r"\.\.")):
+                model._check_inputs(X, y)
+    assert len(seen) == 5  # valid, and each of the four label errors
+
+
+def test_input_checks_read_the_device_once(monkeypatch):
+    """All value checks of X and y_train reach the host in one transfer (one GPU sync)."""
+    reads = []
+    for method in ("item", "tolist", "__bool__", "__int__", "__index__"):
+        original = getattr(torch.Tensor, method)
+        monkeypatch.setattr(
+            torch.Tensor,
+            method,
+            lambda self, *a, _m=method, _f=original: reads.append(_m) or _f(self, *a),
+        )
+    for task, classes in (("clf", 3), ("reg", 0)):
+        model = our_model(task, "tiny")
+        X, y = random_table(3, 2, 30, 6, 4, classes)
+        reads.clear()
+        assert model._check_inputs(X, y)[1] == classes
+        assert reads == ["tolist"], (task, reads)
+
+
+@pytest.mark.cuda
+@requires_cuda
+def test_cuda_input_checks_synchronise_once():
+    import copy
+    import warnings
+
+    model = copy.deepcopy(our_model("clf", "tiny")).cuda()  # our_model is cached
+    X, y = (t.cuda() for t in random_table(3, 2, 30, 6, 4, 3))
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            assert model._check_inputs(X, y)[1] == 3
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs = [w for w in caught if "synchroniz" in str(w.message)]
+    assert len(syncs) == 1, [str(w.message) for w in syncs]
 
 
 # ----------------------------------------------------------------------------- CUDA

@@ -276,8 +276,7 @@ class ServedTabICL:
         if not self.recipe.buckets:
             with self.recipe.context(self.device):
                 return model(X, y_train, return_logits, softmax_temperature)
-        X = model._check_table(X)
-        num_classes = model._check_labels(X, y_train)
+        X, num_classes = model._check_inputs(X, y_train)
         y_train = y_train.to(X.dtype)
         n_train, n_features = y_train.shape[1], X.shape[2]
         n_test = X.shape[1] - n_train
@@ -341,8 +340,7 @@ class ServedTabICL:
         if not self.recipe.buckets:
             with self.recipe.context(self.device):
                 return model.build_cache(X_train, y_train)
-        X_train = model._check_table(X_train, "X_train")
-        num_classes = model._check_labels(X_train, y_train)
+        X_train, num_classes = model._check_inputs(X_train, y_train, "X_train")
         n_train, n_features = X_train.shape[1], X_train.shape[2]
         if y_train.shape[1] != n_train or num_classes > self.config.max_classes:
             return model.build_cache(X_train, y_train)  # raises the model's error
