@@ -172,7 +172,8 @@ auto small_head_attention_op() {
   return c10::Dispatcher::singleton()
       .findSchemaOrThrow("tabserve::small_head_attention", "")
       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                        const std::optional<at::Tensor>&, std::optional<double>)>();
+                        const std::optional<at::Tensor>&, std::optional<double>,
+                        const std::optional<at::Tensor>&, const std::optional<at::Tensor>&)>();
 }
 
 }  // namespace
@@ -183,7 +184,8 @@ TEST(DispatcherOps, SmallHeadAttentionIsSoftmaxOverTheFirstNKeys) {
   const at::Tensor k = at::randn({2, 8, 11, 16}, at::kDouble);
   const at::Tensor v = at::randn({2, 8, 11, 16}, at::kDouble);
   const at::Tensor n = at::tensor({11, 4}, at::kLong);
-  const at::Tensor got = small_head_attention_op().call(q, k, v, n, std::nullopt);
+  const at::Tensor got =
+      small_head_attention_op().call(q, k, v, n, std::nullopt, std::nullopt, std::nullopt);
   EXPECT_TRUE(got.transpose(1, 2).is_contiguous());
   for (int64_t b = 0; b < 2; ++b) {
     const int64_t count = n[b].item<int64_t>();
@@ -193,10 +195,35 @@ TEST(DispatcherOps, SmallHeadAttentionIsSoftmaxOverTheFirstNKeys) {
   }
 }
 
+// With RoPE tables: q and k rotated first (dims d and d + 8 pair up), checked against the
+// rotation written out here in double precision.
+TEST(DispatcherOps, SmallHeadAttentionRotatesQueriesAndKeysFirst) {
+  at::manual_seed(1);
+  const at::Tensor q = at::randn({1, 2, 6, 16}, at::kDouble);
+  const at::Tensor k = at::randn({1, 2, 6, 16}, at::kDouble);
+  const at::Tensor v = at::randn({1, 2, 6, 16}, at::kDouble);
+  const at::Tensor angles = at::arange(6, at::kDouble).unsqueeze(1) * at::rand({1, 8}, at::kDouble);
+  const at::Tensor cos = at::cat({angles.cos(), angles.cos()}, 1).to(at::kFloat);
+  const at::Tensor sin = at::cat({angles.sin(), angles.sin()}, 1).to(at::kFloat);
+  const auto rotate = [&](const at::Tensor& x) {
+    const at::Tensor c = cos.to(at::kDouble), s = sin.to(at::kDouble);
+    const at::Tensor lo = x.narrow(3, 0, 8), hi = x.narrow(3, 8, 8);
+    return at::cat({lo * c.narrow(1, 0, 8) - hi * s.narrow(1, 0, 8),
+                    hi * c.narrow(1, 8, 8) + lo * s.narrow(1, 8, 8)},
+                   3);
+  };
+  const at::Tensor got =
+      small_head_attention_op().call(q, k, v, std::nullopt, std::nullopt, cos, sin);
+  const at::Tensor scores = at::matmul(rotate(q), rotate(k).transpose(-1, -2)) * 0.25;
+  const at::Tensor expected = at::matmul(at::softmax(scores, -1), v);
+  EXPECT_TRUE(at::allclose(got, expected, 1e-12, 1e-12));
+}
+
 TEST(DispatcherOps, SmallHeadAttentionOtherHeadDimensionRaisesNamingIt) {
   const at::Tensor t = at::zeros({1, 2, 3, 8});
   try {
-    small_head_attention_op().call(t, t, t, std::nullopt, std::nullopt);
+    small_head_attention_op().call(t, t, t, std::nullopt, std::nullopt, std::nullopt,
+                                   std::nullopt);
     FAIL() << "expected an error";
   } catch (const c10::Error& e) {
     EXPECT_NE(std::string(e.what()).find("q must have head_dim 16"), std::string::npos) << e.what();
