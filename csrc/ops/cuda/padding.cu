@@ -173,12 +173,13 @@ at::Tensor prefix_attention_cuda(const at::Tensor& q, const at::Tensor& k, const
 // -- qassmax_scale: one fused kernel ------------------------------------------------------------
 //
 // The composite (padding.cpp) launches about twenty kernels per call (eight weight casts, two
-// GEMMs per MLP, GELU, tanh, products), a quarter of the small tables' replayed graphs. For fp16 /
-// bf16 q (the serving recipes; fp32 keeps the composite, see qassmax_scale_cuda) instead
-// one block scales up to kQassmaxRows query rows of one (outer index, head): it stages the query
-// MLP's weights in shared memory, computes the head's base vector from n, and each thread runs the
-// query MLP of its row in registers. Every intermediate is rounded to q's dtype where the
-// composite (the reference under autocast) rounds it; sums are fp32 like cuBLAS's.
+// GEMMs per MLP, GELU, tanh, products): about a quarter of the GPU time of a small table's
+// replayed graph (H200 profile of cell c33). For fp16 / bf16 q (the serving recipes; fp32 keeps
+// the composite, see qassmax_scale_cuda) one block instead scales up to kQassmaxRows query rows
+// of one (outer index, head): it stages the query MLP's weights in shared memory, computes the
+// head's base vector from n, and each thread runs the query MLP of its row in registers. Every
+// intermediate is rounded to q's dtype where the composite (the reference under autocast) rounds
+// it; sums are fp32 like cuBLAS's.
 
 constexpr int kQassmaxRows = 128;    // threads per block, one query row each
 constexpr int kQassmaxMaxOuter = 6;  // q's leading dimensions before [heads, queries, head_dim]
@@ -385,7 +386,6 @@ at::Tensor qassmax_scale_cuda(const at::Tensor& q, const at::Tensor& n_keys,
   s.base_hidden = static_cast<int>(base_weight1.size(0));
   s.query_out = static_cast<int>(query_weight2.size(0));
   s.base_out = static_cast<int>(base_weight2.size(0) / q.size(-3));
-  s.n_keys = n_keys.data_ptr();
   s.n_is_int64 = n_keys.scalar_type() == at::kLong;
   s.n_per_batch = n_keys.dim() == 1;
 
