@@ -20,6 +20,9 @@
 // Keys past n (n read on the device, so nothing waits for the host and one CUDA graph serves every
 // n) are never loaded; the zero rows that round a chunk up to 16 keys are masked to -inf.
 // Global loads use 16-byte vectors when every row is 16-byte aligned, 2-byte loads otherwise.
+// With RoPE tables (the row stage) q and k are rotated as they are loaded: a lane holds both
+// halves of its query rows' dims, and keys are then staged one whole row per thread; this is a
+// separate instantiation (kRotate), so the plain kernel keeps its registers.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
