@@ -143,13 +143,11 @@ void check_qassmax_scale(const at::Tensor& q, const at::Tensor& n_keys,
               "base_bias2 / query_bias2 must match the rows of base_weight2 / query_weight2");
 }
 
-at::Tensor qassmax_scale_composite(const at::Tensor& q, const at::Tensor& n_keys,
-                                   const at::Tensor& base_weight1, const at::Tensor& base_bias1,
-                                   const at::Tensor& base_weight2, const at::Tensor& base_bias2,
-                                   const at::Tensor& query_weight1, const at::Tensor& query_bias1,
-                                   const at::Tensor& query_weight2, const at::Tensor& query_bias2) {
-  check_qassmax_scale(q, n_keys, base_weight1, base_bias1, base_weight2, base_bias2,
-                      query_weight1, query_bias1, query_weight2, query_bias2);
+at::Tensor qassmax_scale_maths(const at::Tensor& q, const at::Tensor& n_keys,
+                               const at::Tensor& base_weight1, const at::Tensor& base_bias1,
+                               const at::Tensor& base_weight2, const at::Tensor& base_bias2,
+                               const at::Tensor& query_weight1, const at::Tensor& query_bias1,
+                               const at::Tensor& query_weight2, const at::Tensor& query_bias2) {
   const int64_t heads = q.size(-3);
   // Weights in q's dtype, as autocast runs the reference's Linear layers.
   const auto as_q = [&](const at::Tensor& t) { return t.to(q.scalar_type()); };
@@ -173,6 +171,18 @@ at::Tensor qassmax_scale_composite(const at::Tensor& q, const at::Tensor& n_keys
 }
 
 namespace {
+
+// The CPU kernel: checks, then the composite.
+at::Tensor qassmax_scale_cpu(const at::Tensor& q, const at::Tensor& n_keys,
+                             const at::Tensor& base_weight1, const at::Tensor& base_bias1,
+                             const at::Tensor& base_weight2, const at::Tensor& base_bias2,
+                             const at::Tensor& query_weight1, const at::Tensor& query_bias1,
+                             const at::Tensor& query_weight2, const at::Tensor& query_bias2) {
+  check_qassmax_scale(q, n_keys, base_weight1, base_bias1, base_weight2, base_bias2,
+                      query_weight1, query_bias1, query_weight2, query_bias2);
+  return qassmax_scale_maths(q, n_keys, base_weight1, base_bias1, base_weight2, base_bias2,
+                             query_weight1, query_bias1, query_weight2, query_bias2);
+}
 
 // One pass over the padded table: every output element is written once, from x or the fill.
 at::Tensor pad_rows_cpu(const at::Tensor& x, const PadShape& s, double fill) {
@@ -263,7 +273,7 @@ TORCH_LIBRARY_IMPL(tabserve, CPU, m) {
   m.impl("pad_to_bucket", &pad_to_bucket_cpu);
   m.impl("pad_labels", &pad_labels_cpu);
   m.impl("prefix_attention", &prefix_attention_cpu);
-  m.impl("qassmax_scale", &qassmax_scale_composite);
+  m.impl("qassmax_scale", &qassmax_scale_cpu);
 }
 
 }  // namespace ops

@@ -46,12 +46,13 @@ void check_qassmax_scale(const at::Tensor& q, const at::Tensor& n_keys,
                          const at::Tensor& query_weight2, const at::Tensor& query_bias2);
 
 // QASSMax query scaling as an ATen composite (linear, GELU, tanh, one product per rounding of
-// the reference's autocast maths): the CPU kernel, and CUDA's for shapes its fused kernel skips.
-at::Tensor qassmax_scale_composite(const at::Tensor& q, const at::Tensor& n_keys,
-                                   const at::Tensor& base_weight1, const at::Tensor& base_bias1,
-                                   const at::Tensor& base_weight2, const at::Tensor& base_bias2,
-                                   const at::Tensor& query_weight1, const at::Tensor& query_bias1,
-                                   const at::Tensor& query_weight2, const at::Tensor& query_bias2);
+// the reference's autocast maths), on arguments check_qassmax_scale accepted: the CPU kernel, and
+// CUDA's for the dtypes and shapes its fused kernel leaves to it.
+at::Tensor qassmax_scale_maths(const at::Tensor& q, const at::Tensor& n_keys,
+                               const at::Tensor& base_weight1, const at::Tensor& base_bias1,
+                               const at::Tensor& base_weight2, const at::Tensor& base_bias2,
+                               const at::Tensor& query_weight1, const at::Tensor& query_bias1,
+                               const at::Tensor& query_weight2, const at::Tensor& query_bias2);
 
 }  // namespace ops
 }  // namespace tabserve

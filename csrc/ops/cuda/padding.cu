@@ -357,8 +357,8 @@ at::Tensor qassmax_scale_cuda(const at::Tensor& q, const at::Tensor& n_keys,
                      q.dim() - 3 <= kQassmaxMaxOuter && q.size(-3) <= 65535 &&
                      q.size(-2) <= std::numeric_limits<int32_t>::max() / 2;
   if (!fused) {
-    return qassmax_scale_composite(q, n_keys, base_weight1, base_bias1, base_weight2, base_bias2,
-                                   query_weight1, query_bias1, query_weight2, query_bias2);
+    return qassmax_scale_maths(q, n_keys, base_weight1, base_bias1, base_weight2, base_bias2,
+                               query_weight1, query_bias1, query_weight2, query_bias2);
   }
   const c10::cuda::CUDAGuard guard(q.device());
   at::Tensor out = at::empty_like(q);
