@@ -552,3 +552,52 @@ def small_head_attention(
     """
     cos, sin = rotary if rotary is not None else (None, None)
     return torch.ops.tabserve.small_head_attention(q, k, v, n_keys, scale, cos, sin)
+
+
+# ---------------------------------------------------------------------------------------------
+# Feed-forward half of a transformer block (python/tabserve/kernels/feed_forward.py: schema,
+# composite CPU kernel, Triton CUDA kernel and fake kernel in one file)
+
+
+def feed_forward(
+    x: Tensor,
+    norm_weight: Tensor,
+    norm_bias: Tensor | None,
+    w1: Tensor,
+    b1: Tensor,
+    w2: Tensor,
+    b2: Tensor,
+    eps: float = 1e-5,
+    compute_dtype: torch.dtype = torch.float16,
+) -> Tensor:
+    """``x + linear2(gelu(linear1(layer_norm(x))))`` as ``torch.autocast`` to ``compute_dtype``
+    computes it, in one pass on CUDA.
+
+    LayerNorm runs in fp32 and is rounded to ``compute_dtype``; the weights and biases are cast
+    to it; both linears accumulate in fp32 and round their outputs, the exact (erf) GELU runs in
+    fp32 and rounds its output; the residual sum is in ``promote_types(x.dtype,
+    compute_dtype)``. On CUDA with fp16 / bf16 ``compute_dtype``, a width of 16, 32, 64 or 128
+    and a hidden width that is a multiple of 64, one Triton kernel reads each tile of tokens
+    once and writes it once (the hidden activations never reach memory); elsewhere (CPU, fp32,
+    other shapes) the ATen composite runs. The kernel's matmuls sum in another order than
+    cuBLAS: results differ from the composite by rounding (bounds in docs/ops.md).
+
+    Args:
+        x: [..., dim] float tensor (fp32 / fp16 / bf16 on CUDA), any leading shape.
+        norm_weight, norm_bias: LayerNorm's [dim] affine parameters (bias may be None).
+        w1, b1: linear1's [hidden, dim] weight and [hidden] bias (``nn.Linear`` layout).
+        w2, b2: linear2's [dim, hidden] weight and [dim] bias.
+        eps: LayerNorm's epsilon (finite, >= 0).
+        compute_dtype: the matmul dtype: float16, bfloat16 or float32 (fp32: the composite).
+
+    Returns:
+        [..., dim] tensor of dtype ``promote_types(x.dtype, compute_dtype)``, contiguous.
+
+    Raises:
+        ValueError naming the argument for shapes that do not fit ``x``'s width, non-float
+        tensors, tensors on another device than ``x``, an unsupported ``compute_dtype`` or a
+        negative or infinite ``eps``.
+    """
+    from tabserve.kernels.feed_forward import feed_forward_op
+
+    return feed_forward_op(x, norm_weight, norm_bias, w1, b1, w2, b2, eps, compute_dtype)

@@ -74,6 +74,16 @@ class World:
         self.q16 = torch.randn(2, 2, 5, 16)  # head dimension 16: small_head_attention
         self.base_mlp = (torch.randn(4, 1), torch.randn(4), torch.randn(16, 4), torch.randn(16))
         self.query_mlp = (torch.randn(4, 8), torch.randn(4), torch.randn(8, 4), torch.randn(8))
+        # feed_forward: tokens of width 8, hidden width 16 (LayerNorm weight and bias, linears).
+        self.ffn = dict(
+            x=torch.randn(3, 5, 8),
+            norm_weight=torch.randn(8),
+            norm_bias=torch.randn(8),
+            w1=torch.randn(16, 8),
+            b1=torch.randn(16),
+            w2=torch.randn(8, 16),
+            b2=torch.randn(8),
+        )
         # Tables, alignment, encoding.
         self.frame = pd.DataFrame(
             {"city": ["oslo", "rome", None, "oslo"], "n": [1, 2, 3, 4], "v": [0.5, NAN, 1.5, 2.0]}
@@ -142,6 +152,10 @@ GOOD_CALLS: dict[str, Callable[[World], Any]] = {
     "attention": lambda w: (
         ops.small_head_attention(w.q16, w.q16, w.q16),
         ops.small_head_attention(w.q16, w.q16, w.q16, torch.tensor([3, 5])),
+    ),
+    "feed_forward": lambda w: (
+        ops.feed_forward(**w.ffn, compute_dtype=torch.bfloat16),
+        ops.feed_forward(**w.ffn, compute_dtype=torch.float32),
     ),
     "tables": lambda w: (w.align(w.table), w.encoder.transform(w.frame)),
     "buckets": lambda w: (w.grid.bucket_for(5, 3, 4), w.grid.plan(5, 20, 4)),
@@ -229,6 +243,11 @@ def small_heads(w: World, q=None, k=None, v=None, n=None, **kw):
     q = w.q16 if q is None else q
     k, v = (w.q16 if t is None else t for t in (k, v))
     return ops.small_head_attention(q, k, v, n, **kw)
+
+
+def ffn(w: World, eps: float = 1e-5, compute_dtype=torch.bfloat16, **replaced):
+    """feed_forward on the good arguments with some of them replaced."""
+    return ops.feed_forward(**{**w.ffn, **replaced}, eps=eps, compute_dtype=compute_dtype)
 
 
 def offsets(*values) -> torch.Tensor:
@@ -369,6 +388,20 @@ REFUSED = [
     C("attention", "small_head_attention: n_keys float", lambda w: small_heads(w, n=torch.tensor(3.0)), RuntimeError, "n_keys must be an int32 or int64"),
     C("attention", "small_head_attention: n_keys wrong shape", lambda w: small_heads(w, n=torch.tensor([1, 2, 3])), RuntimeError, "n_keys must be 0-d or have shape"),
     C("attention", "small_head_attention: n_keys on meta", lambda w: small_heads(w, n=torch.tensor(3, device="meta")), RuntimeError, "n_keys is on meta but q is on cpu"),
+    # -- feed_forward ----------------------------------------------------------------------------
+    C("feed_forward", "feed_forward: integer x", lambda w: ffn(w, x=w.ffn["x"].int()), ValueError, "x must be a floating-point tensor"),
+    C("feed_forward", "feed_forward: 0-d x", lambda w: ffn(w, x=torch.tensor(1.0)), ValueError, "x must be a floating-point tensor"),
+    C("feed_forward", "feed_forward: w1 of another width", lambda w: ffn(w, w1=torch.randn(16, 7)), ValueError, r"w1 must be \(hidden, 8\)"),
+    C("feed_forward", "feed_forward: norm_weight shape", lambda w: ffn(w, norm_weight=torch.randn(9)), ValueError, "norm_weight must have shape"),
+    C("feed_forward", "feed_forward: norm_bias shape", lambda w: ffn(w, norm_bias=torch.randn(1, 8)), ValueError, "norm_bias must have shape"),
+    C("feed_forward", "feed_forward: b1 shape", lambda w: ffn(w, b1=torch.randn(8)), ValueError, "b1 must have shape"),
+    C("feed_forward", "feed_forward: w2 transposed", lambda w: ffn(w, w2=torch.randn(16, 8)), ValueError, "w2 must have shape"),
+    C("feed_forward", "feed_forward: b2 shape", lambda w: ffn(w, b2=torch.randn(16)), ValueError, "b2 must have shape"),
+    C("feed_forward", "feed_forward: integer w2", lambda w: ffn(w, w2=torch.ones(8, 16, dtype=torch.long)), ValueError, "w2 must be floating point"),
+    C("feed_forward", "feed_forward: w1 on meta", lambda w: ffn(w, w1=torch.randn(16, 8, device="meta")), ValueError, "w1 is on meta but x is on cpu"),
+    C("feed_forward", "feed_forward: compute_dtype int", lambda w: ffn(w, compute_dtype=torch.int32), ValueError, "compute_dtype must be float16, bfloat16 or float32"),
+    C("feed_forward", "feed_forward: negative eps", lambda w: ffn(w, eps=-1e-5), ValueError, "eps must be finite and >= 0"),
+    C("feed_forward", "feed_forward: infinite eps", lambda w: ffn(w, eps=INF), ValueError, "eps must be finite and >= 0"),
     C("attention", "small_head_attention: rotary tables too short", lambda w: small_heads(w, rotary=(torch.ones(4, 16), torch.ones(4, 16))), RuntimeError, r"rotary_cos must be \[L, 16\] with L >= max\(Lq, Lk\) = 5"),
     C("attention", "small_head_attention: rotary tables float64", lambda w: small_heads(w, rotary=(torch.ones(5, 16, dtype=torch.float64), torch.ones(5, 16))), RuntimeError, "rotary_cos must be float32"),
     # -- StringColumn / StringIndex ------------------------------------------------------------

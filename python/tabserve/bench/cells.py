@@ -51,6 +51,8 @@ class Cell:
         buckets: name of a bucket grid (padded shapes), or None.
         regional: per-block (regional) compilation.
         cuda_graphs: CUDA graphs captured per bucket.
+        fused_ffn: the fused feed-forward operator in every block where its kernel applies
+            (:func:`tabserve.ops.feed_forward`; bf16 / fp16 only).
         warm_cache: a server restart: a priming process compiles the workload's bucket and saves
             the compile-cache artifacts (tabserve.compile_cache); the measured process starts
             with empty caches and loads them; its cold call is the restart's ready time.
@@ -74,6 +76,7 @@ class Cell:
     buckets: str | None = None
     regional: bool = False
     cuda_graphs: bool = False
+    fused_ffn: bool = False
     warm_cache: bool = False
     aot: bool = False
     devices: tuple = ("cuda",)
@@ -90,6 +93,8 @@ class Cell:
         for stage, backend in self.attention.items():
             if stage not in STAGES or backend not in (*ATTENTION_BACKENDS, *KERNEL_BACKENDS):
                 raise ValueError(f"{self.name}: bad attention choice {stage}={backend}")
+        if self.fused_ffn and self.precision not in ("bf16", "fp16"):
+            raise ValueError(f"{self.name}: fused_ffn runs under bf16 / fp16 autocast only")
         if self.aot and not (self.warm_cache and self.buckets):
             raise ValueError(f"{self.name}: aot packages are a restart (warm_cache) of buckets")
 
@@ -377,6 +382,27 @@ CELLS: tuple[Cell, ...] = (
         buckets="default",
         cuda_graphs=True,
         attention={"row": "head16"},
+    ),
+    # The fused feed-forward operator (tabserve.ops.feed_forward) on top of c32 / c33.
+    Cell(
+        "c34-fp16-compile-head16-row-ffn",
+        "tabserve",
+        "fp16",
+        "c32 with the fused feed-forward operator in the column and row stages",
+        compile="default",
+        attention={"row": "head16"},
+        fused_ffn=True,
+    ),
+    Cell(
+        "c35-fp16-buckets-compile-cudagraphs-head16-row-ffn",
+        "tabserve",
+        "fp16",
+        "c33 with the fused feed-forward operator in the column and row stages",
+        compile="default",
+        buckets="default",
+        cuda_graphs=True,
+        attention={"row": "head16"},
+        fused_ffn=True,
     ),
 )
 

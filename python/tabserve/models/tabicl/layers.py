@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from tabserve.kernels import feed_forward as fused_ffn
+
 #: Value that marks a skipped token in the reference (CLS placeholders, padded features).
 SKIP_VALUE = -100.0
 
@@ -305,6 +307,9 @@ class AttentionBlock(nn.Module):
         self.norm1 = nn.LayerNorm(dim, bias=ln_bias)
         self.norm2 = nn.LayerNorm(dim, bias=ln_bias)
         self.attn = Attention(dim, num_heads, qassmax)
+        #: Feed-forward half through :func:`tabserve.ops.feed_forward` where its kernel applies
+        #: (CUDA under fp16 / bf16 autocast, width <= 128); a serving recipe sets it.
+        self.fused_feed_forward = False
 
     def key_value(self, kv: Tensor, rope: RotaryEmbedding | None = None) -> KeyValue:
         """K/V projections this block attends to, for raw (un-normalised) tokens ``kv``."""
@@ -337,6 +342,26 @@ class AttentionBlock(nn.Module):
             keys_values = self.attn.project_kv(q_normed, rope) if return_kv else None
         else:
             keys_values = self.key_value(kv, rope)
-        x = q + self.attn(q_normed, keys_values, rope, n_keys)
-        x = x + self.linear2(F.gelu(self.linear1(self.norm2(x))))
+        x = self.feed_forward(q + self.attn(q_normed, keys_values, rope, n_keys))
         return (x, keys_values) if return_kv else x
+
+    def feed_forward(self, x: Tensor) -> Tensor:
+        """``x + FFN(LN2(x))``; with :attr:`fused_feed_forward` in one pass of the fused
+        operator (same roundings as autocast), else as the modules."""
+        dtype = _autocast_matmul_dtype(x)
+        if self.fused_feed_forward and dtype is not None:
+            if fused_ffn.kernel_applies(x, self.linear1.weight, dtype):
+                norm, linear1, linear2 = self.norm2, self.linear1, self.linear2
+                return fused_ffn.feed_forward_op(
+                    x, norm.weight, norm.bias, linear1.weight, linear1.bias,
+                    linear2.weight, linear2.bias, norm.eps, dtype,
+                )  # fmt: skip
+        return x + self.linear2(F.gelu(self.linear1(self.norm2(x))))
+
+
+def _autocast_matmul_dtype(x: Tensor) -> torch.dtype | None:
+    """The dtype autocast runs ``x``'s matmuls in (None without autocast on its device)."""
+    device = x.device.type
+    if device not in ("cuda", "cpu") or not torch.is_autocast_enabled(device):
+        return None
+    return torch.get_autocast_dtype(device)

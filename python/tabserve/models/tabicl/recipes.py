@@ -25,6 +25,9 @@ Fields:
     dynamic: ``torch.compile(dynamic=True)`` of the unpadded model (whole-model compile, no
         buckets): one graph for every table shape after the first call, no padding; sizes 0 and
         1 still specialise (a one-row test block compiles once more).
+    fused_ffn: every block's feed-forward half (LayerNorm, linear, GELU, linear, residual) in
+        one pass of :func:`tabserve.ops.feed_forward` where its kernel applies (CUDA, fp16 /
+        bf16 autocast, width <= 128: the column and row stages); same roundings as autocast.
     compile_backend: the ``torch.compile`` backend (``inductor``; tests use ``aot_eager`` to
         count recompiles without code generation).
 """
@@ -84,6 +87,7 @@ class Recipe:
     dynamic: bool = False
     buckets: bool = False
     cuda_graphs: bool = False
+    fused_ffn: bool = False
     compile_backend: str = "inductor"
     description: str = ""
 
@@ -95,6 +99,8 @@ class Recipe:
         for stage, backend in self.attention.items():
             if stage not in STAGES or backend not in (*ATTENTION_BACKENDS, *KERNEL_BACKENDS):
                 raise ValueError(f"recipe {self.name}: bad attention choice {stage}={backend}")
+        if self.fused_ffn and autocast_dtype(self.precision) is None:
+            raise ValueError(f"recipe {self.name}: fused_ffn runs under bf16 / fp16 autocast only")
         if self.cuda_graphs and not self.buckets:
             raise ValueError(f"recipe {self.name}: CUDA graphs need buckets (fixed shapes)")
         if self.dynamic and (self.buckets or self.compile not in WHOLE_MODEL_COMPILE_MODES):
@@ -170,6 +176,16 @@ def set_stage_kernels(module: torch.nn.Module, backend: str) -> None:
             attention.small_heads = backend == "head16"
 
 
+def set_fused_feed_forward(module: torch.nn.Module, fused: bool) -> None:
+    """Points every transformer block of ``module`` at the fused feed-forward operator
+    (``fused``) or at its modules."""
+    from .layers import AttentionBlock
+
+    for block in module.modules():
+        if isinstance(block, AttentionBlock):
+            block.fused_feed_forward = fused
+
+
 def _recipe(name: str, description: str, **fields) -> tuple[str, Recipe]:
     return name, Recipe(name, description=description, **fields)
 
@@ -200,6 +216,15 @@ RECIPES: dict[str, Recipe] = dict(
             precision="fp16",
             compile="default",
             attention={"row": "head16"},
+        ),
+        _recipe(
+            "fp16-compile-head16-row-ffn",
+            "fp16-compile-head16-row with the fused feed-forward operator in the column and row "
+            "stages (cell c34)",
+            precision="fp16",
+            compile="default",
+            attention={"row": "head16"},
+            fused_ffn=True,
         ),
         _recipe(
             "fp16-dynamic-flash",
@@ -266,6 +291,17 @@ RECIPES: dict[str, Recipe] = dict(
             cuda_graphs=True,
         ),
         _recipe(
+            "fp16-buckets-compile-cudagraphs-head16-row-ffn",
+            "fp16-buckets-compile-cudagraphs with tabserve's head-dim-16 kernel in the row stage "
+            "and the fused feed-forward operator (cell c35)",
+            precision="fp16",
+            buckets=True,
+            compile="default",
+            cuda_graphs=True,
+            attention={"row": "head16"},
+            fused_ffn=True,
+        ),
+        _recipe(
             "fp32-buckets-cudagraphs",
             "one CUDA graph per bucket (shared pool), fp32 (CUDA only)",
             buckets=True,
@@ -304,6 +340,7 @@ def recipe_from_cell(fields: dict, name: str | None = None) -> Recipe:
         dynamic=bool(fields.get("dynamic")),
         buckets=bool(fields.get("buckets")),
         cuda_graphs=bool(fields.get("cuda_graphs")),
+        fused_ffn=bool(fields.get("fused_ffn")),
         description="promoted by the benchmark driver",
     )
 

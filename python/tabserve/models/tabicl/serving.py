@@ -46,7 +46,14 @@ from .layers import SKIP_VALUE, AttentionBlock
 from .learning import HIERARCHY_LOG_EPS
 from .model import TabICLv2, TabICLv2Cache
 from .quantiles import quantile_stats
-from .recipes import STAGES, Recipe, get_recipe, sdpa_context, set_stage_kernels
+from .recipes import (
+    STAGES,
+    Recipe,
+    get_recipe,
+    sdpa_context,
+    set_fused_feed_forward,
+    set_stage_kernels,
+)
 
 #: Compiled variants one transformer block needs per bucket under regional compile (attention
 #: with / without cached K/V, self-attention, CLS-only queries, ...), with margin.
@@ -159,6 +166,7 @@ class ServedTabICL:
         self._aot: dict = {"forward": {}, "build_cache": {}, "forward_cached": {}}
         self.aot_calls = 0
         self._pin_stage_attention()
+        set_fused_feed_forward(model, self.recipe.fused_ffn)
         self._forward, self._build_cache, self._forward_cached = self._core_callables()
         self._unpadded_forward_cached = model.forward_with_cache
 

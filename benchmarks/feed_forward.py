@@ -1,0 +1,113 @@
+"""feed_forward against the modules it replaces, on the column and row stages' token streams.
+
+Cases are the blocks' inputs of the driver's workloads: (tokens, 128) fp32 residual streams
+(autocast keeps the residual in fp32), hidden width 256, fp16 matmuls. Methods: the composite
+(LayerNorm, linear, GELU, linear, add as autocast runs them), the composite under torch.compile
+(Inductor fuses the pointwise parts around cuBLAS), and the operator; with ``--sweep`` the
+operator's tile configurations too (tokens per program, warps, pipeline stages), which is how
+the kernel's defaults were chosen. Every method's output is checked against the composite
+(max |difference| in units of the composite's fp16 rounding, reported) before timing.
+
+    python benchmarks/feed_forward.py --device cuda --sweep
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import environment, measure, print_table, write_json
+from tabserve.kernels import feed_forward as ff
+
+#: (name, tokens): small / large workloads' row stage (8 tables x rows x (features + 4 CLS))
+#: and the large workload's column stage (8 tables x 64 features x 10,240 rows).
+CASES = [("small row", 8 * 576 * 12), ("large row", 8 * 10240 * 68), ("large col", 8 * 64 * 10240)]
+QUICK_CASES = [("tiny", 1000)]
+DIM, HIDDEN = 128, 256
+SWEEP = list(itertools.product((32, 64, 128), (4, 8), (1, 2, 3)))
+
+
+def inputs(tokens: int, device):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(tokens, DIM, generator=g).to(device)
+    params = [
+        1 + 0.1 * torch.randn(DIM, generator=g),
+        0.1 * torch.randn(DIM, generator=g),
+        torch.randn(HIDDEN, DIM, generator=g) / DIM**0.5,
+        0.1 * torch.randn(HIDDEN, generator=g),
+        torch.randn(DIM, HIDDEN, generator=g) / HIDDEN**0.5,
+        0.1 * torch.randn(DIM, generator=g),
+    ]
+    return x, [p.to(device) for p in params]
+
+
+def with_config(block_tokens: int, warps: int, stages: int):
+    def run(*args):
+        saved = ff.BLOCK_TOKENS, ff.NUM_WARPS, ff.NUM_STAGES
+        ff.BLOCK_TOKENS, ff.NUM_WARPS, ff.NUM_STAGES = block_tokens, warps, stages
+        try:
+            return ff.run_kernel(*args)
+        finally:
+            ff.BLOCK_TOKENS, ff.NUM_WARPS, ff.NUM_STAGES = saved
+
+    return run
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--sweep", action="store_true", help="time tile configurations too")
+    parser.add_argument("--dtype", choices=("float16", "bfloat16"), default="float16")
+    parser.add_argument("--budget", type=float, default=0.3, help="seconds per measurement")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    dtype = getattr(torch, args.dtype)
+    composite = ff.feed_forward_composite
+    methods = {"composite": composite, "tabserve op": torch.ops.tabserve.feed_forward}
+    if device.type == "cuda":
+        methods["composite compiled"] = torch.compile(composite, fullgraph=True)
+        if args.sweep:
+            methods |= {f"op {b}x{w}w{s}s": with_config(b, w, s) for b, w, s in SWEEP}
+    records, rows = [], []
+    for name, tokens in QUICK_CASES if args.quick else CASES:
+        x, (nw, nb, w1, b1, w2, b2) = inputs(tokens, device)
+        call = (x, nw, nb, w1, b1, w2, b2, 1e-5, dtype)
+        want = composite(*call)
+        ulp = want.abs().clamp_min(2**-14) * torch.finfo(dtype).eps
+        for method, fn in methods.items():
+            try:
+                got = fn(*call)
+            except Exception as e:  # noqa: BLE001  (a configuration Triton cannot build: reported)
+                rows.append([name, method, f"failed: {type(e).__name__}", "", "", ""])
+                continue
+            error = ((got - want).abs() / ulp).max().item()
+            del got
+            m = measure(lambda fn=fn, call=call: fn(*call), device, budget_s=args.budget)
+            records.append({"case": name, "tokens": tokens, "method": method,
+                            "max_error_fp16_ulps": error, **m.as_dict()})  # fmt: skip
+            rows.append([name, method, *m.table_cells(), f"{error:.1f}"])
+        del x, want, ulp
+    print_table(
+        f"feed_forward, fp32 stream, {dtype} matmuls on {device}",
+        ["case", "method", "median ms", "p20-p80", "peak extra MiB", "max err (ulps)"],
+        rows,
+    )
+    out = args.json or Path(__file__).parent / "results" / f"feed-forward-{device.type}.json"
+    write_json(
+        out,
+        {"benchmark": "feed_forward", "device": str(device), "dtype": str(dtype),
+         "environment": environment(), "records": records},
+    )  # fmt: skip
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

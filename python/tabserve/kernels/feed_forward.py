@@ -1,0 +1,236 @@
+"""``tabserve::feed_forward``: a pre-LN transformer block's feed-forward half in one pass.
+
+    out = x + linear2(gelu(linear1(layer_norm(x))))
+
+with the roundings of ``torch.autocast``: LayerNorm in fp32, its output, both linears' outputs
+and the GELU's output rounded to ``compute_dtype``, matmuls accumulated in fp32, the residual sum
+in ``promote_types(x.dtype, compute_dtype)`` (what ``x + y`` gives under autocast).
+
+Unfused, a block's FFN reads and writes the token stream five times and its hidden activations
+(twice as wide) three times; on the large workload's row stage (5.6 M tokens of width 128) the
+GELU kernel alone took 1.9 ms of HBM traffic per block on the H200 (docs/performance.md). Fused,
+each tile of tokens is read once and written once: LayerNorm, both matmuls (on tensor cores) and
+the GELU run on the tile in registers and shared memory, the hidden activations never reach HBM.
+
+One place for the operator: the schema (``torch.library.triton_op``, so torch.compile traces
+the Triton kernel into its own graph), the composite ATen kernel (CPU, fp32 compute, shapes the
+kernel does not take), the CUDA kernel (Triton) and the fake kernel (the traced function itself).
+docs/ops.md gives the contract.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only torch builds come without Triton: the composite serves alone
+    triton = None
+
+#: Compute dtypes the CUDA kernel runs; fp32 keeps the composite (bit for bit the modules).
+KERNEL_COMPUTE_DTYPES = (torch.float16, torch.bfloat16)
+#: Token widths the kernel takes (a power of two: a tile row lives in registers).
+KERNEL_WIDTHS = (16, 32, 64, 128)
+#: Hidden units per step of the kernel's loop; the hidden width must be a multiple.
+HIDDEN_STEP = 64
+#: Tokens per program and warps (chosen on the H200: benchmarks/feed_forward.py).
+BLOCK_TOKENS = 64
+NUM_WARPS = 4
+NUM_STAGES = 2
+
+_OPERATOR = "tabserve::feed_forward"
+
+
+def _check(x, norm_weight, norm_bias, w1, b1, w2, b2, eps, compute_dtype) -> None:
+    """Shape, dtype and device rules, each error naming its argument (fake tensors too)."""
+    op = "tabserve::feed_forward"
+    if not x.is_floating_point() or x.dim() < 1:
+        raise ValueError(
+            f"{op}: x must be a floating-point tensor (..., dim), got {x.dtype} {tuple(x.shape)}"
+        )
+    dim = x.shape[-1]
+    if w1.dim() != 2 or w1.shape[1] != dim:
+        raise ValueError(f"{op}: w1 must be (hidden, {dim}), got {tuple(w1.shape)}")
+    hidden = w1.shape[0]
+    expected = {
+        "norm_weight": (norm_weight, (dim,)),
+        "b1": (b1, (hidden,)),
+        "w2": (w2, (dim, hidden)),
+        "b2": (b2, (dim,)),
+    }
+    if norm_bias is not None:
+        expected["norm_bias"] = (norm_bias, (dim,))
+    for name, (tensor, shape) in expected.items():
+        if tuple(tensor.shape) != shape:
+            raise ValueError(f"{op}: {name} must have shape {shape}, got {tuple(tensor.shape)}")
+    for name, tensor in [("w1", w1), *((n, t) for n, (t, _) in expected.items())]:
+        if not tensor.is_floating_point():
+            raise ValueError(f"{op}: {name} must be floating point, got {tensor.dtype}")
+        if tensor.device != x.device:
+            raise ValueError(f"{op}: {name} is on {tensor.device} but x is on {x.device}")
+    if compute_dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(
+            f"{op}: compute_dtype must be float16, bfloat16 or float32, got {compute_dtype}"
+        )
+    if not eps >= 0.0 or eps == float("inf"):
+        raise ValueError(f"{op}: eps must be finite and >= 0, got {eps}")
+
+
+def feed_forward_composite(
+    x: Tensor,
+    norm_weight: Tensor,
+    norm_bias: Tensor | None,
+    w1: Tensor,
+    b1: Tensor,
+    w2: Tensor,
+    b2: Tensor,
+    eps: float,
+    compute_dtype: torch.dtype,
+) -> Tensor:
+    """The operator as ATen ops: what autocast makes of the module (the kernels' reference)."""
+    dim = x.shape[-1]
+    bias = None if norm_bias is None else norm_bias.float()
+    normed = F.layer_norm(x.float(), (dim,), norm_weight.float(), bias, eps).to(compute_dtype)
+    hidden = F.gelu(F.linear(normed, w1.to(compute_dtype), b1.to(compute_dtype)))
+    return x + F.linear(hidden, w2.to(compute_dtype), b2.to(compute_dtype))
+
+
+def kernel_applies(x: Tensor, w1: Tensor, compute_dtype: torch.dtype) -> bool:
+    """Whether the CUDA kernel serves these operands (shapes and dtypes: static under compile)."""
+    return (
+        triton is not None
+        and x.device.type == "cuda"
+        and compute_dtype in KERNEL_COMPUTE_DTYPES
+        and x.dtype in (torch.float32, torch.float16, torch.bfloat16)
+        and x.shape[-1] in KERNEL_WIDTHS
+        and w1.shape[0] % HIDDEN_STEP == 0
+    )
+
+
+if triton is not None:
+
+    @triton.jit
+    def _round(x, BF16: tl.constexpr):
+        """``x`` rounded to the matmul dtype (bf16 or fp16), as that dtype."""
+        if BF16:
+            return x.to(tl.bfloat16)
+        else:
+            return x.to(tl.float16)
+
+    @triton.jit
+    def _feed_forward_kernel(
+        x_ptr,
+        out_ptr,
+        norm_weight_ptr,
+        norm_bias_ptr,
+        w1_ptr,
+        b1_ptr,
+        w2_ptr,
+        b2_ptr,
+        tokens,
+        eps,
+        DIM: tl.constexpr,
+        HIDDEN: tl.constexpr,
+        BLOCK_TOKENS: tl.constexpr,
+        HIDDEN_STEP: tl.constexpr,
+        HAS_NORM_BIAS: tl.constexpr,
+        BF16: tl.constexpr,
+    ):
+        # Dtypes travel as a flag and as the output pointer's type: torch.compile does not take
+        # Triton dtypes as kernel arguments (triton-lang/triton#4072).
+        rows = tl.program_id(0).to(tl.int64) * BLOCK_TOKENS + tl.arange(0, BLOCK_TOKENS)
+        cols = tl.arange(0, DIM)
+        offsets = rows[:, None] * DIM + cols[None, :]
+        in_range = rows[:, None] < tokens
+        x = tl.load(x_ptr + offsets, mask=in_range, other=0.0).to(tl.float32)
+        # LayerNorm in fp32 (biased variance, as ATen), rounded to the matmul dtype.
+        mean = tl.sum(x, axis=1) / DIM
+        centred = x - mean[:, None]
+        variance = tl.sum(centred * centred, axis=1) / DIM
+        normed = centred * (1.0 / tl.sqrt_rn(variance + eps))[:, None]
+        normed = normed * tl.load(norm_weight_ptr + cols).to(tl.float32)[None, :]
+        if HAS_NORM_BIAS:
+            normed = normed + tl.load(norm_bias_ptr + cols).to(tl.float32)[None, :]
+        normed = _round(normed, BF16)
+        acc = tl.zeros((BLOCK_TOKENS, DIM), dtype=tl.float32)
+        for start in range(0, HIDDEN, HIDDEN_STEP):
+            units = start + tl.arange(0, HIDDEN_STEP)
+            # linear1 over HIDDEN_STEP hidden units: W1 is (hidden, dim), read transposed.
+            w1 = _round(tl.load(w1_ptr + units[None, :] * DIM + cols[:, None]), BF16)
+            b1 = _round(tl.load(b1_ptr + units), BF16).to(tl.float32)
+            h = _round(tl.dot(normed, w1) + b1[None, :], BF16).to(tl.float32)
+            # Exact (erf) GELU in fp32, in ATen's order of operations, rounded as its output.
+            g = _round(h * 0.5 * (1.0 + tl.math.erf(h * 0.7071067811865476)), BF16)
+            # linear2's contribution of those units: W2 is (dim, hidden), read transposed.
+            w2 = _round(tl.load(w2_ptr + cols[None, :] * HIDDEN + units[:, None]), BF16)
+            acc = tl.dot(g, w2, acc)
+        b2 = _round(tl.load(b2_ptr + cols), BF16).to(tl.float32)
+        y = _round(acc + b2[None, :], BF16).to(tl.float32)
+        # The residual is read again rather than held: a tile of x in registers through both
+        # matmuls would spill; the second read hits L2.
+        residual = tl.load(x_ptr + offsets, mask=in_range, other=0.0).to(tl.float32)
+        out = residual + y
+        tl.store(out_ptr + offsets, out.to(out_ptr.dtype.element_ty), mask=in_range)
+
+    def _launch(x, norm_weight, norm_bias, w1, b1, w2, b2, eps, compute_dtype, launcher):
+        dim, hidden = x.shape[-1], w1.shape[0]
+        tokens = x.numel() // dim
+        out_dtype = torch.promote_types(x.dtype, compute_dtype)
+        out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
+        grid = (triton.cdiv(tokens, BLOCK_TOKENS),)
+        launcher(_feed_forward_kernel)[grid](
+            x.contiguous(),
+            out,
+            norm_weight.contiguous(),
+            norm_weight if norm_bias is None else norm_bias.contiguous(),
+            w1.contiguous(),
+            b1.contiguous(),
+            w2.contiguous(),
+            b2.contiguous(),
+            tokens,
+            eps,
+            DIM=dim,
+            HIDDEN=hidden,
+            BLOCK_TOKENS=BLOCK_TOKENS,
+            HIDDEN_STEP=HIDDEN_STEP,
+            HAS_NORM_BIAS=norm_bias is not None,
+            BF16=compute_dtype == torch.bfloat16,
+            num_warps=NUM_WARPS,
+            num_stages=NUM_STAGES,
+        )
+        return out
+
+    def run_kernel(x, norm_weight, norm_bias, w1, b1, w2, b2, eps, compute_dtype) -> Tensor:
+        """The Triton kernel called directly (tests run it on CPU tensors under
+        ``TRITON_INTERPRET=1``); no checks beyond :func:`_check`."""
+        _check(x, norm_weight, norm_bias, w1, b1, w2, b2, eps, compute_dtype)
+        return _launch(x, norm_weight, norm_bias, w1, b1, w2, b2, eps, compute_dtype, lambda k: k)
+
+
+def _feed_forward(
+    x: Tensor,
+    norm_weight: Tensor,
+    norm_bias: Tensor | None,
+    w1: Tensor,
+    b1: Tensor,
+    w2: Tensor,
+    b2: Tensor,
+    eps: float,
+    compute_dtype: torch.dtype,
+) -> Tensor:
+    _check(x, norm_weight, norm_bias, w1, b1, w2, b2, eps, compute_dtype)
+    if not kernel_applies(x, w1, compute_dtype):
+        return feed_forward_composite(x, norm_weight, norm_bias, w1, b1, w2, b2, eps, compute_dtype)
+    from torch.library import wrap_triton
+
+    return _launch(x, norm_weight, norm_bias, w1, b1, w2, b2, eps, compute_dtype, wrap_triton)
+
+
+if triton is not None:
+    feed_forward_op = torch.library.triton_op(_OPERATOR, _feed_forward, mutates_args=())
+else:
+    feed_forward_op = torch.library.custom_op(_OPERATOR, _feed_forward, mutates_args=())
+    feed_forward_op.register_fake(_feed_forward)

@@ -1,0 +1,325 @@
+"""tabserve::feed_forward: the fused feed-forward half of a transformer block.
+
+References: the block's own modules under torch.autocast (bit for bit, for the composite), and
+the composite for the Triton kernel, which sums its matmuls in another order: it must agree
+with the composite on nearly every element (>= 90% bit for bit; a tanh-approximate GELU agrees
+on about half) and stay within two fp16 roundings of the row's scale elsewhere. The kernel runs
+here under Triton's interpreter (CPU, fp16; the interpreter's bf16 is broken) and on CUDA.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from tabicl_helpers import our_model
+from tabserve import ops
+from tabserve.kernels import feed_forward as ff
+from tabserve.models.tabicl.layers import AttentionBlock
+from tabserve.models.tabicl.recipes import RECIPES, Recipe, recipe_from_cell
+
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+requires_triton = pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None, reason="Triton is not installed"
+)
+
+#: (tokens, leading shape, dim, hidden, x dtype, norm bias): ragged tiles, every width, a
+#: hidden width of one step and of three, fp16 and fp32 residual streams, bias-free LayerNorm.
+KERNEL_CASES = [
+    (300, (3, 100), 128, 256, torch.float32, True),
+    (77, (77,), 32, 192, torch.float16, False),
+    (130, (2, 5, 13), 16, 64, torch.float32, True),
+    (64, (64,), 64, 128, torch.float32, False),
+    (1, (1,), 128, 256, torch.float16, True),
+]
+
+
+def make_inputs(leading, dim, hidden, x_dtype, norm_bias, device="cpu", seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = (2 * torch.randn(*leading, dim, generator=g)).to(x_dtype)
+    params = [
+        1 + 0.1 * torch.randn(dim, generator=g),
+        0.1 * torch.randn(dim, generator=g) if norm_bias else None,
+        torch.randn(hidden, dim, generator=g) / dim**0.5,
+        0.1 * torch.randn(hidden, generator=g),
+        torch.randn(dim, hidden, generator=g) / hidden**0.5,
+        0.1 * torch.randn(dim, generator=g),
+    ]
+    return [x.to(device), *(None if p is None else p.to(device) for p in params)]
+
+
+def agreement(got: torch.Tensor, want: torch.Tensor, x: torch.Tensor) -> tuple[float, float]:
+    """(fraction of elements bit for bit equal, max difference in fp16 roundings of the row's
+    scale: its largest |FFN output| plus the output element's own magnitude)."""
+    assert got.shape == want.shape and got.dtype == want.dtype
+    diff = (got.double() - want.double()).abs()
+    y = want.double() - x.double()
+    scale = (y.abs().amax(-1, keepdim=True) + want.double().abs()) * torch.finfo(torch.float16).eps
+    return (diff == 0).double().mean().item(), (diff / scale).max().item()
+
+
+def assert_agrees(got, want, x, where=""):
+    equal, worst = agreement(got, want, x)
+    assert equal >= 0.9, f"{where}: only {equal:.3f} of the elements equal the composite"
+    assert worst <= 2.0, f"{where}: {worst:.2f} fp16 roundings from the composite"
+
+
+# ---------------------------------------------------------------------------------------------
+# The composite (every device) and the operator's dispatch
+
+
+def block(dim=128, hidden=256, ln_bias=True, seed=0) -> AttentionBlock:
+    torch.manual_seed(seed)
+    module = AttentionBlock(dim, 8, hidden, ln_bias)
+    for p in module.parameters():
+        p.data.normal_(0, 0.1)
+    return module
+
+
+def block_args(b: AttentionBlock):
+    n, l1, l2 = b.norm2, b.linear1, b.linear2
+    return n.weight, n.bias, l1.weight, l1.bias, l2.weight, l2.bias, n.eps
+
+
+@pytest.mark.parametrize("ln_bias", [True, False])
+def test_cpu_operator_is_the_block_under_autocast_bit_for_bit(ln_bias):
+    b = block(ln_bias=ln_bias)
+    x = torch.randn(3, 50, 128)
+    with torch.no_grad():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            want = b.feed_forward(x)
+        got = ops.feed_forward(x, *block_args(b), compute_dtype=torch.bfloat16)
+        assert got.dtype == want.dtype == torch.float32
+        assert torch.equal(got, want)
+        # fp32 compute: the modules without autocast.
+        assert torch.equal(ops.feed_forward(x, *block_args(b), torch.float32), b.feed_forward(x))
+
+
+def test_composite_is_float64_maths_within_bf16_rounding():
+    x, nw, nb, w1, b1, w2, b2 = make_inputs((40,), 64, 128, torch.float32, True)
+    got = ops.feed_forward(x, nw, nb, w1, b1, w2, b2, 1e-5, torch.bfloat16)
+    d = x.double()
+    normed = F.layer_norm(d, (64,), nw.double(), nb.double(), 1e-5)
+    h = F.gelu(F.linear(normed, w1.double(), b1.double()))
+    exact = d + F.linear(h, w2.double(), b2.double())
+    y_scale = (exact - d).abs().amax(-1, keepdim=True)
+    assert ((got.double() - exact).abs() / y_scale).max() <= 8 * torch.finfo(torch.bfloat16).eps
+
+
+@requires_triton
+def test_kernel_under_the_interpreter_agrees_with_the_composite():
+    """Runs the Triton program on CPU tensors (``TRITON_INTERPRET=1`` must be set before Triton
+    compiles it, hence a child process) for every case; the checks run here."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    code = "import test_feed_forward as t; t.interpreter_cases()"
+    child = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=Path(__file__).parent,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert child.returncode == 0, child.stderr[-2000:]
+    results = json.loads(child.stdout.strip().splitlines()[-1])
+    assert len(results) == len(KERNEL_CASES)
+    for case, (equal, worst, dtype, shape) in zip(KERNEL_CASES, results):
+        _, leading, dim, _, x_dtype, _ = case
+        assert shape == [*leading, dim]
+        assert dtype == str(torch.promote_types(x_dtype, torch.float16))
+        assert equal >= 0.9, f"{case}: only {equal:.3f} equal"
+        assert worst <= 2.0, f"{case}: {worst:.2f} roundings off"
+
+
+def interpreter_cases() -> None:
+    """The child's side of the interpreter test: one JSON line of agreement per case."""
+    out = []
+    for _, leading, dim, hidden, x_dtype, norm_bias in KERNEL_CASES:
+        args = make_inputs(leading, dim, hidden, x_dtype, norm_bias)
+        got = ff.run_kernel(*args, 1e-5, torch.float16)
+        want = ff.feed_forward_composite(*args, 1e-5, torch.float16)
+        out.append([*agreement(got, want, args[0]), str(got.dtype), list(got.shape)])
+    print(json.dumps(out))
+
+
+def test_compiles_in_one_graph_and_traces_its_shape():
+    x, *params = make_inputs((2, 30), 32, 64, torch.float32, True)
+    fn = torch.compile(
+        lambda x: ops.feed_forward(x, *params, 1e-5, torch.bfloat16),
+        fullgraph=True,
+        backend="aot_eager",
+    )
+    got = fn(x)
+    assert torch.equal(got, ops.feed_forward(x, *params, 1e-5, torch.bfloat16))
+
+
+def test_block_takes_the_operator_in_one_compiled_graph(monkeypatch):
+    """The block's fused branch under torch.compile(fullgraph=True): on CPU the operator runs
+    its composite, so the branch is forced (as CUDA takes it) and must equal the modules."""
+    from types import SimpleNamespace
+
+    from tabserve.models.tabicl import layers
+
+    calls = []
+
+    def op(*args):
+        calls.append(args[-1])
+        return ff.feed_forward_op(*args)
+
+    shim = SimpleNamespace(kernel_applies=lambda *a: True, feed_forward_op=op)
+    monkeypatch.setattr(layers, "fused_ffn", shim)
+    b = block(dim=32, hidden=64)
+    x = torch.randn(2, 9, 32)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        want = b(x)
+        b.fused_feed_forward = True
+        torch._dynamo.reset()
+        got = torch.compile(b, fullgraph=True, backend="aot_eager")(x)
+    assert calls and set(calls) == {torch.bfloat16}
+    assert torch.equal(got, want)
+
+
+def test_opcheck():
+    x, *params = make_inputs((5, 7), 16, 64, torch.float32, True)
+    torch.library.opcheck(
+        torch.ops.tabserve.feed_forward.default, (x, *params, 1e-5, torch.bfloat16)
+    )
+    x16, *params = make_inputs((9,), 16, 64, torch.bfloat16, False)
+    torch.library.opcheck(
+        torch.ops.tabserve.feed_forward.default, (x16, *params, 0.0, torch.bfloat16)
+    )
+
+
+def test_kernel_applies_only_where_it_is_built_for():
+    x = torch.empty(4, 128, device="meta")
+    w1 = torch.empty(256, 128, device="meta")
+    assert not ff.kernel_applies(x, w1, torch.float16)  # not CUDA
+    if importlib.util.find_spec("triton") is None or not torch.cuda.is_available():
+        return
+    x, w1 = torch.empty(4, 128, device="cuda"), torch.empty(256, 128, device="cuda")
+    assert ff.kernel_applies(x, w1, torch.float16) and ff.kernel_applies(x, w1, torch.bfloat16)
+    assert not ff.kernel_applies(x, w1, torch.float32)
+    assert not ff.kernel_applies(torch.empty(4, 96, device="cuda"), w1[:, :96], torch.float16)
+    assert not ff.kernel_applies(x, w1[:100], torch.float16)
+
+
+# ---------------------------------------------------------------------------------------------
+# Recipes
+
+
+def test_recipes_refuse_the_fused_ffn_without_autocast():
+    with pytest.raises(ValueError, match="fused_ffn runs under bf16 / fp16 autocast only"):
+        Recipe("x", precision="fp32", fused_ffn=True)
+    fields = {"precision": "fp16", "compile": "default", "attention": {"row": "head16"}}
+    assert recipe_from_cell({**fields, "fused_ffn": True}).fused_ffn
+    assert not recipe_from_cell(fields).fused_ffn
+    assert RECIPES["fp16-compile-head16-row-ffn"].fused_ffn
+
+
+def test_served_model_points_every_block_at_the_recipe():
+    from tabserve.models.tabicl.serving import ServedTabICL
+
+    model = our_model("clf", "tiny")
+    blocks = [m for m in model.modules() if isinstance(m, AttentionBlock)]
+    ServedTabICL(model, RECIPES["fp16-buckets-compile-cudagraphs-head16-row-ffn"].replace(
+        cuda_graphs=False, compile="none"))  # fmt: skip
+    assert blocks and all(b.fused_feed_forward for b in blocks)
+    ServedTabICL(model, RECIPES["fp16-eager"])
+    assert not any(b.fused_feed_forward for b in blocks)
+
+
+# ---------------------------------------------------------------------------------------------
+# CUDA
+
+
+@requires_cuda
+@requires_triton
+@pytest.mark.parametrize("compute", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("case", KERNEL_CASES, ids=lambda c: f"{c[0]}x{c[2]}-{c[3]}")
+def test_cuda_kernel_agrees_with_the_composite(case, compute):
+    _, leading, dim, hidden, x_dtype, norm_bias = case
+    args = make_inputs(leading, dim, hidden, x_dtype, norm_bias, device="cuda")
+    assert ff.kernel_applies(args[0], args[3], compute)
+    got = ops.feed_forward(*args, 1e-5, compute)
+    want = ff.feed_forward_composite(*args, 1e-5, compute)
+    if compute == torch.bfloat16:  # bf16 rounds 8x coarser than the fp16 scale of agreement
+        equal, worst = agreement(got, want, args[0])
+        assert equal >= 0.9 and worst <= 16.0, (equal, worst)
+    else:
+        assert_agrees(got, want, args[0], str(case))
+
+
+@requires_cuda
+@requires_triton
+def test_cuda_large_stream_past_int32_offsets_of_a_tile_grid():
+    # 5.6 M tokens of width 128: the large workload's row stage (element offsets past 2**29).
+    args = make_inputs((8 * 10240 * 68,), 128, 256, torch.float32, True, device="cuda")
+    got = ops.feed_forward(*args, 1e-5, torch.float16)
+    want = ff.feed_forward_composite(*args, 1e-5, torch.float16)
+    assert_agrees(got, want, args[0], "large row stage")
+
+
+@requires_cuda
+@requires_triton
+def test_cuda_compiled_and_captured_equal_eager():
+    b = block().cuda()
+    b.fused_feed_forward = True
+    x = torch.randn(4, 300, 128, device="cuda")
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.float16):
+        eager = b.feed_forward(x)
+        torch._dynamo.reset()
+        compiled = torch.compile(b.feed_forward, fullgraph=True)(x)
+        graph, static_x = torch.cuda.CUDAGraph(), x.clone()
+        b.feed_forward(static_x)  # warm-up outside the capture
+        with torch.cuda.graph(graph):
+            static_out = b.feed_forward(static_x)
+        static_x.copy_(2 * x)
+        graph.replay()
+        again = b.feed_forward(2 * x)
+    assert torch.equal(compiled, eager)
+    assert torch.equal(static_out, again)
+    b.fused_feed_forward = False
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.float16):
+        assert_agrees(eager, b.feed_forward(x), x, "fused block vs modules")
+
+
+@requires_cuda
+@requires_triton
+@pytest.mark.parametrize("task", ["clf", "reg"])
+def test_cuda_model_with_the_fused_ffn_matches_the_modules_in_fp16(task):
+    import copy
+
+    from tabserve.models.tabicl.recipes import set_fused_feed_forward
+
+    model = copy.deepcopy(our_model(task, "full")).cuda()
+    g = torch.Generator().manual_seed(1)
+    X = torch.randn(2, 300, 10, generator=g).cuda()
+    y = (torch.arange(240) % 4).float()[None].expand(2, -1).cuda()
+    if task == "reg":
+        y = torch.randn(2, 240, generator=g).cuda()
+    calls = []
+    launch = ff._launch
+    ff._launch = lambda *a: calls.append(1) or launch(*a)
+    try:
+        with torch.no_grad(), torch.autocast("cuda", dtype=torch.float16):
+            set_fused_feed_forward(model, True)
+            fused = model(X, y).float()
+            set_fused_feed_forward(model, False)
+            plain = model(X, y).float()
+    finally:
+        ff._launch = launch
+    assert calls, "the fused kernel never ran"
+    if task == "clf":
+        p, q = fused.softmax(-1), plain.softmax(-1)
+        assert (p - q).abs().max() <= 2e-2
+        assert (p.argmax(-1) == q.argmax(-1)).double().mean() >= 0.99
+    else:
+        assert ((fused - plain).abs() / plain.abs().clamp_min(1e-3)).median() <= 1e-2
