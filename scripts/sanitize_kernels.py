@@ -121,9 +121,10 @@ def feed_forward_cases(dtype) -> None:
         params = [1 + 0.1 * host(dim, seed=31), 0.1 * host(dim, seed=32) if norm_bias else None]
         params += [host(hidden, dim, seed=33) / dim**0.5, 0.1 * host(hidden, seed=34)]
         params += [host(dim, hidden, seed=35) / hidden**0.5, 0.1 * host(dim, seed=36)]
-        want = ff.feed_forward_composite(x, *params, 1e-5, torch.float32)
-        device_params = [None if p is None else p.to("cuda") for p in params]
-        got = ops.feed_forward(x.to("cuda"), *device_params, 1e-5, dtype)
+        update = host(tokens, dim, seed=37, dtype=torch.float16) if norm_bias else None
+        want = ff.feed_forward_composite(x, update, *params, 1e-5, torch.float32)
+        device_params = [None if p is None else p.to("cuda") for p in (update, *params)]
+        got = torch.ops.tabserve.feed_forward(x.to("cuda"), *device_params, 1e-5, dtype)
         check(f"feed_forward {dtype} case {i}", got, want, 5e-2)
 
 

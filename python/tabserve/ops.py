@@ -569,14 +569,15 @@ def feed_forward(
     b2: Tensor,
     eps: float = 1e-5,
     compute_dtype: torch.dtype = torch.float16,
+    update: Tensor | None = None,
 ) -> Tensor:
-    """``x + linear2(gelu(linear1(layer_norm(x))))`` as ``torch.autocast`` to ``compute_dtype``
-    computes it, in one pass on CUDA.
+    """``s + linear2(gelu(linear1(layer_norm(s))))`` with ``s = x (+ update)``, as
+    ``torch.autocast`` to ``compute_dtype`` computes it, in one pass on CUDA.
 
     LayerNorm runs in fp32 and is rounded to ``compute_dtype``; the weights and biases are cast
     to it; both linears accumulate in fp32 and round their outputs, the exact (erf) GELU runs in
-    fp32 and rounds its output; the residual sum is in ``promote_types(x.dtype,
-    compute_dtype)``. On CUDA with fp16 / bf16 ``compute_dtype``, a width of 16, 32, 64 or 128
+    fp32 and rounds its output; the residual sums are in the promoted dtypes (``x + update``
+    as ATen adds them). On CUDA with fp16 / bf16 ``compute_dtype``, a width of 16, 32, 64 or 128
     and a hidden width that is a multiple of 64, one Triton kernel reads each tile of tokens
     once and writes it once (the hidden activations never reach memory); elsewhere (CPU, fp32,
     other shapes) the ATen composite runs. The kernel's matmuls sum in another order than
@@ -589,9 +590,11 @@ def feed_forward(
         w2, b2: linear2's [dim, hidden] weight and [dim] bias.
         eps: LayerNorm's epsilon (finite, >= 0).
         compute_dtype: the matmul dtype: float16, bfloat16 or float32 (fp32: the composite).
+        update: optional tensor of x's shape added to x first (a pre-LN block's attention
+            output: the sum is then never written).
 
     Returns:
-        [..., dim] tensor of dtype ``promote_types(x.dtype, compute_dtype)``, contiguous.
+        [..., dim] tensor of the promoted dtype of x, update and ``compute_dtype``, contiguous.
 
     Raises:
         ValueError naming the argument for shapes that do not fit ``x``'s width, non-float
@@ -600,4 +603,4 @@ def feed_forward(
     """
     from tabserve.kernels.feed_forward import feed_forward_op
 
-    return feed_forward_op(x, norm_weight, norm_bias, w1, b1, w2, b2, eps, compute_dtype)
+    return feed_forward_op(x, update, norm_weight, norm_bias, w1, b1, w2, b2, eps, compute_dtype)

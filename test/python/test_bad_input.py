@@ -155,7 +155,7 @@ GOOD_CALLS: dict[str, Callable[[World], Any]] = {
     ),
     "feed_forward": lambda w: (
         ops.feed_forward(**w.ffn, compute_dtype=torch.bfloat16),
-        ops.feed_forward(**w.ffn, compute_dtype=torch.float32),
+        ops.feed_forward(**w.ffn, compute_dtype=torch.float32, update=w.ffn["x"].half()),
     ),
     "tables": lambda w: (w.align(w.table), w.encoder.transform(w.frame)),
     "buckets": lambda w: (w.grid.bucket_for(5, 3, 4), w.grid.plan(5, 20, 4)),
@@ -399,6 +399,8 @@ REFUSED = [
     C("feed_forward", "feed_forward: b2 shape", lambda w: ffn(w, b2=torch.randn(16)), ValueError, "b2 must have shape"),
     C("feed_forward", "feed_forward: integer w2", lambda w: ffn(w, w2=torch.ones(8, 16, dtype=torch.long)), ValueError, "w2 must be floating point"),
     C("feed_forward", "feed_forward: w1 on meta", lambda w: ffn(w, w1=torch.randn(16, 8, device="meta")), ValueError, "w1 is on meta but x is on cpu"),
+    C("feed_forward", "feed_forward: update of another shape", lambda w: ffn(w, update=torch.randn(1, 5, 8)), ValueError, r"update must have shape \(3, 5, 8\)"),
+    C("feed_forward", "feed_forward: integer update", lambda w: ffn(w, update=torch.ones(3, 5, 8, dtype=torch.int32)), ValueError, "update must be floating point"),
     C("feed_forward", "feed_forward: compute_dtype int", lambda w: ffn(w, compute_dtype=torch.int32), ValueError, "compute_dtype must be float16, bfloat16 or float32"),
     C("feed_forward", "feed_forward: negative eps", lambda w: ffn(w, eps=-1e-5), ValueError, "eps must be finite and >= 0"),
     C("feed_forward", "feed_forward: infinite eps", lambda w: ffn(w, eps=INF), ValueError, "eps must be finite and >= 0"),

@@ -30,21 +30,26 @@ requires_triton = pytest.mark.skipif(
     importlib.util.find_spec("triton") is None, reason="Triton is not installed"
 )
 
-#: (tokens, leading shape, dim, hidden, x dtype, norm bias): ragged tiles, every width, a
-#: hidden width of one step and of three, fp16 and fp32 residual streams, bias-free LayerNorm.
+#: (tokens, leading shape, dim, hidden, x dtype, norm bias, update dtype): ragged tiles, every
+#: width, a hidden width of one step and of three, fp16 and fp32 residual streams, bias-free
+#: LayerNorm, with and without the attention half's output (fp16 into fp32 as autocast's
+#: blocks add it; fp16 into fp16, whose sum ATen rounds to fp16).
 KERNEL_CASES = [
-    (300, (3, 100), 128, 256, torch.float32, True),
-    (77, (77,), 32, 192, torch.float16, False),
-    (130, (2, 5, 13), 16, 64, torch.float32, True),
-    (64, (64,), 64, 128, torch.float32, False),
-    (1, (1,), 128, 256, torch.float16, True),
+    (300, (3, 100), 128, 256, torch.float32, True, torch.float16),
+    (77, (77,), 32, 192, torch.float16, False, torch.float16),
+    (130, (2, 5, 13), 16, 64, torch.float32, True, None),
+    (64, (64,), 64, 128, torch.float32, False, torch.float32),
+    (1, (1,), 128, 256, torch.float16, True, None),
 ]
 
 
-def make_inputs(leading, dim, hidden, x_dtype, norm_bias, device="cpu", seed=0):
+def make_inputs(leading, dim, hidden, x_dtype, norm_bias, update=None, device="cpu", seed=0):
+    """[x, update, norm_weight, norm_bias, w1, b1, w2, b2]: the operator's tensor arguments."""
     g = torch.Generator().manual_seed(seed)
     x = (2 * torch.randn(*leading, dim, generator=g)).to(x_dtype)
+    change = None if update is None else torch.randn(*leading, dim, generator=g).to(update)
     params = [
+        change,
         1 + 0.1 * torch.randn(dim, generator=g),
         0.1 * torch.randn(dim, generator=g) if norm_bias else None,
         torch.randn(hidden, dim, generator=g) / dim**0.5,
@@ -55,18 +60,25 @@ def make_inputs(leading, dim, hidden, x_dtype, norm_bias, device="cpu", seed=0):
     return [x.to(device), *(None if p is None else p.to(device) for p in params)]
 
 
-def agreement(got: torch.Tensor, want: torch.Tensor, x: torch.Tensor) -> tuple[float, float]:
+def stream(args) -> torch.Tensor:
+    """The block's stream entering the feed-forward half: x (+ update), in float64."""
+    x, update = args[0].double(), args[1]
+    return x if update is None else x + update.double()
+
+
+def agreement(got: torch.Tensor, want: torch.Tensor, s: torch.Tensor) -> tuple[float, float]:
     """(fraction of elements bit for bit equal, max difference in fp16 roundings of the row's
-    scale: its largest |FFN output| plus the output element's own magnitude)."""
+    scale: its largest |FFN output| plus the output element's own magnitude); ``s``: the
+    stream entering the feed-forward half."""
     assert got.shape == want.shape and got.dtype == want.dtype
     diff = (got.double() - want.double()).abs()
-    y = want.double() - x.double()
+    y = want.double() - s.double()
     scale = (y.abs().amax(-1, keepdim=True) + want.double().abs()) * torch.finfo(torch.float16).eps
     return (diff == 0).double().mean().item(), (diff / scale).max().item()
 
 
-def assert_agrees(got, want, x, where=""):
-    equal, worst = agreement(got, want, x)
+def assert_agrees(got, want, s, where=""):
+    equal, worst = agreement(got, want, s)
     assert equal >= 0.9, f"{where}: only {equal:.3f} of the elements equal the composite"
     assert worst <= 2.0, f"{where}: {worst:.2f} fp16 roundings from the composite"
 
@@ -93,17 +105,22 @@ def test_cpu_operator_is_the_block_under_autocast_bit_for_bit(ln_bias):
     b = block(ln_bias=ln_bias)
     x = torch.randn(3, 50, 128)
     with torch.no_grad():
+        # With the attention half's output added first (bf16 as autocast's out_proj gives it).
+        update = torch.randn(3, 50, 128).bfloat16()
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            want = b.feed_forward(x)
+            want, want_updated = b.feed_forward(x), b.feed_forward(x, update)
         got = ops.feed_forward(x, *block_args(b), compute_dtype=torch.bfloat16)
         assert got.dtype == want.dtype == torch.float32
+        assert torch.equal(got, want)
+        want = want_updated
+        got = ops.feed_forward(x, *block_args(b), torch.bfloat16, update=update)
         assert torch.equal(got, want)
         # fp32 compute: the modules without autocast.
         assert torch.equal(ops.feed_forward(x, *block_args(b), torch.float32), b.feed_forward(x))
 
 
 def test_composite_is_float64_maths_within_bf16_rounding():
-    x, nw, nb, w1, b1, w2, b2 = make_inputs((40,), 64, 128, torch.float32, True)
+    x, _, nw, nb, w1, b1, w2, b2 = make_inputs((40,), 64, 128, torch.float32, True)
     got = ops.feed_forward(x, nw, nb, w1, b1, w2, b2, 1e-5, torch.bfloat16)
     d = x.double()
     normed = F.layer_norm(d, (64,), nw.double(), nb.double(), 1e-5)
@@ -132,9 +149,10 @@ def test_kernel_under_the_interpreter_agrees_with_the_composite():
     results = json.loads(child.stdout.strip().splitlines()[-1])
     assert len(results) == len(KERNEL_CASES)
     for case, (equal, worst, dtype, shape) in zip(KERNEL_CASES, results):
-        _, leading, dim, _, x_dtype, _ = case
+        _, leading, dim, _, x_dtype, _, update = case
         assert shape == [*leading, dim]
-        assert dtype == str(torch.promote_types(x_dtype, torch.float16))
+        sum_dtype = x_dtype if update is None else torch.promote_types(x_dtype, update)
+        assert dtype == str(torch.promote_types(sum_dtype, torch.float16))
         assert equal >= 0.9, f"{case}: only {equal:.3f} equal"
         assert worst <= 2.0, f"{case}: {worst:.2f} roundings off"
 
@@ -142,16 +160,16 @@ def test_kernel_under_the_interpreter_agrees_with_the_composite():
 def interpreter_cases() -> None:
     """The child's side of the interpreter test: one JSON line of agreement per case."""
     out = []
-    for _, leading, dim, hidden, x_dtype, norm_bias in KERNEL_CASES:
-        args = make_inputs(leading, dim, hidden, x_dtype, norm_bias)
+    for _, leading, dim, hidden, x_dtype, norm_bias, update in KERNEL_CASES:
+        args = make_inputs(leading, dim, hidden, x_dtype, norm_bias, update)
         got = ff.run_kernel(*args, 1e-5, torch.float16)
         want = ff.feed_forward_composite(*args, 1e-5, torch.float16)
-        out.append([*agreement(got, want, args[0]), str(got.dtype), list(got.shape)])
+        out.append([*agreement(got, want, stream(args)), str(got.dtype), list(got.shape)])
     print(json.dumps(out))
 
 
 def test_compiles_in_one_graph_and_traces_its_shape():
-    x, *params = make_inputs((2, 30), 32, 64, torch.float32, True)
+    x, _, *params = make_inputs((2, 30), 32, 64, torch.float32, True)
     fn = torch.compile(
         lambda x: ops.feed_forward(x, *params, 1e-5, torch.bfloat16),
         fullgraph=True,
@@ -188,10 +206,8 @@ def test_block_takes_the_operator_in_one_compiled_graph(monkeypatch):
 
 
 def test_opcheck():
-    x, *params = make_inputs((5, 7), 16, 64, torch.float32, True)
-    torch.library.opcheck(
-        torch.ops.tabserve.feed_forward.default, (x, *params, 1e-5, torch.bfloat16)
-    )
+    args = make_inputs((5, 7), 16, 64, torch.float32, True, torch.bfloat16)
+    torch.library.opcheck(torch.ops.tabserve.feed_forward.default, (*args, 1e-5, torch.bfloat16))
     x16, *params = make_inputs((9,), 16, 64, torch.bfloat16, False)
     torch.library.opcheck(
         torch.ops.tabserve.feed_forward.default, (x16, *params, 0.0, torch.bfloat16)
@@ -201,14 +217,16 @@ def test_opcheck():
 def test_kernel_applies_only_where_it_is_built_for():
     x = torch.empty(4, 128, device="meta")
     w1 = torch.empty(256, 128, device="meta")
-    assert not ff.kernel_applies(x, w1, torch.float16)  # not CUDA
+    assert not ff.kernel_applies(x, None, w1, torch.float16)  # not CUDA
     if importlib.util.find_spec("triton") is None or not torch.cuda.is_available():
         return
     x, w1 = torch.empty(4, 128, device="cuda"), torch.empty(256, 128, device="cuda")
-    assert ff.kernel_applies(x, w1, torch.float16) and ff.kernel_applies(x, w1, torch.bfloat16)
-    assert not ff.kernel_applies(x, w1, torch.float32)
-    assert not ff.kernel_applies(torch.empty(4, 96, device="cuda"), w1[:, :96], torch.float16)
-    assert not ff.kernel_applies(x, w1[:100], torch.float16)
+    half = torch.float16
+    assert ff.kernel_applies(x, None, w1, half) and ff.kernel_applies(x, x, w1, torch.bfloat16)
+    assert not ff.kernel_applies(x, None, w1, torch.float32)
+    assert not ff.kernel_applies(torch.empty(4, 96, device="cuda"), None, w1[:, :96], half)
+    assert not ff.kernel_applies(x, None, w1[:100], half)
+    assert not ff.kernel_applies(x, x.double(), w1, half)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -245,26 +263,26 @@ def test_served_model_points_every_block_at_the_recipe():
 @pytest.mark.parametrize("compute", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("case", KERNEL_CASES, ids=lambda c: f"{c[0]}x{c[2]}-{c[3]}")
 def test_cuda_kernel_agrees_with_the_composite(case, compute):
-    _, leading, dim, hidden, x_dtype, norm_bias = case
-    args = make_inputs(leading, dim, hidden, x_dtype, norm_bias, device="cuda")
-    assert ff.kernel_applies(args[0], args[3], compute)
-    got = ops.feed_forward(*args, 1e-5, compute)
+    _, leading, dim, hidden, x_dtype, norm_bias, update = case
+    args = make_inputs(leading, dim, hidden, x_dtype, norm_bias, update, device="cuda")
+    assert ff.kernel_applies(args[0], args[1], args[4], compute)
+    got = torch.ops.tabserve.feed_forward(*args, 1e-5, compute)
     want = ff.feed_forward_composite(*args, 1e-5, compute)
     if compute == torch.bfloat16:  # bf16 rounds 8x coarser than the fp16 scale of agreement
-        equal, worst = agreement(got, want, args[0])
+        equal, worst = agreement(got, want, stream(args))
         assert equal >= 0.9 and worst <= 16.0, (equal, worst)
     else:
-        assert_agrees(got, want, args[0], str(case))
+        assert_agrees(got, want, stream(args), str(case))
 
 
 @requires_cuda
 @requires_triton
 def test_cuda_large_stream_past_int32_offsets_of_a_tile_grid():
     # 5.6 M tokens of width 128: the large workload's row stage (element offsets past 2**29).
-    args = make_inputs((8 * 10240 * 68,), 128, 256, torch.float32, True, device="cuda")
-    got = ops.feed_forward(*args, 1e-5, torch.float16)
+    args = make_inputs((8 * 10240 * 68,), 128, 256, torch.float32, True, torch.float16, "cuda")
+    got = torch.ops.tabserve.feed_forward(*args, 1e-5, torch.float16)
     want = ff.feed_forward_composite(*args, 1e-5, torch.float16)
-    assert_agrees(got, want, args[0], "large row stage")
+    assert_agrees(got, want, stream(args), "large row stage")
 
 
 @requires_cuda
@@ -273,22 +291,23 @@ def test_cuda_compiled_and_captured_equal_eager():
     b = block().cuda()
     b.fused_feed_forward = True
     x = torch.randn(4, 300, 128, device="cuda")
+    u = torch.randn(4, 300, 128, device="cuda").half()  # the attention half's output
     with torch.no_grad(), torch.autocast("cuda", dtype=torch.float16):
-        eager = b.feed_forward(x)
+        eager = b.feed_forward(x, u)
         torch._dynamo.reset()
-        compiled = torch.compile(b.feed_forward, fullgraph=True)(x)
+        compiled = torch.compile(b.feed_forward, fullgraph=True)(x, u)
         graph, static_x = torch.cuda.CUDAGraph(), x.clone()
-        b.feed_forward(static_x)  # warm-up outside the capture
+        b.feed_forward(static_x, u)  # warm-up outside the capture
         with torch.cuda.graph(graph):
-            static_out = b.feed_forward(static_x)
+            static_out = b.feed_forward(static_x, u)
         static_x.copy_(2 * x)
         graph.replay()
-        again = b.feed_forward(2 * x)
+        again = b.feed_forward(2 * x, u)
     assert torch.equal(compiled, eager)
     assert torch.equal(static_out, again)
     b.fused_feed_forward = False
     with torch.no_grad(), torch.autocast("cuda", dtype=torch.float16):
-        assert_agrees(eager, b.feed_forward(x), x, "fused block vs modules")
+        assert_agrees(eager, b.feed_forward(x, u), x.double() + u.double(), "fused vs modules")
 
 
 @requires_cuda

@@ -1,10 +1,11 @@
 """``tabserve::feed_forward``: a pre-LN transformer block's feed-forward half in one pass.
 
-    out = x + linear2(gelu(linear1(layer_norm(x))))
+    s = x + update          (update optional: the attention half's output)
+    out = s + linear2(gelu(linear1(layer_norm(s))))
 
 with the roundings of ``torch.autocast``: LayerNorm in fp32, its output, both linears' outputs
-and the GELU's output rounded to ``compute_dtype``, matmuls accumulated in fp32, the residual sum
-in ``promote_types(x.dtype, compute_dtype)`` (what ``x + y`` gives under autocast).
+and the GELU's output rounded to ``compute_dtype``, matmuls accumulated in fp32, the residual sums
+in the promoted dtypes (what ``x + update`` and ``s + y`` give under autocast).
 
 Unfused, a block's FFN reads and writes the token stream five times and its hidden activations
 (twice as wide) three times; on the large workload's row stage (5.6 M tokens of width 128) the
@@ -36,15 +37,29 @@ KERNEL_COMPUTE_DTYPES = (torch.float16, torch.bfloat16)
 KERNEL_WIDTHS = (16, 32, 64, 128)
 #: Hidden units per step of the kernel's loop; the hidden width must be a multiple.
 HIDDEN_STEP = 64
-#: Tokens per program and warps (chosen on the H200: benchmarks/feed_forward.py).
-BLOCK_TOKENS = 64
-NUM_WARPS = 4
-NUM_STAGES = 2
+#: Tile configurations (tokens per program, warps, pipeline stages) by stream length, chosen
+#: on the H200 with ``benchmarks/feed_forward.py --sweep`` (2026-11-30, 18 configurations): 64 x
+#: 4 warps x 1 stage was the fastest on the large workload's row and column streams (5.6 and 5.2
+#: M tokens: 5.40 and 5.09 ms, against 7.50 and 7.07 ms for Inductor's compiled composite);
+#: 128 x 8 x 1 on the small workload's row stream (55 k tokens: 0.085 ms, 64 x 4 x 1 0.159).
+LONG_STREAM = 1 << 20
+LONG_CONFIG = (64, 4, 1)
+SHORT_CONFIG = (128, 8, 1)
+#: Set by the benchmark's sweep to time one configuration everywhere (None: the table above).
+CONFIG_OVERRIDE = None
+
+
+def tile_config(tokens) -> tuple[int, int, int]:
+    """(tokens per program, warps, stages) for a stream of ``tokens`` tokens."""
+    if CONFIG_OVERRIDE is not None:
+        return CONFIG_OVERRIDE
+    return LONG_CONFIG if tokens >= LONG_STREAM else SHORT_CONFIG
+
 
 _OPERATOR = "tabserve::feed_forward"
 
 
-def _check(x, norm_weight, norm_bias, w1, b1, w2, b2, eps, compute_dtype) -> None:
+def _check(x, update, norm_weight, norm_bias, w1, b1, w2, b2, eps, compute_dtype) -> None:
     """Shape, dtype and device rules, each error naming its argument (fake tensors too)."""
     op = "tabserve::feed_forward"
     if not x.is_floating_point() or x.dim() < 1:
@@ -63,6 +78,8 @@ def _check(x, norm_weight, norm_bias, w1, b1, w2, b2, eps, compute_dtype) -> Non
     }
     if norm_bias is not None:
         expected["norm_bias"] = (norm_bias, (dim,))
+    if update is not None:
+        expected["update"] = (update, tuple(x.shape))
     for name, (tensor, shape) in expected.items():
         if tuple(tensor.shape) != shape:
             raise ValueError(f"{op}: {name} must have shape {shape}, got {tuple(tensor.shape)}")
@@ -81,6 +98,7 @@ def _check(x, norm_weight, norm_bias, w1, b1, w2, b2, eps, compute_dtype) -> Non
 
 def feed_forward_composite(
     x: Tensor,
+    update: Tensor | None,
     norm_weight: Tensor,
     norm_bias: Tensor | None,
     w1: Tensor,
@@ -92,19 +110,25 @@ def feed_forward_composite(
 ) -> Tensor:
     """The operator as ATen ops: what autocast makes of the module (the kernels' reference)."""
     dim = x.shape[-1]
+    if update is not None:
+        x = x + update
     bias = None if norm_bias is None else norm_bias.float()
     normed = F.layer_norm(x.float(), (dim,), norm_weight.float(), bias, eps).to(compute_dtype)
     hidden = F.gelu(F.linear(normed, w1.to(compute_dtype), b1.to(compute_dtype)))
     return x + F.linear(hidden, w2.to(compute_dtype), b2.to(compute_dtype))
 
 
-def kernel_applies(x: Tensor, w1: Tensor, compute_dtype: torch.dtype) -> bool:
+def kernel_applies(
+    x: Tensor, update: Tensor | None, w1: Tensor, compute_dtype: torch.dtype
+) -> bool:
     """Whether the CUDA kernel serves these operands (shapes and dtypes: static under compile)."""
+    stream_dtypes = (torch.float32, torch.float16, torch.bfloat16)
     return (
         triton is not None
         and x.device.type == "cuda"
         and compute_dtype in KERNEL_COMPUTE_DTYPES
-        and x.dtype in (torch.float32, torch.float16, torch.bfloat16)
+        and x.dtype in stream_dtypes
+        and (update is None or update.dtype in stream_dtypes)
         and x.shape[-1] in KERNEL_WIDTHS
         and w1.shape[0] % HIDDEN_STEP == 0
     )
@@ -121,8 +145,24 @@ if triton is not None:
             return x.to(tl.float16)
 
     @triton.jit
+    def _residual(
+        x_ptr, update_ptr, offsets, in_range, HAS_UPDATE: tl.constexpr, SUM_ROUND: tl.constexpr
+    ):
+        """The stream entering the block's second half, ``x (+ update)`` in fp32, rounded as
+        ATen's sum when its dtype is half precision (SUM_ROUND: 0 none, 1 fp16, 2 bf16)."""
+        s = tl.load(x_ptr + offsets, mask=in_range, other=0.0).to(tl.float32)
+        if HAS_UPDATE:
+            s = s + tl.load(update_ptr + offsets, mask=in_range, other=0.0).to(tl.float32)
+            if SUM_ROUND == 1:
+                s = s.to(tl.float16).to(tl.float32)
+            elif SUM_ROUND == 2:
+                s = s.to(tl.bfloat16).to(tl.float32)
+        return s
+
+    @triton.jit
     def _feed_forward_kernel(
         x_ptr,
+        update_ptr,
         out_ptr,
         norm_weight_ptr,
         norm_bias_ptr,
@@ -131,12 +171,14 @@ if triton is not None:
         w2_ptr,
         b2_ptr,
         tokens,
-        eps,
+        EPS: tl.constexpr,  # a runtime float would reach the kernel as fp64 through Inductor
         DIM: tl.constexpr,
         HIDDEN: tl.constexpr,
         BLOCK_TOKENS: tl.constexpr,
         HIDDEN_STEP: tl.constexpr,
         HAS_NORM_BIAS: tl.constexpr,
+        HAS_UPDATE: tl.constexpr,
+        SUM_ROUND: tl.constexpr,
         BF16: tl.constexpr,
     ):
         # Dtypes travel as a flag and as the output pointer's type: torch.compile does not take
@@ -145,12 +187,12 @@ if triton is not None:
         cols = tl.arange(0, DIM)
         offsets = rows[:, None] * DIM + cols[None, :]
         in_range = rows[:, None] < tokens
-        x = tl.load(x_ptr + offsets, mask=in_range, other=0.0).to(tl.float32)
+        x = _residual(x_ptr, update_ptr, offsets, in_range, HAS_UPDATE, SUM_ROUND)
         # LayerNorm in fp32 (biased variance, as ATen), rounded to the matmul dtype.
         mean = tl.sum(x, axis=1) / DIM
         centred = x - mean[:, None]
         variance = tl.sum(centred * centred, axis=1) / DIM
-        normed = centred * (1.0 / tl.sqrt_rn(variance + eps))[:, None]
+        normed = centred * (1.0 / tl.sqrt_rn(variance + EPS))[:, None]
         normed = normed * tl.load(norm_weight_ptr + cols).to(tl.float32)[None, :]
         if HAS_NORM_BIAS:
             normed = normed + tl.load(norm_bias_ptr + cols).to(tl.float32)[None, :]
@@ -169,20 +211,25 @@ if triton is not None:
             acc = tl.dot(g, w2, acc)
         b2 = _round(tl.load(b2_ptr + cols), BF16).to(tl.float32)
         y = _round(acc + b2[None, :], BF16).to(tl.float32)
-        # The residual is read again rather than held: a tile of x in registers through both
+        # The residual is read again rather than held: a tile of it in registers through both
         # matmuls would spill; the second read hits L2.
-        residual = tl.load(x_ptr + offsets, mask=in_range, other=0.0).to(tl.float32)
-        out = residual + y
+        out = _residual(x_ptr, update_ptr, offsets, in_range, HAS_UPDATE, SUM_ROUND) + y
         tl.store(out_ptr + offsets, out.to(out_ptr.dtype.element_ty), mask=in_range)
 
-    def _launch(x, norm_weight, norm_bias, w1, b1, w2, b2, eps, compute_dtype, launcher):
+    #: SUM_ROUND codes of the residual sum's dtype.
+    _SUM_ROUND = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+
+    def _launch(x, update, norm_weight, norm_bias, w1, b1, w2, b2, eps, compute_dtype, launcher):
         dim, hidden = x.shape[-1], w1.shape[0]
         tokens = x.numel() // dim
-        out_dtype = torch.promote_types(x.dtype, compute_dtype)
+        sum_dtype = x.dtype if update is None else torch.promote_types(x.dtype, update.dtype)
+        out_dtype = torch.promote_types(sum_dtype, compute_dtype)
         out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
-        grid = (triton.cdiv(tokens, BLOCK_TOKENS),)
+        block_tokens, num_warps, num_stages = tile_config(tokens)
+        grid = (triton.cdiv(tokens, block_tokens),)
         launcher(_feed_forward_kernel)[grid](
             x.contiguous(),
+            x if update is None else update.contiguous(),
             out,
             norm_weight.contiguous(),
             norm_weight if norm_bias is None else norm_bias.contiguous(),
@@ -191,27 +238,31 @@ if triton is not None:
             w2.contiguous(),
             b2.contiguous(),
             tokens,
-            eps,
+            EPS=eps,
             DIM=dim,
             HIDDEN=hidden,
-            BLOCK_TOKENS=BLOCK_TOKENS,
+            BLOCK_TOKENS=block_tokens,
             HIDDEN_STEP=HIDDEN_STEP,
             HAS_NORM_BIAS=norm_bias is not None,
+            HAS_UPDATE=update is not None,
+            SUM_ROUND=_SUM_ROUND[sum_dtype],
             BF16=compute_dtype == torch.bfloat16,
-            num_warps=NUM_WARPS,
-            num_stages=NUM_STAGES,
+            num_warps=num_warps,
+            num_stages=num_stages,
         )
         return out
 
-    def run_kernel(x, norm_weight, norm_bias, w1, b1, w2, b2, eps, compute_dtype) -> Tensor:
+    def run_kernel(x, update, norm_weight, norm_bias, w1, b1, w2, b2, eps, compute_dtype):
         """The Triton kernel called directly (tests run it on CPU tensors under
         ``TRITON_INTERPRET=1``); no checks beyond :func:`_check`."""
-        _check(x, norm_weight, norm_bias, w1, b1, w2, b2, eps, compute_dtype)
-        return _launch(x, norm_weight, norm_bias, w1, b1, w2, b2, eps, compute_dtype, lambda k: k)
+        args = (x, update, norm_weight, norm_bias, w1, b1, w2, b2, eps, compute_dtype)
+        _check(*args)
+        return _launch(*args, lambda k: k)
 
 
 def _feed_forward(
     x: Tensor,
+    update: Tensor | None,
     norm_weight: Tensor,
     norm_bias: Tensor | None,
     w1: Tensor,
@@ -221,12 +272,13 @@ def _feed_forward(
     eps: float,
     compute_dtype: torch.dtype,
 ) -> Tensor:
-    _check(x, norm_weight, norm_bias, w1, b1, w2, b2, eps, compute_dtype)
-    if not kernel_applies(x, w1, compute_dtype):
-        return feed_forward_composite(x, norm_weight, norm_bias, w1, b1, w2, b2, eps, compute_dtype)
+    args = (x, update, norm_weight, norm_bias, w1, b1, w2, b2, eps, compute_dtype)
+    _check(*args)
+    if not kernel_applies(x, update, w1, compute_dtype):
+        return feed_forward_composite(*args)
     from torch.library import wrap_triton
 
-    return _launch(x, norm_weight, norm_bias, w1, b1, w2, b2, eps, compute_dtype, wrap_triton)
+    return _launch(*args, wrap_triton)
 
 
 if triton is not None:

@@ -342,20 +342,24 @@ class AttentionBlock(nn.Module):
             keys_values = self.attn.project_kv(q_normed, rope) if return_kv else None
         else:
             keys_values = self.key_value(kv, rope)
-        x = self.feed_forward(q + self.attn(q_normed, keys_values, rope, n_keys))
+        x = self.feed_forward(q, self.attn(q_normed, keys_values, rope, n_keys))
         return (x, keys_values) if return_kv else x
 
-    def feed_forward(self, x: Tensor) -> Tensor:
-        """``x + FFN(LN2(x))``; with :attr:`fused_feed_forward` in one pass of the fused
-        operator (same roundings as autocast), else as the modules."""
+    def feed_forward(self, x: Tensor, update: Tensor | None = None) -> Tensor:
+        """``s + FFN(LN2(s))`` with ``s = x (+ update)``; with :attr:`fused_feed_forward` in one
+        pass of the fused operator (same roundings as autocast), else as the modules."""
+        if update is not None and update.shape != x.shape:  # broadcast queries (inducing points)
+            x, update = x + update, None
         dtype = _autocast_matmul_dtype(x)
         if self.fused_feed_forward and dtype is not None:
-            if fused_ffn.kernel_applies(x, self.linear1.weight, dtype):
+            if fused_ffn.kernel_applies(x, update, self.linear1.weight, dtype):
                 norm, linear1, linear2 = self.norm2, self.linear1, self.linear2
                 return fused_ffn.feed_forward_op(
-                    x, norm.weight, norm.bias, linear1.weight, linear1.bias,
+                    x, update, norm.weight, norm.bias, linear1.weight, linear1.bias,
                     linear2.weight, linear2.bias, norm.eps, dtype,
                 )  # fmt: skip
+        if update is not None:
+            x = x + update
         return x + self.linear2(F.gelu(self.linear1(self.norm2(x))))
 
 
