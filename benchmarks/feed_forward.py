@@ -22,8 +22,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import environment, measure, print_table, write_json
+from harness import compare_and_time, environment, print_table, write_json
 from tabserve.kernels import feed_forward as ff
+from tabserve.kernels._common import tile_override
 
 #: (name, tokens): small / large workloads' row stage (8 tables x rows x (features + 4 CLS))
 #: and the large workload's column stage (8 tables x 64 features x 10,240 rows).
@@ -49,13 +50,12 @@ def inputs(tokens: int, device):
     return x, update, [p.to(device) for p in params]
 
 
-def with_config(block_tokens: int, warps: int, stages: int):
+def with_config(config):
+    """The operator's Triton kernel with tile ``config`` (tokens, warps, stages)."""
+
     def run(*args):
-        ff.CONFIG_OVERRIDE = (block_tokens, warps, stages)
-        try:
+        with tile_override(config):
             return ff.run_kernel(*args)
-        finally:
-            ff.CONFIG_OVERRIDE = None
 
     return run
 
@@ -76,7 +76,7 @@ def main(argv=None) -> int:
     if device.type == "cuda":
         methods["composite compiled"] = torch.compile(composite, fullgraph=True)
         if args.sweep:
-            methods |= {f"op {b}x{w}w{s}s": with_config(b, w, s) for b, w, s in SWEEP}
+            methods |= {f"op {b}x{w}w{s}s": with_config((b, w, s)) for b, w, s in SWEEP}
     records, rows = [], []
     for name, tokens in QUICK_CASES if args.quick else CASES:
         x, update, (nw, nb, w1, b1, w2, b2) = inputs(tokens, device)
@@ -86,22 +86,14 @@ def main(argv=None) -> int:
         stream = x + update
         ulp = ((want - stream).abs().amax(-1, keepdim=True) + want.abs()) * torch.finfo(dtype).eps
         del stream
-        for method, fn in methods.items():
-            try:
-                got = fn(*call)
-            except Exception as e:  # noqa: BLE001  (a configuration Triton cannot build: reported)
-                rows.append([name, method, f"failed: {type(e).__name__}", "", "", ""])
-                continue
-            error = ((got - want).abs() / ulp).max().item()
-            del got
-            m = measure(lambda fn=fn, call=call: fn(*call), device, budget_s=args.budget)
-            records.append({"case": name, "tokens": tokens, "method": method,
-                            "max_error_fp16_ulps": error, **m.as_dict()})  # fmt: skip
-            rows.append([name, method, *m.table_cells(), f"{error:.1f}"])
+        case = {"case": name, "tokens": tokens}
+        found, table = compare_and_time(case, methods, call, want, ulp, device, args.budget)
+        records += found
+        rows += table
         del x, update, want, ulp
     print_table(
         f"feed_forward, fp32 stream, {dtype} matmuls on {device}",
-        ["case", "method", "median ms", "p20-p80", "peak extra MiB", "max err (ulps)"],
+        ["case", "method", "median ms", "p20-p80", "peak extra MiB", "max err (roundings)"],
         rows,
     )
     out = args.json or Path(__file__).parent / "results" / f"feed-forward-{device.type}.json"

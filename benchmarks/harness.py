@@ -245,3 +245,32 @@ def print_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[obje
 def _plain_width(names, cells) -> int:
     widths = [max([len(n)] + [len(r[i]) for r in cells]) for i, n in enumerate(names)]
     return sum(widths) + 2 * len(widths)
+
+
+def compare_and_time(
+    case: dict,
+    methods: dict[str, Callable],
+    call: Sequence,
+    want: torch.Tensor,
+    scale: torch.Tensor,
+    device: torch.device | str,
+    budget_s: float,
+) -> tuple[list, list]:
+    """Each method of ``methods`` called on ``call``: its max |difference| from ``want`` in units
+    of ``scale`` (broadcast against the output), then :func:`measure`. A method that raises (a
+    tile configuration a compiler refuses) is reported as failed, not fatal. Returns (records
+    for the JSON, each ``case`` plus the method's figures; table rows starting with the case's
+    ``name``)."""
+    records, rows = [], []
+    for method, fn in methods.items():
+        try:
+            got = fn(*call)
+        except Exception as e:  # noqa: BLE001  (reported in the table)
+            rows.append([case["case"], method, f"failed: {type(e).__name__}", "", "", ""])
+            continue
+        error = ((got.float() - want.float()).abs() / scale).max().item()
+        del got
+        m = measure(lambda fn=fn: fn(*call), device, budget_s=budget_s)
+        records.append({**case, "method": method, "max_error_roundings": error, **m.as_dict()})
+        rows.append([case["case"], method, *m.table_cells(), f"{error:.1f}"])
+    return records, rows

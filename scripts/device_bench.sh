@@ -6,7 +6,7 @@
 #   bash scripts/device_bench.sh large            # one part per call is the safe plan
 #   bash scripts/device_bench.sh medium stream
 # Parts: small, large, compiled, medium, xlarge, stream, restart, soak, sanitize, profile, cudatests,
-# align, pytest, attention, ffn.
+# align, pytest, attention, ffn, norm.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
@@ -69,6 +69,13 @@ for part in "$@"; do
       timeout "$(left $((LIMIT - 10)))" python3 benchmarks/feed_forward.py --device cuda ${FFN_ARGS:---sweep} \
         --json "$OUT/feed-forward-cuda.json" >"$LOG/ffn_bench.log" 2>&1
       echo "ffn bench rc=$?"; tail -${FFN_TAIL:-70} "$LOG/ffn_bench.log" ;;
+    norm)  # the fused LayerNorm + projection operator: its CUDA tests, then its benchmark
+      timeout "$(left $((LIMIT - 60)))" python3 -m pytest -q -p no:cacheprovider -p no:logging -rfE \
+        test/python/test_norm_linear.py >"$LOG/norm_pytest.log" 2>&1
+      echo "norm pytest rc=$?"; grep -n -A8 "^E " "$LOG/norm_pytest.log" | head -40; tail -3 "$LOG/norm_pytest.log"
+      timeout "$(left $((LIMIT - 10)))" python3 benchmarks/norm_linear.py --device cuda ${NORM_ARGS:---sweep} \
+        --json "$OUT/norm-linear-cuda.json" >"$LOG/norm_bench.log" 2>&1
+      echo "norm bench rc=$?"; tail -${NORM_TAIL:-40} "$LOG/norm_bench.log" ;;
     pytest)  # any tests: PYTEST_ARGS (files, -k, ...), PYTEST_ENV (e.g. CUDA_LAUNCH_BLOCKING=1)
       timeout "${PYTEST_TIMEOUT:-$(left $((LIMIT - 30)))}" env ${PYTEST_ENV:-} python3 -m pytest -q \
         -p no:cacheprovider -p no:logging -rfE ${PYTEST_ARGS:-test/python} >"$LOG/pytest.log" 2>&1
@@ -112,7 +119,7 @@ for part in "$@"; do
     sanitize)
       SKIP_BUILD=1 STAGES=sanitize SAN_TOOLS="${SAN_TOOLS:-synccheck racecheck memcheck initcheck}" SAN_TIMEOUT=${SAN_TIMEOUT:-120} \
         DEADLINE=$(left $((LIMIT - 120))) OUT="$LOG/sanitize" bash scripts/device_check.sh 2>&1 | tail -8 ;;
-    *) echo "unknown part $part (small, large, compiled, medium, xlarge, stream, restart, soak, sanitize, profile, cudatests, align, pytest, attention, ffn)"; exit 2 ;;
+    *) echo "unknown part $part (small, large, compiled, medium, xlarge, stream, restart, soak, sanitize, profile, cudatests, align, pytest, attention, ffn, norm)"; exit 2 ;;
   esac
 done
 tar czf "$OUT/logs.tgz" -C "$LOG" . 2>/dev/null

@@ -7,8 +7,9 @@ every input is built on the host and copied to the device (copies initialise mem
 initcheck's tracking), strided views are slices (no kernel), and the only kernels that run are
 tabserve's: small_head_attention (plain, RoPE in the kernel, per-entry n, one-chunk and streamed
 keys, aligned and unaligned rows), qassmax_scale (the fused fp16 / bf16 kernel, head dims 16 and
-64), rotary_embedding and feed_forward (Triton). Each output is copied back and checked against
-the CPU kernel, so a run that reads garbage also fails here. Exit status 1 on a mismatch.
+64), rotary_embedding, feed_forward and norm_linear (Triton). Each output is copied back and
+checked against the CPU kernel, so a run that reads garbage also fails here. Exit status 1 on a
+mismatch.
 
     compute-sanitizer --tool initcheck --error-exitcode 1 python3 scripts/sanitize_kernels.py
 """
@@ -128,6 +129,16 @@ def feed_forward_cases(dtype) -> None:
         check(f"feed_forward {dtype} case {i}", got, want, 5e-2)
 
 
+def norm_linear_cases(dtype) -> None:
+    for i, (tokens, dim, out_features) in enumerate([(1000, 128, 384), (77, 32, 64)]):
+        x = host(tokens, dim, seed=40 + i)
+        params = [1 + 0.1 * host(dim, seed=41), 0.1 * host(dim, seed=42)]
+        params += [host(out_features, dim, seed=43) / dim**0.5, 0.1 * host(out_features, seed=44)]
+        want = ops.norm_linear(x, *params, 1e-5, torch.float32)
+        got = ops.norm_linear(x.to("cuda"), *(p.to("cuda") for p in params), 1e-5, dtype)
+        check(f"norm_linear {dtype} case {i}", got, want, 5e-2)
+
+
 def main() -> int:
     if not torch.cuda.is_available():
         print("no CUDA device")
@@ -137,6 +148,7 @@ def main() -> int:
         qassmax_cases(dtype)
         rotary_cases(dtype)
         feed_forward_cases(dtype)
+        norm_linear_cases(dtype)
     torch.cuda.synchronize()
     print(f"{len(FAILURES)} mismatches" + (f": {FAILURES}" if FAILURES else ""))
     return 1 if FAILURES else 0

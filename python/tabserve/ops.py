@@ -555,7 +555,7 @@ def small_head_attention(
 
 
 # ---------------------------------------------------------------------------------------------
-# Feed-forward half of a transformer block (python/tabserve/kernels/feed_forward.py: schema,
+# Fused halves of a transformer block (python/tabserve/kernels/<op>.py: schema,
 # composite CPU kernel, Triton CUDA kernel and fake kernel in one file)
 
 
@@ -604,3 +604,41 @@ def feed_forward(
     from tabserve.kernels.feed_forward import feed_forward_op
 
     return feed_forward_op(x, update, norm_weight, norm_bias, w1, b1, w2, b2, eps, compute_dtype)
+
+
+def norm_linear(
+    x: Tensor,
+    norm_weight: Tensor,
+    norm_bias: Tensor | None,
+    weight: Tensor,
+    bias: Tensor,
+    eps: float = 1e-5,
+    compute_dtype: torch.dtype = torch.float16,
+) -> Tensor:
+    """``linear(layer_norm(x), weight, bias)`` as ``torch.autocast`` to ``compute_dtype``
+    computes it (a pre-LN block's normalisation and input projection), in one pass on CUDA.
+
+    LayerNorm runs in fp32 and is rounded to ``compute_dtype``; weight and bias are cast to it;
+    the product accumulates in fp32 and is rounded. On CUDA with fp16 / bf16 ``compute_dtype``, a
+    width of 16, 32, 64 or 128 and an output width that is a multiple of 64, one Triton kernel
+    reads each tile of tokens once and writes only the projection (the normalised tokens never
+    reach memory); elsewhere the ATen composite runs. Sums in another order than cuBLAS.
+
+    Args:
+        x: [..., dim] float tensor (fp32 / fp16 / bf16 on CUDA).
+        norm_weight, norm_bias: LayerNorm's [dim] affine parameters (bias may be None).
+        weight, bias: the projection's [out_features, dim] weight and [out_features] bias.
+        eps: LayerNorm's epsilon (finite, >= 0).
+        compute_dtype: the matmul dtype: float16, bfloat16 or float32 (fp32: the composite).
+
+    Returns:
+        [..., out_features] tensor of dtype ``compute_dtype``, contiguous.
+
+    Raises:
+        ValueError naming the argument for shapes that do not fit ``x``'s width, non-float
+        tensors, tensors on another device than ``x``, an unsupported ``compute_dtype`` or a
+        negative or infinite ``eps``.
+    """
+    from tabserve.kernels.norm_linear import norm_linear_op
+
+    return norm_linear_op(x, norm_weight, norm_bias, weight, bias, eps, compute_dtype)

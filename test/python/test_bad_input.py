@@ -74,7 +74,8 @@ class World:
         self.q16 = torch.randn(2, 2, 5, 16)  # head dimension 16: small_head_attention
         self.base_mlp = (torch.randn(4, 1), torch.randn(4), torch.randn(16, 4), torch.randn(16))
         self.query_mlp = (torch.randn(4, 8), torch.randn(4), torch.randn(8, 4), torch.randn(8))
-        # feed_forward: tokens of width 8, hidden width 16 (LayerNorm weight and bias, linears).
+        # feed_forward / norm_linear: tokens of width 8, hidden width 16 (LayerNorm weight and
+        # bias, linears).
         self.ffn = dict(
             x=torch.randn(3, 5, 8),
             norm_weight=torch.randn(8),
@@ -156,6 +157,10 @@ GOOD_CALLS: dict[str, Callable[[World], Any]] = {
     "feed_forward": lambda w: (
         ops.feed_forward(**w.ffn, compute_dtype=torch.bfloat16),
         ops.feed_forward(**w.ffn, compute_dtype=torch.float32, update=w.ffn["x"].half()),
+    ),
+    "norm_linear": lambda w: (
+        ops.norm_linear(*(w.ffn[k] for k in _NORM_LINEAR), compute_dtype=torch.bfloat16),
+        ops.norm_linear(*(w.ffn[k] for k in _NORM_LINEAR), compute_dtype=torch.float32),
     ),
     "tables": lambda w: (w.align(w.table), w.encoder.transform(w.frame)),
     "buckets": lambda w: (w.grid.bucket_for(5, 3, 4), w.grid.plan(5, 20, 4)),
@@ -248,6 +253,16 @@ def small_heads(w: World, q=None, k=None, v=None, n=None, **kw):
 def ffn(w: World, eps: float = 1e-5, compute_dtype=torch.bfloat16, **replaced):
     """feed_forward on the good arguments with some of them replaced."""
     return ops.feed_forward(**{**w.ffn, **replaced}, eps=eps, compute_dtype=compute_dtype)
+
+
+#: norm_linear's tensor arguments among the feed_forward world's (its projection: linear1).
+_NORM_LINEAR = ("x", "norm_weight", "norm_bias", "w1", "b1")
+
+
+def norm_lin(w: World, eps: float = 1e-5, compute_dtype=torch.bfloat16, **replaced):
+    """norm_linear on the good arguments (linear1 as the projection) with some replaced."""
+    args = {**{k: w.ffn[k] for k in _NORM_LINEAR}, **replaced}
+    return ops.norm_linear(*args.values(), eps=eps, compute_dtype=compute_dtype)
 
 
 def offsets(*values) -> torch.Tensor:
@@ -404,6 +419,17 @@ REFUSED = [
     C("feed_forward", "feed_forward: compute_dtype int", lambda w: ffn(w, compute_dtype=torch.int32), ValueError, "compute_dtype must be float16, bfloat16 or float32"),
     C("feed_forward", "feed_forward: negative eps", lambda w: ffn(w, eps=-1e-5), ValueError, "eps must be finite and >= 0"),
     C("feed_forward", "feed_forward: infinite eps", lambda w: ffn(w, eps=INF), ValueError, "eps must be finite and >= 0"),
+    # -- norm_linear -----------------------------------------------------------------------------
+    C("norm_linear", "norm_linear: integer x", lambda w: norm_lin(w, x=w.ffn["x"].int()), ValueError, "x must be a floating-point tensor"),
+    C("norm_linear", "norm_linear: weight of another width", lambda w: norm_lin(w, w1=torch.randn(16, 7)), ValueError, r"weight must be \(out_features, 8\)"),
+    C("norm_linear", "norm_linear: 1-D weight", lambda w: norm_lin(w, w1=torch.randn(8)), ValueError, r"weight must be \(out_features, 8\)"),
+    C("norm_linear", "norm_linear: bias shape", lambda w: norm_lin(w, b1=torch.randn(8)), ValueError, r"bias must have shape \(16,\)"),
+    C("norm_linear", "norm_linear: norm_weight shape", lambda w: norm_lin(w, norm_weight=torch.randn(16)), ValueError, "norm_weight must have shape"),
+    C("norm_linear", "norm_linear: norm_bias shape", lambda w: norm_lin(w, norm_bias=torch.randn(7)), ValueError, "norm_bias must have shape"),
+    C("norm_linear", "norm_linear: integer bias", lambda w: norm_lin(w, b1=torch.ones(16, dtype=torch.long)), ValueError, "bias must be floating point"),
+    C("norm_linear", "norm_linear: weight on meta", lambda w: norm_lin(w, w1=torch.randn(16, 8, device="meta")), ValueError, "weight is on meta but x is on cpu"),
+    C("norm_linear", "norm_linear: compute_dtype float64", lambda w: norm_lin(w, compute_dtype=torch.float64), ValueError, "compute_dtype must be float16, bfloat16 or float32"),
+    C("norm_linear", "norm_linear: NaN eps", lambda w: norm_lin(w, eps=NAN), ValueError, "eps must be finite and >= 0"),
     C("attention", "small_head_attention: rotary tables too short", lambda w: small_heads(w, rotary=(torch.ones(4, 16), torch.ones(4, 16))), RuntimeError, r"rotary_cos must be \[L, 16\] with L >= max\(Lq, Lk\) = 5"),
     C("attention", "small_head_attention: rotary tables float64", lambda w: small_heads(w, rotary=(torch.ones(5, 16, dtype=torch.float64), torch.ones(5, 16))), RuntimeError, "rotary_cos must be float32"),
     # -- StringColumn / StringIndex ------------------------------------------------------------

@@ -310,13 +310,10 @@ def test_cuda_compiled_and_captured_equal_eager():
         assert_agrees(eager, b.feed_forward(x, u), x.double() + u.double(), "fused vs modules")
 
 
-@requires_cuda
-@requires_triton
-@pytest.mark.parametrize("task", ["clf", "reg"])
-def test_cuda_model_with_the_fused_ffn_matches_the_modules_in_fp16(task):
+def fused_and_plain(task: str, set_flags, kernel_module) -> tuple[torch.Tensor, torch.Tensor]:
+    """The full v2 model's outputs on one table in fp16 on CUDA with ``set_flags(model, True)``
+    and with ``set_flags(model, False)``; asserts that ``kernel_module._launch`` ran."""
     import copy
-
-    from tabserve.models.tabicl.recipes import set_fused_feed_forward
 
     model = copy.deepcopy(our_model(task, "full")).cuda()
     g = torch.Generator().manual_seed(1)
@@ -324,21 +321,36 @@ def test_cuda_model_with_the_fused_ffn_matches_the_modules_in_fp16(task):
     y = (torch.arange(240) % 4).float()[None].expand(2, -1).cuda()
     if task == "reg":
         y = torch.randn(2, 240, generator=g).cuda()
-    calls = []
-    launch = ff._launch
-    ff._launch = lambda *a: calls.append(1) or launch(*a)
+    calls, launch = [], kernel_module._launch
+    kernel_module._launch = lambda *a: calls.append(1) or launch(*a)
     try:
         with torch.no_grad(), torch.autocast("cuda", dtype=torch.float16):
-            set_fused_feed_forward(model, True)
+            set_flags(model, True)
             fused = model(X, y).float()
-            set_fused_feed_forward(model, False)
+            set_flags(model, False)
             plain = model(X, y).float()
     finally:
-        ff._launch = launch
+        kernel_module._launch = launch
     assert calls, "the fused kernel never ran"
+    return fused, plain
+
+
+def assert_model_outputs_agree(task: str, fused: torch.Tensor, plain: torch.Tensor) -> None:
+    """fp16 recipes' tolerance: probabilities within 2e-2 and argmax agreement >= 99%
+    (classifier), median relative difference <= 1e-2 (regressor quantiles)."""
     if task == "clf":
         p, q = fused.softmax(-1), plain.softmax(-1)
         assert (p - q).abs().max() <= 2e-2
         assert (p.argmax(-1) == q.argmax(-1)).double().mean() >= 0.99
     else:
         assert ((fused - plain).abs() / plain.abs().clamp_min(1e-3)).median() <= 1e-2
+
+
+@requires_cuda
+@requires_triton
+@pytest.mark.parametrize("task", ["clf", "reg"])
+def test_cuda_model_with_the_fused_ffn_matches_the_modules_in_fp16(task):
+    from tabserve.models.tabicl.recipes import set_fused_feed_forward
+
+    fused, plain = fused_and_plain(task, set_fused_feed_forward, ff)
+    assert_model_outputs_agree(task, fused, plain)

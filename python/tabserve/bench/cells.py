@@ -53,6 +53,8 @@ class Cell:
         cuda_graphs: CUDA graphs captured per bucket.
         fused_ffn: the fused feed-forward operator in every block where its kernel applies
             (:func:`tabserve.ops.feed_forward`; bf16 / fp16 only).
+        fused_norm_linear: the fused LayerNorm + input projection operator likewise
+            (:func:`tabserve.ops.norm_linear`).
         warm_cache: a server restart: a priming process compiles the workload's bucket and saves
             the compile-cache artifacts (tabserve.compile_cache); the measured process starts
             with empty caches and loads them; its cold call is the restart's ready time.
@@ -77,6 +79,7 @@ class Cell:
     regional: bool = False
     cuda_graphs: bool = False
     fused_ffn: bool = False
+    fused_norm_linear: bool = False
     warm_cache: bool = False
     aot: bool = False
     devices: tuple = ("cuda",)
@@ -93,8 +96,9 @@ class Cell:
         for stage, backend in self.attention.items():
             if stage not in STAGES or backend not in (*ATTENTION_BACKENDS, *KERNEL_BACKENDS):
                 raise ValueError(f"{self.name}: bad attention choice {stage}={backend}")
-        if self.fused_ffn and self.precision not in ("bf16", "fp16"):
-            raise ValueError(f"{self.name}: fused_ffn runs under bf16 / fp16 autocast only")
+        for fused in ("fused_ffn", "fused_norm_linear"):
+            if getattr(self, fused) and self.precision not in ("bf16", "fp16"):
+                raise ValueError(f"{self.name}: {fused} runs under bf16 / fp16 autocast only")
         if self.aot and not (self.warm_cache and self.buckets):
             raise ValueError(f"{self.name}: aot packages are a restart (warm_cache) of buckets")
 
@@ -403,6 +407,29 @@ CELLS: tuple[Cell, ...] = (
         cuda_graphs=True,
         attention={"row": "head16"},
         fused_ffn=True,
+    ),
+    # ... and LayerNorm 1 with the input projections (tabserve.ops.norm_linear) on top.
+    Cell(
+        "c36-fp16-compile-head16-row-fused",
+        "tabserve",
+        "fp16",
+        "c34 with the fused LayerNorm + input projection operator too",
+        compile="default",
+        attention={"row": "head16"},
+        fused_ffn=True,
+        fused_norm_linear=True,
+    ),
+    Cell(
+        "c37-fp16-buckets-compile-cudagraphs-head16-row-fused",
+        "tabserve",
+        "fp16",
+        "c35 with the fused LayerNorm + input projection operator too",
+        compile="default",
+        buckets="default",
+        cuda_graphs=True,
+        attention={"row": "head16"},
+        fused_ffn=True,
+        fused_norm_linear=True,
     ),
 )
 

@@ -22,6 +22,7 @@ from tabserve.models.tabicl.recipes import (
     precision_flags,
     sdpa_context,
     set_fused_feed_forward,
+    set_fused_norm_linear,
     set_stage_kernels,
 )
 
@@ -208,7 +209,12 @@ class TabserveEngine(Engine):
 
         plain = TabICLv2.from_checkpoint(self.checkpoint, device=self.device)
         exact = self._recipe().replace(
-            precision="fp32", compile="none", cuda_graphs=False, attention={}, fused_ffn=False
+            precision="fp32",
+            compile="none",
+            cuda_graphs=False,
+            attention={},
+            fused_ffn=False,
+            fused_norm_linear=False,
         )
         padded = ServedTabICL(plain, exact, _bucket_grid(self.cell.buckets))
         kwargs = {} if self.workload.task == "reg" else {"return_logits": False}
@@ -219,6 +225,7 @@ class TabserveEngine(Engine):
         """Applies per-stage attention and compilation to ``model`` in place; returns the cached
         predict callable (compiled the same way)."""
         set_fused_feed_forward(model, self.cell.fused_ffn)
+        set_fused_norm_linear(model, self.cell.fused_norm_linear)
         for stage, backend in self.cell.attention.items():
             set_stage_kernels(getattr(model, _STAGE_MODULES[stage]), backend)
             if not self.cell.uniform_attention:

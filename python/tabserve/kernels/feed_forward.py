@@ -25,75 +25,38 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # CPU-only torch builds come without Triton: the composite serves alone
-    triton = None
+from ._common import (
+    STREAM_DTYPES,
+    check_arguments,
+    define_operator,
+    kernel_takes,
+    tile_config,
+    triton,
+)
 
-#: Compute dtypes the CUDA kernel runs; fp32 keeps the composite (bit for bit the modules).
-KERNEL_COMPUTE_DTYPES = (torch.float16, torch.bfloat16)
-#: Token widths the kernel takes (a power of two: a tile row lives in registers).
-KERNEL_WIDTHS = (16, 32, 64, 128)
+if triton is not None:
+    import triton.language as tl
+
+    from ._common import round_to as _round
+
 #: Hidden units per step of the kernel's loop; the hidden width must be a multiple.
 HIDDEN_STEP = 64
-#: Tile configurations (tokens per program, warps, pipeline stages) by stream length, chosen
-#: on the H200 with ``benchmarks/feed_forward.py --sweep`` (2026-11-30, 18 configurations): 64 x
-#: 4 warps x 1 stage was the fastest on the large workload's row and column streams (5.6 and 5.2
-#: M tokens: 5.40 and 5.09 ms, against 7.50 and 7.07 ms for Inductor's compiled composite);
-#: 128 x 8 x 1 on the small workload's row stream (55 k tokens: 0.085 ms, 64 x 4 x 1 0.159).
-LONG_STREAM = 1 << 20
-LONG_CONFIG = (64, 4, 1)
-SHORT_CONFIG = (128, 8, 1)
-#: Set by the benchmark's sweep to time one configuration everywhere (None: the table above).
-CONFIG_OVERRIDE = None
-
-
-def tile_config(tokens) -> tuple[int, int, int]:
-    """(tokens per program, warps, stages) for a stream of ``tokens`` tokens."""
-    if CONFIG_OVERRIDE is not None:
-        return CONFIG_OVERRIDE
-    return LONG_CONFIG if tokens >= LONG_STREAM else SHORT_CONFIG
-
 
 _OPERATOR = "tabserve::feed_forward"
 
 
 def _check(x, update, norm_weight, norm_bias, w1, b1, w2, b2, eps, compute_dtype) -> None:
-    """Shape, dtype and device rules, each error naming its argument (fake tensors too)."""
-    op = "tabserve::feed_forward"
-    if not x.is_floating_point() or x.dim() < 1:
-        raise ValueError(
-            f"{op}: x must be a floating-point tensor (..., dim), got {x.dtype} {tuple(x.shape)}"
-        )
-    dim = x.shape[-1]
-    if w1.dim() != 2 or w1.shape[1] != dim:
-        raise ValueError(f"{op}: w1 must be (hidden, {dim}), got {tuple(w1.shape)}")
-    hidden = w1.shape[0]
+    dim = x.shape[-1] if x.dim() else 0  # (a 0-d x is refused by check_arguments)
+    hidden = w1.shape[0] if w1.dim() == 2 else 0
     expected = {
         "norm_weight": (norm_weight, (dim,)),
         "b1": (b1, (hidden,)),
         "w2": (w2, (dim, hidden)),
         "b2": (b2, (dim,)),
+        "norm_bias": (norm_bias, (dim,)),
+        "update": (update, tuple(x.shape)),
     }
-    if norm_bias is not None:
-        expected["norm_bias"] = (norm_bias, (dim,))
-    if update is not None:
-        expected["update"] = (update, tuple(x.shape))
-    for name, (tensor, shape) in expected.items():
-        if tuple(tensor.shape) != shape:
-            raise ValueError(f"{op}: {name} must have shape {shape}, got {tuple(tensor.shape)}")
-    for name, tensor in [("w1", w1), *((n, t) for n, (t, _) in expected.items())]:
-        if not tensor.is_floating_point():
-            raise ValueError(f"{op}: {name} must be floating point, got {tensor.dtype}")
-        if tensor.device != x.device:
-            raise ValueError(f"{op}: {name} is on {tensor.device} but x is on {x.device}")
-    if compute_dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        raise ValueError(
-            f"{op}: compute_dtype must be float16, bfloat16 or float32, got {compute_dtype}"
-        )
-    if not eps >= 0.0 or eps == float("inf"):
-        raise ValueError(f"{op}: eps must be finite and >= 0, got {eps}")
+    check_arguments(_OPERATOR, x, ("w1", w1), expected, eps, compute_dtype)
 
 
 def feed_forward_composite(
@@ -122,27 +85,14 @@ def kernel_applies(
     x: Tensor, update: Tensor | None, w1: Tensor, compute_dtype: torch.dtype
 ) -> bool:
     """Whether the CUDA kernel serves these operands (shapes and dtypes: static under compile)."""
-    stream_dtypes = (torch.float32, torch.float16, torch.bfloat16)
     return (
-        triton is not None
-        and x.device.type == "cuda"
-        and compute_dtype in KERNEL_COMPUTE_DTYPES
-        and x.dtype in stream_dtypes
-        and (update is None or update.dtype in stream_dtypes)
-        and x.shape[-1] in KERNEL_WIDTHS
+        kernel_takes(x, compute_dtype)
+        and (update is None or update.dtype in STREAM_DTYPES)
         and w1.shape[0] % HIDDEN_STEP == 0
     )
 
 
 if triton is not None:
-
-    @triton.jit
-    def _round(x, BF16: tl.constexpr):
-        """``x`` rounded to the matmul dtype (bf16 or fp16), as that dtype."""
-        if BF16:
-            return x.to(tl.bfloat16)
-        else:
-            return x.to(tl.float16)
 
     @triton.jit
     def _residual(
@@ -281,8 +231,4 @@ def _feed_forward(
     return _launch(*args, wrap_triton)
 
 
-if triton is not None:
-    feed_forward_op = torch.library.triton_op(_OPERATOR, _feed_forward, mutates_args=())
-else:
-    feed_forward_op = torch.library.custom_op(_OPERATOR, _feed_forward, mutates_args=())
-    feed_forward_op.register_fake(_feed_forward)
+feed_forward_op = define_operator(_OPERATOR, _feed_forward)

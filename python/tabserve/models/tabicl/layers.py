@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from tabserve.kernels import feed_forward as fused_ffn
+from tabserve.kernels import norm_linear as fused_norm_linear
 
 #: Value that marks a skipped token in the reference (CLS placeholders, padded features).
 SKIP_VALUE = -100.0
@@ -161,10 +162,26 @@ class Attention(nn.Module):
             and _small_head_kernel_applies(q, k, v)
         )
 
-    def project_kv(self, kv: Tensor, rope: RotaryEmbedding | None = None) -> KeyValue:
-        """Head-split K and V of (already normalised) tokens ``(..., L, E)``."""
+    def _project(self, x: Tensor, weight: Tensor, bias: Tensor, norm: nn.LayerNorm | None):
+        """``linear(x)`` of normalised tokens, or with ``norm`` ``linear(norm(x))`` of raw ones:
+        one pass of :func:`tabserve.ops.norm_linear` where its kernel applies (CUDA under
+        fp16 / bf16 autocast), else the modules."""
+        if norm is None:
+            return F.linear(x, weight, bias)
+        dtype = _autocast_matmul_dtype(x)
+        if dtype is not None and fused_norm_linear.kernel_applies(x, weight, dtype):
+            return fused_norm_linear.norm_linear_op(
+                x, norm.weight, norm.bias, weight, bias, norm.eps, dtype
+            )
+        return F.linear(norm(x), weight, bias)
+
+    def project_kv(
+        self, kv: Tensor, rope: RotaryEmbedding | None = None, norm: nn.LayerNorm | None = None
+    ) -> KeyValue:
+        """Head-split K and V of normalised tokens ``(..., L, E)`` (raw ones with ``norm``)."""
         dim = kv.shape[-1]
-        k, v = F.linear(kv, self.in_proj_weight[dim:], self.in_proj_bias[dim:]).chunk(2, dim=-1)
+        weight, bias = self.in_proj_weight[dim:], self.in_proj_bias[dim:]
+        k, v = self._project(kv, weight, bias, norm).chunk(2, dim=-1)
         k, v = self._split_heads(k), self._split_heads(v)
         if rope is not None:
             k = rope(k)
@@ -176,9 +193,11 @@ class Attention(nn.Module):
         kv: KeyValue | None = None,
         rope: RotaryEmbedding | None = None,
         n_keys: Tensor | None = None,
+        norm: nn.LayerNorm | None = None,
     ) -> Tensor:
-        """q: normalised query tokens ``(..., Lq, E)``; kv from ``project_kv`` (broadcastable),
-        or None for self-attention over ``q``.
+        """q: normalised query tokens ``(..., Lq, E)`` (raw ones with ``norm``, which the
+        projections then apply); kv from ``project_kv`` (broadcastable), or None for
+        self-attention over ``q``.
 
         ``n_keys`` (padded serving): a 0-d integer tensor on q's device; only the first n keys
         are real (the rest is bucket padding). Attention then runs over those n keys and QASSMax
@@ -188,7 +207,7 @@ class Attention(nn.Module):
         dim = q.shape[-1]
         fused_rope = None  # RoPE tables handed to the head-dim-16 kernel instead
         if kv is None:  # one packed projection, as the reference's self-attention does
-            packed = F.linear(q, self.in_proj_weight, self.in_proj_bias).chunk(3, dim=-1)
+            packed = self._project(q, self.in_proj_weight, self.in_proj_bias, norm).chunk(3, -1)
             query, k, v = (self._split_heads(t) for t in packed)
             if rope is not None and self._rope_in_kernel(rope, query, k, v):
                 fused_rope = rope.tables(query.shape[-2], query.device, query.dtype)
@@ -196,7 +215,7 @@ class Attention(nn.Module):
                 k = rope(k)
         else:
             query = self._split_heads(
-                F.linear(q, self.in_proj_weight[:dim], self.in_proj_bias[:dim])
+                self._project(q, self.in_proj_weight[:dim], self.in_proj_bias[:dim], norm)
             )
             k, v = kv
         if rope is not None and fused_rope is None:
@@ -310,10 +329,24 @@ class AttentionBlock(nn.Module):
         #: Feed-forward half through :func:`tabserve.ops.feed_forward` where its kernel applies
         #: (CUDA under fp16 / bf16 autocast, width <= 128); a serving recipe sets it.
         self.fused_feed_forward = False
+        #: LayerNorm 1 and the input projections through :func:`tabserve.ops.norm_linear`
+        #: where its kernel applies (same conditions); a serving recipe sets it.
+        self.fused_norm_linear = False
+
+    def _projection_norm(self, x: Tensor) -> nn.LayerNorm | None:
+        """``norm1`` when the projections of ``x`` normalise it themselves (fused), else None:
+        then ``x`` is normalised first, as the modules do."""
+        if not self.fused_norm_linear:
+            return None
+        dtype = _autocast_matmul_dtype(x)
+        weight = self.attn.in_proj_weight
+        applies = dtype is not None and fused_norm_linear.kernel_applies(x, weight, dtype)
+        return self.norm1 if applies else None
 
     def key_value(self, kv: Tensor, rope: RotaryEmbedding | None = None) -> KeyValue:
         """K/V projections this block attends to, for raw (un-normalised) tokens ``kv``."""
-        return self.attn.project_kv(self.norm1(kv), rope)
+        norm = self._projection_norm(kv)
+        return self.attn.project_kv(kv if norm is not None else self.norm1(kv), rope, norm)
 
     def forward(
         self,
@@ -333,16 +366,17 @@ class AttentionBlock(nn.Module):
         ``return_kv`` also returns the K/V pair used. ``n_keys``: padded keys, see
         :meth:`Attention.forward`.
         """
-        q_normed = self.norm1(q)
+        norm = self._projection_norm(q)  # fused: the projections normalise q themselves
+        q_in = q if norm is not None else self.norm1(q)
         if cached_kv is not None:
             keys_values = cached_kv
         elif kv_rows is not None:
-            keys_values = self.attn.project_kv(q_normed[..., :kv_rows, :], rope)
+            keys_values = self.attn.project_kv(q_in[..., :kv_rows, :], rope, norm)
         elif kv is None:
-            keys_values = self.attn.project_kv(q_normed, rope) if return_kv else None
+            keys_values = self.attn.project_kv(q_in, rope, norm) if return_kv else None
         else:
             keys_values = self.key_value(kv, rope)
-        x = self.feed_forward(q, self.attn(q_normed, keys_values, rope, n_keys))
+        x = self.feed_forward(q, self.attn(q_in, keys_values, rope, n_keys, norm))
         return (x, keys_values) if return_kv else x
 
     def feed_forward(self, x: Tensor, update: Tensor | None = None) -> Tensor:

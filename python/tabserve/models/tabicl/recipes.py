@@ -28,6 +28,8 @@ Fields:
     fused_ffn: every block's feed-forward half (LayerNorm, linear, GELU, linear, residual) in
         one pass of :func:`tabserve.ops.feed_forward` where its kernel applies (CUDA, fp16 /
         bf16 autocast, width <= 128: the column and row stages); same roundings as autocast.
+    fused_norm_linear: every block's first LayerNorm and its input projections in one pass of
+        :func:`tabserve.ops.norm_linear` where its kernel applies (same conditions).
     compile_backend: the ``torch.compile`` backend (``inductor``; tests use ``aot_eager`` to
         count recompiles without code generation).
 """
@@ -88,6 +90,7 @@ class Recipe:
     buckets: bool = False
     cuda_graphs: bool = False
     fused_ffn: bool = False
+    fused_norm_linear: bool = False
     compile_backend: str = "inductor"
     description: str = ""
 
@@ -99,8 +102,11 @@ class Recipe:
         for stage, backend in self.attention.items():
             if stage not in STAGES or backend not in (*ATTENTION_BACKENDS, *KERNEL_BACKENDS):
                 raise ValueError(f"recipe {self.name}: bad attention choice {stage}={backend}")
-        if self.fused_ffn and autocast_dtype(self.precision) is None:
-            raise ValueError(f"recipe {self.name}: fused_ffn runs under bf16 / fp16 autocast only")
+        for fused in ("fused_ffn", "fused_norm_linear"):
+            if getattr(self, fused) and autocast_dtype(self.precision) is None:
+                raise ValueError(
+                    f"recipe {self.name}: {fused} runs under bf16 / fp16 autocast only"
+                )
         if self.cuda_graphs and not self.buckets:
             raise ValueError(f"recipe {self.name}: CUDA graphs need buckets (fixed shapes)")
         if self.dynamic and (self.buckets or self.compile not in WHOLE_MODEL_COMPILE_MODES):
@@ -186,6 +192,16 @@ def set_fused_feed_forward(module: torch.nn.Module, fused: bool) -> None:
             block.fused_feed_forward = fused
 
 
+def set_fused_norm_linear(module: torch.nn.Module, fused: bool) -> None:
+    """Points every transformer block of ``module`` at the fused LayerNorm + projection
+    operator (``fused``) or at its modules."""
+    from .layers import AttentionBlock
+
+    for block in module.modules():
+        if isinstance(block, AttentionBlock):
+            block.fused_norm_linear = fused
+
+
 def _recipe(name: str, description: str, **fields) -> tuple[str, Recipe]:
     return name, Recipe(name, description=description, **fields)
 
@@ -225,6 +241,16 @@ RECIPES: dict[str, Recipe] = dict(
             compile="default",
             attention={"row": "head16"},
             fused_ffn=True,
+        ),
+        _recipe(
+            "fp16-compile-head16-row-fused",
+            "fp16-compile-head16-row-ffn with LayerNorm 1 and the input projections fused too "
+            "(cell c36)",
+            precision="fp16",
+            compile="default",
+            attention={"row": "head16"},
+            fused_ffn=True,
+            fused_norm_linear=True,
         ),
         _recipe(
             "fp16-dynamic-flash",
@@ -302,6 +328,18 @@ RECIPES: dict[str, Recipe] = dict(
             fused_ffn=True,
         ),
         _recipe(
+            "fp16-buckets-compile-cudagraphs-head16-row-fused",
+            "fp16-buckets-compile-cudagraphs-head16-row-ffn with LayerNorm 1 and the input "
+            "projections fused too (cell c37)",
+            precision="fp16",
+            buckets=True,
+            compile="default",
+            cuda_graphs=True,
+            attention={"row": "head16"},
+            fused_ffn=True,
+            fused_norm_linear=True,
+        ),
+        _recipe(
             "fp32-buckets-cudagraphs",
             "one CUDA graph per bucket (shared pool), fp32 (CUDA only)",
             buckets=True,
@@ -341,6 +379,7 @@ def recipe_from_cell(fields: dict, name: str | None = None) -> Recipe:
         buckets=bool(fields.get("buckets")),
         cuda_graphs=bool(fields.get("cuda_graphs")),
         fused_ffn=bool(fields.get("fused_ffn")),
+        fused_norm_linear=bool(fields.get("fused_norm_linear")),
         description="promoted by the benchmark driver",
     )
 

@@ -52,6 +52,7 @@ from .recipes import (
     get_recipe,
     sdpa_context,
     set_fused_feed_forward,
+    set_fused_norm_linear,
     set_stage_kernels,
 )
 
@@ -167,6 +168,7 @@ class ServedTabICL:
         self.aot_calls = 0
         self._pin_stage_attention()
         set_fused_feed_forward(model, self.recipe.fused_ffn)
+        set_fused_norm_linear(model, self.recipe.fused_norm_linear)
         self._forward, self._build_cache, self._forward_cached = self._core_callables()
         self._unpadded_forward_cached = model.forward_with_cache
 

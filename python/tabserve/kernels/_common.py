@@ -1,0 +1,117 @@
+"""What the Triton-kernel operators share: Triton itself (or None), the dtypes and widths their
+kernels take, tile configurations, argument checks and the rounding helper."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import Tensor
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only torch builds come without Triton: the composites serve alone
+    triton = None
+
+#: Compute dtypes the CUDA kernels run; fp32 keeps the composites (bit for bit the modules).
+KERNEL_COMPUTE_DTYPES = (torch.float16, torch.bfloat16)
+#: Token widths the kernels take (a power of two: a tile row lives in registers).
+KERNEL_WIDTHS = (16, 32, 64, 128)
+#: Token streams the kernels read (and residual sums they round to).
+STREAM_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+#: Tile configurations (tokens per program, warps, pipeline stages) by stream length, chosen
+#: on the H200 with ``benchmarks/feed_forward.py --sweep`` (2026-11-30, 18 configurations): 64 x
+#: 4 warps x 1 stage was the fastest on the large workload's row and column streams (5.6 and 5.2
+#: M tokens: 5.40 and 5.09 ms, against 7.50 and 7.07 ms for Inductor's compiled composite);
+#: 128 x 8 x 1 on the small workload's row stream (55 k tokens: 0.085 ms, 64 x 4 x 1 0.159).
+LONG_STREAM = 1 << 20
+LONG_CONFIG = (64, 4, 1)
+SHORT_CONFIG = (128, 8, 1)
+#: Set by the benchmarks' sweeps to time one configuration everywhere (None: the table above).
+CONFIG_OVERRIDE = None
+
+
+def tile_config(tokens) -> tuple[int, int, int]:
+    """(tokens per program, warps, stages) for a stream of ``tokens`` tokens."""
+    if CONFIG_OVERRIDE is not None:
+        return CONFIG_OVERRIDE
+    return LONG_CONFIG if tokens >= LONG_STREAM else SHORT_CONFIG
+
+
+def kernel_takes(x: Tensor, compute_dtype: torch.dtype) -> bool:
+    """The conditions every kernel shares: Triton, CUDA, half-precision matmuls, the width."""
+    return (
+        triton is not None
+        and x.device.type == "cuda"
+        and compute_dtype in KERNEL_COMPUTE_DTYPES
+        and x.dtype in STREAM_DTYPES
+        and x.shape[-1] in KERNEL_WIDTHS
+    )
+
+
+def check_arguments(
+    op: str, x: Tensor, matrix: tuple[str, Tensor], expected: dict, eps, compute_dtype
+) -> None:
+    """The operators' argument rules, each error naming its argument (fake tensors too).
+
+    ``matrix``: (name, tensor) of the first weight, which must be (rows, x's width);
+    ``expected``: {name: (tensor or None, shape)} of the other tensors (None: an absent
+    optional argument)."""
+    if not x.is_floating_point() or x.dim() < 1:
+        raise ValueError(
+            f"{op}: x must be a floating-point tensor (..., dim), got {x.dtype} {tuple(x.shape)}"
+        )
+    dim = x.shape[-1]
+    name, weight = matrix
+    if weight.dim() != 2 or weight.shape[1] != dim:
+        rows = "hidden" if name == "w1" else "out_features"
+        raise ValueError(f"{op}: {name} must be ({rows}, {dim}), got {tuple(weight.shape)}")
+    present = {n: (t, shape) for n, (t, shape) in expected.items() if t is not None}
+    for n, (tensor, shape) in present.items():
+        if tuple(tensor.shape) != tuple(shape):
+            raise ValueError(f"{op}: {n} must have shape {tuple(shape)}, got {tuple(tensor.shape)}")
+    for n, tensor in [(name, weight), *((n, t) for n, (t, _) in present.items())]:
+        if not tensor.is_floating_point():
+            raise ValueError(f"{op}: {n} must be floating point, got {tensor.dtype}")
+        if tensor.device != x.device:
+            raise ValueError(f"{op}: {n} is on {tensor.device} but x is on {x.device}")
+    if compute_dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(
+            f"{op}: compute_dtype must be float16, bfloat16 or float32, got {compute_dtype}"
+        )
+    if not eps >= 0.0 or eps == float("inf"):
+        raise ValueError(f"{op}: eps must be finite and >= 0, got {eps}")
+
+
+if triton is not None:
+
+    @triton.jit
+    def round_to(x, BF16: tl.constexpr):
+        """``x`` rounded to the matmul dtype (bf16 or fp16), as that dtype."""
+        if BF16:
+            return x.to(tl.bfloat16)
+        else:
+            return x.to(tl.float16)
+
+
+@contextlib.contextmanager
+def tile_override(config: tuple[int, int, int]):
+    """Every kernel launched inside runs tile ``config`` (the benchmarks' sweeps)."""
+    global CONFIG_OVERRIDE
+    saved, CONFIG_OVERRIDE = CONFIG_OVERRIDE, tuple(config)
+    try:
+        yield
+    finally:
+        CONFIG_OVERRIDE = saved
+
+
+def define_operator(name: str, fn):
+    """Registers ``fn`` as the operator ``name``: a ``triton_op`` (torch.compile traces the
+    Triton program inside into its own graph; ``fn`` is also the fake kernel), or without
+    Triton a custom op whose only kernel is ``fn``'s composite."""
+    if triton is not None:
+        return torch.library.triton_op(name, fn, mutates_args=())
+    op = torch.library.custom_op(name, fn, mutates_args=())
+    op.register_fake(fn)
+    return op
