@@ -9,6 +9,7 @@ here under Triton's interpreter (CPU, fp16; the interpreter's bf16 is broken) an
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import json
 import os
@@ -245,7 +246,7 @@ def test_recipes_refuse_the_fused_ffn_without_autocast():
 def test_served_model_points_every_block_at_the_recipe():
     from tabserve.models.tabicl.serving import ServedTabICL
 
-    model = our_model("clf", "tiny")
+    model = copy.deepcopy(our_model("clf", "tiny"))  # our_model is cached; serving mutates it
     blocks = [m for m in model.modules() if isinstance(m, AttentionBlock)]
     ServedTabICL(model, RECIPES["fp16-buckets-compile-cudagraphs-head16-row-ffn"].replace(
         cuda_graphs=False, compile="none"))  # fmt: skip
@@ -313,8 +314,6 @@ def test_cuda_compiled_and_captured_equal_eager():
 def fused_and_plain(task: str, set_flags, kernel_module) -> tuple[torch.Tensor, torch.Tensor]:
     """The full v2 model's outputs on one table in fp16 on CUDA with ``set_flags(model, True)``
     and with ``set_flags(model, False)``; asserts that ``kernel_module._launch`` ran."""
-    import copy
-
     model = copy.deepcopy(our_model(task, "full")).cuda()
     g = torch.Generator().manual_seed(1)
     X = torch.randn(2, 300, 10, generator=g).cuda()

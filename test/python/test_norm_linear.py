@@ -8,6 +8,7 @@ scale), run under Triton's interpreter here (fp16) and on CUDA (fp16, bf16).
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import json
 import os
@@ -150,7 +151,7 @@ def test_recipes_and_served_models_carry_the_flag():
     with pytest.raises(ValueError, match="fused_norm_linear runs under bf16 / fp16 autocast only"):
         RECIPES["fp32-eager"].replace(fused_norm_linear=True)
     assert recipe_from_cell({"precision": "fp16", "fused_norm_linear": True}).fused_norm_linear
-    model = our_model("clf", "tiny")
+    model = copy.deepcopy(our_model("clf", "tiny"))  # our_model is cached; serving mutates it
     blocks = [m for m in model.modules() if isinstance(m, AttentionBlock)]
     recipe = RECIPES["fp16-buckets-compile-cudagraphs-head16-row-fused"]
     ServedTabICL(model, recipe.replace(cuda_graphs=False, compile="none"))
