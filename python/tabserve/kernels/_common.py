@@ -94,6 +94,28 @@ if triton is not None:
         else:
             return x.to(tl.float16)
 
+    @triton.jit
+    def layer_norm_rows(
+        x,
+        norm_weight_ptr,
+        norm_bias_ptr,
+        cols,
+        DIM: tl.constexpr,
+        EPS: tl.constexpr,
+        HAS_NORM_BIAS: tl.constexpr,
+        BF16: tl.constexpr,
+    ):
+        """LayerNorm of every row of an fp32 tile in fp32 (biased variance, as ATen), rounded
+        to the matmul dtype as autocast rounds it before a linear."""
+        mean = tl.sum(x, axis=1) / DIM
+        centred = x - mean[:, None]
+        variance = tl.sum(centred * centred, axis=1) / DIM
+        normed = centred * (1.0 / tl.sqrt_rn(variance + EPS))[:, None]
+        normed = normed * tl.load(norm_weight_ptr + cols).to(tl.float32)[None, :]
+        if HAS_NORM_BIAS:
+            normed = normed + tl.load(norm_bias_ptr + cols).to(tl.float32)[None, :]
+        return round_to(normed, BF16)
+
 
 @contextlib.contextmanager
 def tile_override(config: tuple[int, int, int]):

@@ -37,6 +37,7 @@ from ._common import (
 if triton is not None:
     import triton.language as tl
 
+    from ._common import layer_norm_rows
     from ._common import round_to as _round
 
 #: Hidden units per step of the kernel's loop; the hidden width must be a multiple.
@@ -138,15 +139,9 @@ if triton is not None:
         offsets = rows[:, None] * DIM + cols[None, :]
         in_range = rows[:, None] < tokens
         x = _residual(x_ptr, update_ptr, offsets, in_range, HAS_UPDATE, SUM_ROUND)
-        # LayerNorm in fp32 (biased variance, as ATen), rounded to the matmul dtype.
-        mean = tl.sum(x, axis=1) / DIM
-        centred = x - mean[:, None]
-        variance = tl.sum(centred * centred, axis=1) / DIM
-        normed = centred * (1.0 / tl.sqrt_rn(variance + EPS))[:, None]
-        normed = normed * tl.load(norm_weight_ptr + cols).to(tl.float32)[None, :]
-        if HAS_NORM_BIAS:
-            normed = normed + tl.load(norm_bias_ptr + cols).to(tl.float32)[None, :]
-        normed = _round(normed, BF16)
+        normed = layer_norm_rows(
+            x, norm_weight_ptr, norm_bias_ptr, cols, DIM, EPS, HAS_NORM_BIAS, BF16
+        )
         acc = tl.zeros((BLOCK_TOKENS, DIM), dtype=tl.float32)
         for start in range(0, HIDDEN, HIDDEN_STEP):
             units = start + tl.arange(0, HIDDEN_STEP)

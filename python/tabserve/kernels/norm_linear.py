@@ -26,6 +26,7 @@ from ._common import check_arguments, define_operator, kernel_takes, tile_config
 if triton is not None:
     import triton.language as tl
 
+    from ._common import layer_norm_rows
     from ._common import round_to as _round
 
 #: Output features per step of the kernel's loop; the output width must be a multiple.
@@ -82,15 +83,9 @@ if triton is not None:
         in_range = rows[:, None] < tokens
         x = tl.load(x_ptr + rows[:, None] * DIM + cols[None, :], mask=in_range, other=0.0)
         x = x.to(tl.float32)
-        # LayerNorm in fp32 (biased variance, as ATen), rounded to the matmul dtype.
-        mean = tl.sum(x, axis=1) / DIM
-        centred = x - mean[:, None]
-        variance = tl.sum(centred * centred, axis=1) / DIM
-        normed = centred * (1.0 / tl.sqrt_rn(variance + EPS))[:, None]
-        normed = normed * tl.load(norm_weight_ptr + cols).to(tl.float32)[None, :]
-        if HAS_NORM_BIAS:
-            normed = normed + tl.load(norm_bias_ptr + cols).to(tl.float32)[None, :]
-        normed = _round(normed, BF16)
+        normed = layer_norm_rows(
+            x, norm_weight_ptr, norm_bias_ptr, cols, DIM, EPS, HAS_NORM_BIAS, BF16
+        )
         for start in range(0, OUT_FEATURES, OUTPUT_STEP):
             features = start + tl.arange(0, OUTPUT_STEP)
             # weight is (out_features, dim), read transposed.
