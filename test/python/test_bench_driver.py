@@ -44,6 +44,24 @@ def test_cell_names_are_unique_numbered_and_cover_the_issue():
     assert any(c.regional for c in CELLS) and any(c.cuda_graphs for c in CELLS)
 
 
+def test_every_tabserve_cell_is_a_recipe_with_its_fused_operators():
+    from tabserve.models.tabicl.recipes import recipe_from_cell
+
+    for cell in CELLS:
+        if cell.engine != "tabserve" or cell.precision == "fp8":  # fp8: Transformer Engine cells
+            continue
+        recipe = recipe_from_cell(cell.recipe(), name=cell.name)
+        assert (recipe.fused_ffn, recipe.fused_norm_linear) == (
+            cell.fused_ffn,
+            cell.fused_norm_linear,
+        ), cell.name
+        assert recipe.cuda_graphs == cell.cuda_graphs and recipe.attention == cell.attention
+    assert cell_by_name("c36-fp16-compile-head16-row-fused").fused_norm_linear
+    for fused in ("fused_ffn", "fused_norm_linear"):
+        with pytest.raises(ValueError, match=f"{fused} runs under bf16 / fp16 autocast only"):
+            Cell("cx", "tabserve", "fp32", "bad", **{fused: True})
+
+
 def test_skip_reasons_never_fake_a_recipe():
     for cell in CELLS:
         reason = skip_reason(cell, "cpu")
