@@ -14,7 +14,6 @@ the kernel's defaults were chosen. Every method's output is checked against the 
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import sys
 from pathlib import Path
@@ -22,9 +21,16 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import compare_and_time, environment, print_table, write_json
+from harness import (
+    compare_and_time,
+    environment,
+    kernel_benchmark_args,
+    kernel_methods,
+    print_table,
+    tile_configured,
+    write_json,
+)
 from tabserve.kernels import feed_forward as ff
-from tabserve.kernels._common import tile_override
 
 #: (name, tokens): small / large workloads' row stage (8 tables x rows x (features + 4 CLS))
 #: and the large workload's column stage (8 tables x 64 features x 10,240 rows).
@@ -50,33 +56,13 @@ def inputs(tokens: int, device):
     return x, update, [p.to(device) for p in params]
 
 
-def with_config(config):
-    """The operator's Triton kernel with tile ``config`` (tokens, warps, stages)."""
-
-    def run(*args):
-        with tile_override(config):
-            return ff.run_kernel(*args)
-
-    return run
-
-
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--sweep", action="store_true", help="time tile configurations too")
-    parser.add_argument("--dtype", choices=("float16", "bfloat16"), default="float16")
-    parser.add_argument("--budget", type=float, default=0.3, help="seconds per measurement")
-    parser.add_argument("--json", type=Path)
-    args = parser.parse_args(argv)
-    device = torch.device(args.device)
-    dtype = getattr(torch, args.dtype)
+    args, device, dtype = kernel_benchmark_args(__doc__, argv)
     composite = ff.feed_forward_composite
-    methods = {"composite": composite, "tabserve op": torch.ops.tabserve.feed_forward}
-    if device.type == "cuda":
-        methods["composite compiled"] = torch.compile(composite, fullgraph=True)
-        if args.sweep:
-            methods |= {f"op {b}x{w}w{s}s": with_config((b, w, s)) for b, w, s in SWEEP}
+    sweep = {f"op {b}x{w}w{s}s": tile_configured(ff.run_kernel, (b, w, s)) for b, w, s in SWEEP}
+    methods = kernel_methods(
+        composite, torch.ops.tabserve.feed_forward, device, sweep if args.sweep else None
+    )
     records, rows = [], []
     for name, tokens in QUICK_CASES if args.quick else CASES:
         x, update, (nw, nb, w1, b1, w2, b2) = inputs(tokens, device)

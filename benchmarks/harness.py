@@ -274,3 +274,41 @@ def compare_and_time(
         records.append({**case, "method": method, "max_error_roundings": error, **m.as_dict()})
         rows.append([case["case"], method, *m.table_cells(), f"{error:.1f}"])
     return records, rows
+
+
+def kernel_benchmark_args(doc: str, argv=None):
+    """The command line the fused-operator benchmarks share (``--device``, ``--quick``,
+    ``--sweep``, ``--dtype``, ``--budget``, ``--json``); returns (args, device, matmul dtype)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--sweep", action="store_true", help="time tile configurations too")
+    parser.add_argument("--dtype", choices=("float16", "bfloat16"), default="float16")
+    parser.add_argument("--budget", type=float, default=0.3, help="seconds per measurement")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args(argv)
+    return args, torch.device(args.device), getattr(torch, args.dtype)
+
+
+def kernel_methods(composite, op, device, sweep: dict | None = None) -> dict:
+    """The methods a fused-operator benchmark times: the composite, the operator, on CUDA the
+    composite under torch.compile and, with ``sweep``, the operator per tile configuration."""
+    methods = {"composite": composite, "tabserve op": op}
+    if torch.device(device).type == "cuda":
+        methods["composite compiled"] = torch.compile(composite, fullgraph=True)
+        methods |= sweep or {}
+    return methods
+
+
+def tile_configured(run_kernel, config):
+    """``run_kernel`` (a Triton operator's direct launcher) with tile ``config`` (tokens, warps,
+    stages) for every launch: the benchmarks' sweeps."""
+    from tabserve.kernels._common import tile_override
+
+    def run(*args):
+        with tile_override(config):
+            return run_kernel(*args)
+
+    return run

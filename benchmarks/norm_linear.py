@@ -12,7 +12,6 @@ composite (max |difference| in fp16 roundings of the row's scale, reported) befo
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import sys
 from pathlib import Path
@@ -20,9 +19,16 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import compare_and_time, environment, print_table, write_json
+from harness import (
+    compare_and_time,
+    environment,
+    kernel_benchmark_args,
+    kernel_methods,
+    print_table,
+    tile_configured,
+    write_json,
+)
 from tabserve.kernels import norm_linear as nl
-from tabserve.kernels._common import tile_override
 
 #: (name, tokens, output features) on the small / large workloads (8 tables).
 CASES = [
@@ -48,33 +54,13 @@ def inputs(tokens: int, out_features: int, device):
     return x, [p.to(device) for p in params]
 
 
-def with_config(config):
-    """The operator's Triton kernel with tile ``config`` (tokens, warps, stages)."""
-
-    def run(*args):
-        with tile_override(config):
-            return nl.run_kernel(*args)
-
-    return run
-
-
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--sweep", action="store_true", help="time tile configurations too")
-    parser.add_argument("--dtype", choices=("float16", "bfloat16"), default="float16")
-    parser.add_argument("--budget", type=float, default=0.3, help="seconds per measurement")
-    parser.add_argument("--json", type=Path)
-    args = parser.parse_args(argv)
-    device = torch.device(args.device)
-    dtype = getattr(torch, args.dtype)
+    args, device, dtype = kernel_benchmark_args(__doc__, argv)
     composite = nl.norm_linear_composite
-    methods = {"composite": composite, "tabserve op": torch.ops.tabserve.norm_linear}
-    if device.type == "cuda":
-        methods["composite compiled"] = torch.compile(composite, fullgraph=True)
-        if args.sweep:
-            methods |= {f"op {b}x{w}w{s}s": with_config((b, w, s)) for b, w, s in SWEEP}
+    sweep = {f"op {b}x{w}w{s}s": tile_configured(nl.run_kernel, (b, w, s)) for b, w, s in SWEEP}
+    methods = kernel_methods(
+        composite, torch.ops.tabserve.norm_linear, device, sweep if args.sweep else None
+    )
     records, rows = [], []
     for name, tokens, out_features in QUICK_CASES if args.quick else CASES:
         x, (nw, nb, w, b) = inputs(tokens, out_features, device)

@@ -61,16 +61,7 @@ def _check(x, update, norm_weight, norm_bias, w1, b1, w2, b2, eps, compute_dtype
 
 
 def feed_forward_composite(
-    x: Tensor,
-    update: Tensor | None,
-    norm_weight: Tensor,
-    norm_bias: Tensor | None,
-    w1: Tensor,
-    b1: Tensor,
-    w2: Tensor,
-    b2: Tensor,
-    eps: float,
-    compute_dtype: torch.dtype,
+    x, update, norm_weight, norm_bias, w1, b1, w2, b2, eps, compute_dtype
 ) -> Tensor:
     """The operator as ATen ops: what autocast makes of the module (the kernels' reference)."""
     dim = x.shape[-1]

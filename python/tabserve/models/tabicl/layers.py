@@ -384,8 +384,8 @@ class AttentionBlock(nn.Module):
         pass of the fused operator (same roundings as autocast), else as the modules."""
         if update is not None and update.shape != x.shape:  # broadcast queries (inducing points)
             x, update = x + update, None
-        dtype = _autocast_matmul_dtype(x)
-        if self.fused_feed_forward and dtype is not None:
+        dtype = _autocast_matmul_dtype(x) if self.fused_feed_forward else None
+        if dtype is not None:
             if fused_ffn.kernel_applies(x, update, self.linear1.weight, dtype):
                 norm, linear1, linear2 = self.norm2, self.linear1, self.linear2
                 return fused_ffn.feed_forward_op(
