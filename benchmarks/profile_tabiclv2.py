@@ -5,7 +5,9 @@ of a one-shot call, the GPU time of each stage (column embedding, row interactio
 learning; CUDA events around the stage modules' methods, so the reference and tabserve split the
 same way), the share of the wall time the GPU is busy, the GPU time per kernel family
 (attention kernels, GEMMs, Inductor's fused kernels, ...: the split that compiled and captured
-cells still show), and ``torch.profiler`` tables of the kernels by device time and of the
+cells still show), the call's timeline (device span, idle gaps and stalls, the host's lead
+before the first kernel; ``--trace`` also writes the call as a Perfetto trace), and
+``torch.profiler`` tables of the kernels by device time and of the
 operators by host time. Not a benchmark: the driver measures; this explains.
 
     python benchmarks/profile_tabiclv2.py --device cuda --workload large \
@@ -17,7 +19,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import gzip
 import json
+import shutil
 import statistics
 import sys
 import tempfile
@@ -116,7 +120,51 @@ def kernel_families(events) -> dict:
     return {k: round(v, 3) for k, v in sorted(totals.items(), key=lambda kv: -kv[1])}
 
 
-def profile_cell(name: str, workload, checkpoint: Path, device: torch.device, repeats: int):
+#: A gap between two consecutive kernels this long (us) counts as a stall (the device waits on
+#: the host: a launch, a synchronisation, a copy to read on the host).
+STALL_US = 20.0
+
+
+def timeline(events) -> dict:
+    """When the device worked during one profiled call, from the profiler's ``events()``.
+
+    ``gpu_span_ms``: first kernel start to last kernel end; ``gpu_busy_ms``: the union of the
+    kernels' intervals in it; ``gaps_ms``: the idle rest; ``stalls`` / ``stall_ms``: the idle
+    intervals of at least :data:`STALL_US`; ``host_lead_ms``: from the first host operator to
+    the first kernel; ``host_tail_ms``: from the last kernel's end to the last host operator's.
+    """
+    cuda = torch.autograd.DeviceType.CUDA
+    kernels, host = [], []
+    for event in events:
+        span = (event.time_range.start, event.time_range.end)
+        (kernels if getattr(event, "device_type", None) == cuda else host).append(span)
+    if not kernels:
+        return {}
+    kernels.sort()
+    busy, gaps, end = 0.0, [], kernels[0][0]
+    for start, stop in kernels:
+        if start > end:
+            gaps.append(start - end)
+        busy += max(0.0, stop - max(start, end))
+        end = max(end, stop)
+    stalls = [g for g in gaps if g >= STALL_US]
+    first = min(start for start, _ in host) if host else kernels[0][0]
+    last = max(stop for _, stop in host) if host else end
+    return {
+        "kernels": len(kernels),
+        "gpu_span_ms": round((end - kernels[0][0]) / 1e3, 3),
+        "gpu_busy_ms": round(busy / 1e3, 3),
+        "gaps_ms": round(sum(gaps) / 1e3, 3),
+        "stalls": len(stalls),
+        "stall_ms": round(sum(stalls) / 1e3, 3),
+        "host_lead_ms": round((kernels[0][0] - first) / 1e3, 3),
+        "host_tail_ms": round(max(0.0, last - end) / 1e3, 3),
+    }
+
+
+def profile_cell(
+    name: str, workload, checkpoint: Path, device: torch.device, repeats: int, trace=None
+):
     cell = cell_by_name(name)
     reason = skip_reason(cell, device.type)
     if reason is not None:
@@ -145,6 +193,13 @@ def profile_cell(name: str, workload, checkpoint: Path, device: torch.device, re
         engine.one_shot(X, y)
         synchronize(device)
     events = prof.key_averages()
+    if trace is not None:  # the whole call as a Chrome / Perfetto trace
+        trace.mkdir(parents=True, exist_ok=True)
+        raw = trace / f"trace_{workload.name}_{name}.json"
+        prof.export_chrome_trace(str(raw))
+        with raw.open("rb") as src, gzip.open(f"{raw}.gz", "wb") as dst:
+            shutil.copyfileobj(src, dst)
+        raw.unlink()
     sort_device = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
     kernel_us = sum(getattr(e, "self_device_time_total", 0.0) for e in events)
     wall = statistics.median(walls)
@@ -160,6 +215,7 @@ def profile_cell(name: str, workload, checkpoint: Path, device: torch.device, re
         result["device_busy_ms"] = round(kernel_us / 1e3, 3)
         result["device_busy_share"] = round(kernel_us / 1e3 / wall, 3)
         result["kernel_family_ms"] = kernel_families(events)
+        result["timeline"] = timeline(prof.events())
     # The heaviest rows as data (the printed tables are lost with the call's log otherwise).
     self_time = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
     heaviest = sorted(events, key=lambda e: getattr(e, self_time, 0.0), reverse=True)[:TOP_ROWS]
@@ -193,6 +249,9 @@ def main(argv=None) -> int:
     parser.add_argument("--model-size", choices=("full", "tiny"), default="full")
     parser.add_argument("--out", type=Path, help="write the profiler tables here")
     parser.add_argument("--json", type=Path, help="write the per-cell summaries here")
+    parser.add_argument(
+        "--trace", type=Path, help="write each cell's profiled call here (trace_*.json.gz)"
+    )
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     workload = workload_by_name(args.workload)
@@ -203,7 +262,9 @@ def main(argv=None) -> int:
         )
         for name in args.cells:
             try:
-                summary, text = profile_cell(name, workload, checkpoint, device, args.repeats)
+                summary, text = profile_cell(
+                    name, workload, checkpoint, device, args.repeats, args.trace
+                )
             except Exception as error:  # noqa: BLE001  (one failing cell must not hide the others)
                 summary, text = {"cell": name, "error": f"{type(error).__name__}: {error}"}, ""
             print(json.dumps(summary), flush=True)

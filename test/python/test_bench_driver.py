@@ -4,6 +4,7 @@ CPU only. One end-to-end run of the CLI on a tiny random-weight model and the sm
 workload; everything else is unit-level (subprocess failures are provoked with ``python -c``).
 """
 
+import gzip
 import json
 import statistics
 import sys
@@ -51,12 +52,16 @@ def test_every_tabserve_cell_is_a_recipe_with_its_fused_operators():
         if cell.engine != "tabserve" or cell.precision == "fp8":  # fp8: Transformer Engine cells
             continue
         recipe = recipe_from_cell(cell.recipe(), name=cell.name)
-        assert (recipe.fused_ffn, recipe.fused_norm_linear) == (
+        assert (recipe.fused_ffn, recipe.fused_norm_linear, recipe.freeze) == (
             cell.fused_ffn,
             cell.fused_norm_linear,
+            cell.freeze,
         ), cell.name
         assert recipe.cuda_graphs == cell.cuda_graphs and recipe.attention == cell.attention
     assert cell_by_name("c36-fp16-compile-head16-row-fused").fused_norm_linear
+    assert cell_by_name("c39-fp16-buckets-compile-cudagraphs-head16-row-fused-frozen").freeze
+    with pytest.raises(ValueError, match="freeze is Inductor's freezing of compiled graphs"):
+        Cell("cx", "tabserve", "fp16", "bad", freeze=True)
     for fused in ("fused_ffn", "fused_norm_linear"):
         with pytest.raises(ValueError, match=f"{fused} runs under bf16 / fp16 autocast only"):
             Cell("cx", "tabserve", "fp32", "bad", **{fused: True})
@@ -570,7 +575,7 @@ def test_profiler_splits_eager_time_by_stage_and_writes_tables(tmp_path):
     out, js = tmp_path / "profile.txt", tmp_path / "profile.json"
     argv = ["--device", "cpu", "--workload", "small-quick", "--model-size", "tiny", "--repeats", "2"]
     argv += ["--cells", "c2-fp32", "c5-fp16", "--out", str(out), "--json", str(js)]
-    assert profile_tabiclv2.main(argv) == 0
+    assert profile_tabiclv2.main(argv + ["--trace", str(tmp_path / "traces")]) == 0
     eager, cuda_only = json.loads(js.read_text())
     assert eager["cell"] == "c2-fp32" and len(eager["wall_ms_all"]) == 2
     assert eager["wall_ms_median"] > 0
@@ -589,6 +594,11 @@ def test_profiler_splits_eager_time_by_stage_and_writes_tables(tmp_path):
     assert any(r["name"].startswith("aten::") for r in top)
     text = out.read_text()
     assert "c2-fp32 on small-quick: kernels by device time" in text and "aten::" in text
+    # The profiled call as a Perfetto trace, for the cell that ran (the skipped one has none).
+    (trace,) = (tmp_path / "traces").iterdir()
+    assert trace.name == "trace_small-quick_c2-fp32.json.gz"
+    names = {e.get("name") for e in json.loads(gzip.decompress(trace.read_bytes()))["traceEvents"]}
+    assert any(str(n).startswith("aten::") for n in names)
 
 
 def test_skipped_phases_are_reported_not_measured(tmp_path):

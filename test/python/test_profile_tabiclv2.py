@@ -98,3 +98,32 @@ def test_only_kernel_rows_are_summed_per_family():
         "GEMM",
         "tabserve head-dim-16 attention",
     ]
+
+
+def _event(start, end, kernel):
+    device = torch.autograd.DeviceType.CUDA if kernel else torch.autograd.DeviceType.CPU
+    return SimpleNamespace(time_range=SimpleNamespace(start=start, end=end), device_type=device)
+
+
+def test_timeline_splits_the_device_span_into_busy_time_gaps_and_stalls():
+    # Host operators 0-1000 us; kernels overlap (100-150 and 120-200: 100 us busy), then a 5 us
+    # gap (not a stall), then a 300 us stall before the last kernel (505-600 and 900-950).
+    events = [_event(0, 1000, False), _event(50, 60, False)]
+    events += [_event(*span, True) for span in [(120, 200), (100, 150), (205, 600), (900, 950)]]
+    got = profiler.timeline(events)
+    # Independent arithmetic: busy = 100 + 395 + 50, gaps = 5 + 300, span = 950 - 100.
+    assert got == {
+        "kernels": 4,
+        "gpu_span_ms": 0.85,
+        "gpu_busy_ms": 0.545,
+        "gaps_ms": 0.305,
+        "stalls": 1,
+        "stall_ms": 0.3,
+        "host_lead_ms": 0.1,
+        "host_tail_ms": 0.05,
+    }
+    assert got["gpu_busy_ms"] + got["gaps_ms"] == pytest.approx(got["gpu_span_ms"])
+
+
+def test_timeline_without_kernels_is_empty():
+    assert profiler.timeline([_event(0, 10, False)]) == {}

@@ -83,3 +83,33 @@ def test_dynamic_recipe_serves_fresh_unpadded_shapes_without_recompiles():
             first = _graphs()
             assert first > 0
     assert _graphs() == first, "a new table shape recompiled under dynamic=True"
+
+
+def test_frozen_recipe_keeps_the_weights_it_compiled_with():
+    """``Recipe.freeze`` (Inductor's freezing, code generation on): the feed-forward weights'
+    fp16 casts are folded into the graph as constants, so the served answers stay those of the
+    weights it compiled with, and they match fp32 as the unfrozen recipe does."""
+    torch._dynamo.reset()
+    model = copy.deepcopy(our_model("clf", "tiny"))
+    X, y = random_table(3, TABLES, 12, 5, 4, 3)
+    reference = model(X, y, return_logits=False)
+    frozen = ServedTabICL(model, recipes.RECIPES["fp16-buckets-compile"].replace(freeze=True), GRID)
+    before = frozen(X, y, return_logits=False)
+    assert (before.float() - reference).abs().max() <= 2e-2  # the reduced-precision gate
+    assert torch.equal(before.argmax(-1), reference.argmax(-1))
+    with torch.no_grad():
+        for block in model.modules():
+            if isinstance(getattr(block, "linear1", None), torch.nn.Linear):
+                block.linear1.weight.mul_(-3)
+    assert (model(X, y, return_logits=False) - reference).abs().max() > 1e-2  # the change shows
+    assert torch.equal(frozen(X, y, return_logits=False), before)  # ... not in the frozen graph
+    assert torch._inductor.config.freezing is False  # only on around the served calls
+
+
+def test_freeze_needs_an_inductor_compile():
+    fp16 = recipes.RECIPES["fp16-eager"]
+    with pytest.raises(ValueError, match="freeze is Inductor's freezing"):
+        fp16.replace(freeze=True)
+    with pytest.raises(ValueError, match="freeze is Inductor's freezing"):
+        recipes.RECIPES["fp16-buckets-compile"].replace(freeze=True, compile_backend="eager")
+    assert recipes.recipe_from_cell({"precision": "fp16", "compile": "default", "freeze": True}).freeze

@@ -55,6 +55,8 @@ class Cell:
             (:func:`tabserve.ops.feed_forward`; bf16 / fp16 only).
         fused_norm_linear: the fused LayerNorm + input projection operator likewise
             (:func:`tabserve.ops.norm_linear`).
+        freeze: Inductor's freezing for the compiled graphs (weights as constants: their casts
+            are folded at compile time; ``Recipe.freeze``).
         warm_cache: a server restart: a priming process compiles the workload's bucket and saves
             the compile-cache artifacts (tabserve.compile_cache); the measured process starts
             with empty caches and loads them; its cold call is the restart's ready time.
@@ -80,6 +82,7 @@ class Cell:
     cuda_graphs: bool = False
     fused_ffn: bool = False
     fused_norm_linear: bool = False
+    freeze: bool = False
     warm_cache: bool = False
     aot: bool = False
     devices: tuple = ("cuda",)
@@ -99,6 +102,8 @@ class Cell:
         for fused in ("fused_ffn", "fused_norm_linear"):
             if getattr(self, fused) and self.precision not in ("bf16", "fp16"):
                 raise ValueError(f"{self.name}: {fused} runs under bf16 / fp16 autocast only")
+        if self.freeze and not (self.compile or self.regional):
+            raise ValueError(f"{self.name}: freeze is Inductor's freezing of compiled graphs")
         if self.aot and not (self.warm_cache and self.buckets):
             raise ValueError(f"{self.name}: aot packages are a restart (warm_cache) of buckets")
 
@@ -430,6 +435,32 @@ CELLS: tuple[Cell, ...] = (
         attention={"row": "head16"},
         fused_ffn=True,
         fused_norm_linear=True,
+    ),
+    # Inductor's freezing on top: the weights' per-call casts to fp16 (~160 kernels per small
+    # call in the fifth session's profile of c33) are folded at compile time.
+    Cell(
+        "c38-fp16-compile-head16-row-fused-frozen",
+        "tabserve",
+        "fp16",
+        "c36 with Inductor's freezing (weights as compile-time constants)",
+        compile="default",
+        attention={"row": "head16"},
+        fused_ffn=True,
+        fused_norm_linear=True,
+        freeze=True,
+    ),
+    Cell(
+        "c39-fp16-buckets-compile-cudagraphs-head16-row-fused-frozen",
+        "tabserve",
+        "fp16",
+        "c37 with Inductor's freezing (weights as compile-time constants)",
+        compile="default",
+        buckets="default",
+        cuda_graphs=True,
+        attention={"row": "head16"},
+        fused_ffn=True,
+        fused_norm_linear=True,
+        freeze=True,
     ),
 )
 

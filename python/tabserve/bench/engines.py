@@ -19,6 +19,7 @@ import torch
 
 from tabserve.models.tabicl.recipes import (
     autocast_dtype,
+    freezing,
     precision_flags,
     sdpa_context,
     set_fused_feed_forward,
@@ -63,6 +64,7 @@ class Engine:
         cell = self.cell
         with contextlib.ExitStack() as stack:
             stack.enter_context(torch.no_grad())
+            stack.enter_context(freezing(cell.freeze))
             stack.enter_context(precision_flags(cell.precision))
             dtype = autocast_dtype(cell.precision)
             if dtype is not None and self._outer_autocast():
@@ -215,6 +217,7 @@ class TabserveEngine(Engine):
             attention={},
             fused_ffn=False,
             fused_norm_linear=False,
+            freeze=False,
         )
         padded = ServedTabICL(plain, exact, _bucket_grid(self.cell.buckets))
         kwargs = {} if self.workload.task == "reg" else {"return_logits": False}

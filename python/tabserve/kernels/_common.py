@@ -32,11 +32,12 @@ SHORT_CONFIG = (128, 8, 1)
 CONFIG_OVERRIDE = None
 
 
-def tile_config(tokens) -> tuple[int, int, int]:
-    """(tokens per program, warps, stages) for a stream of ``tokens`` tokens."""
+def tile_config(tokens, long_config: tuple[int, int, int] = LONG_CONFIG) -> tuple[int, int, int]:
+    """(tokens per program, warps, stages) for a stream of ``tokens`` tokens; an operator whose
+    own sweep chose otherwise passes its ``long_config``."""
     if CONFIG_OVERRIDE is not None:
         return CONFIG_OVERRIDE
-    return LONG_CONFIG if tokens >= LONG_STREAM else SHORT_CONFIG
+    return long_config if tokens >= LONG_STREAM else SHORT_CONFIG
 
 
 def kernel_takes(x: Tensor, compute_dtype: torch.dtype) -> bool:

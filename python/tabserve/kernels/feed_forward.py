@@ -37,8 +37,7 @@ from ._common import (
 if triton is not None:
     import triton.language as tl
 
-    from ._common import layer_norm_rows
-    from ._common import round_to as _round
+    from ._common import layer_norm_rows, round_to
 
 #: Hidden units per step of the kernel's loop; the hidden width must be a multiple.
 HIDDEN_STEP = 64
@@ -137,16 +136,16 @@ if triton is not None:
         for start in range(0, HIDDEN, HIDDEN_STEP):
             units = start + tl.arange(0, HIDDEN_STEP)
             # linear1 over HIDDEN_STEP hidden units: W1 is (hidden, dim), read transposed.
-            w1 = _round(tl.load(w1_ptr + units[None, :] * DIM + cols[:, None]), BF16)
-            b1 = _round(tl.load(b1_ptr + units), BF16).to(tl.float32)
-            h = _round(tl.dot(normed, w1) + b1[None, :], BF16).to(tl.float32)
+            w1 = round_to(tl.load(w1_ptr + units[None, :] * DIM + cols[:, None]), BF16)
+            b1 = round_to(tl.load(b1_ptr + units), BF16).to(tl.float32)
+            h = round_to(tl.dot(normed, w1) + b1[None, :], BF16).to(tl.float32)
             # Exact (erf) GELU in fp32, in ATen's order of operations, rounded as its output.
-            g = _round(h * 0.5 * (1.0 + tl.math.erf(h * 0.7071067811865476)), BF16)
+            g = round_to(h * 0.5 * (1.0 + tl.math.erf(h * 0.7071067811865476)), BF16)
             # linear2's contribution of those units: W2 is (dim, hidden), read transposed.
-            w2 = _round(tl.load(w2_ptr + cols[None, :] * HIDDEN + units[:, None]), BF16)
+            w2 = round_to(tl.load(w2_ptr + cols[None, :] * HIDDEN + units[:, None]), BF16)
             acc = tl.dot(g, w2, acc)
-        b2 = _round(tl.load(b2_ptr + cols), BF16).to(tl.float32)
-        y = _round(acc + b2[None, :], BF16).to(tl.float32)
+        b2 = round_to(tl.load(b2_ptr + cols), BF16).to(tl.float32)
+        y = round_to(acc + b2[None, :], BF16).to(tl.float32)
         # The residual is read again rather than held: a tile of it in registers through both
         # matmuls would spill; the second read hits L2.
         out = _residual(x_ptr, update_ptr, offsets, in_range, HAS_UPDATE, SUM_ROUND) + y

@@ -26,8 +26,13 @@ from ._common import check_arguments, define_operator, kernel_takes, tile_config
 if triton is not None:
     import triton.language as tl
 
-    from ._common import layer_norm_rows
-    from ._common import round_to as _round
+    from ._common import layer_norm_rows, round_to
+
+#: Long streams (>= 2^20 tokens): 128 tokens x 8 warps x 1 stage, the fastest of the sweep on the
+#: large workload's three projections (H200, 2026-11-30, ``benchmarks/norm_linear.py --sweep``:
+#: row q/k/v 3.03 ms, column k/v 1.66, column q 1.28; the feed-forward operator's 64 x 4 x 1
+#: took 3.51 / 1.86 / 1.36).
+LONG_CONFIG = (128, 8, 1)
 
 #: Output features per step of the kernel's loop; the output width must be a multiple.
 OUTPUT_STEP = 64
@@ -89,9 +94,9 @@ if triton is not None:
         for start in range(0, OUT_FEATURES, OUTPUT_STEP):
             features = start + tl.arange(0, OUTPUT_STEP)
             # weight is (out_features, dim), read transposed.
-            w = _round(tl.load(weight_ptr + features[None, :] * DIM + cols[:, None]), BF16)
-            b = _round(tl.load(bias_ptr + features), BF16).to(tl.float32)
-            y = _round(tl.dot(normed, w) + b[None, :], BF16)
+            w = round_to(tl.load(weight_ptr + features[None, :] * DIM + cols[:, None]), BF16)
+            b = round_to(tl.load(bias_ptr + features), BF16).to(tl.float32)
+            y = round_to(tl.dot(normed, w) + b[None, :], BF16)
             offsets = rows[:, None] * OUT_FEATURES + features[None, :]
             tl.store(out_ptr + offsets, y, mask=in_range)
 
@@ -100,7 +105,7 @@ if triton is not None:
         tokens = x.numel() // dim
         out = torch.empty((*x.shape[:-1], out_features), dtype=compute_dtype, device=x.device)
         # The feed-forward kernel's tiles (not tuned for this kernel yet).
-        block_tokens, num_warps, num_stages = tile_config(tokens)
+        block_tokens, num_warps, num_stages = tile_config(tokens, LONG_CONFIG)
         launcher(_norm_linear_kernel)[(triton.cdiv(tokens, block_tokens),)](
             x.contiguous(),
             out,

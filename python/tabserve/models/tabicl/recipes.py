@@ -30,6 +30,11 @@ Fields:
         bf16 autocast, width <= 128: the column and row stages); same roundings as autocast.
     fused_norm_linear: every block's first LayerNorm and its input projections in one pass of
         :func:`tabserve.ops.norm_linear` where its kernel applies (same conditions).
+    freeze: Inductor's freezing (``torch._inductor.config.freezing``) for the compiled graphs:
+        the weights become constants of each graph, so what depends on weights alone (their
+        casts to fp16 / bf16 under autocast, ...) is computed once at compile time instead of at
+        every call. Needs a compiled recipe with the ``inductor`` backend; the graphs keep the
+        weights they were compiled with (load new weights into a fresh served model).
     compile_backend: the ``torch.compile`` backend (``inductor``; tests use ``aot_eager`` to
         count recompiles without code generation).
 """
@@ -91,6 +96,7 @@ class Recipe:
     cuda_graphs: bool = False
     fused_ffn: bool = False
     fused_norm_linear: bool = False
+    freeze: bool = False
     compile_backend: str = "inductor"
     description: str = ""
 
@@ -107,6 +113,11 @@ class Recipe:
                 raise ValueError(
                     f"recipe {self.name}: {fused} runs under bf16 / fp16 autocast only"
                 )
+        if self.freeze and (not self.compiled or self.compile_backend != "inductor"):
+            raise ValueError(
+                f"recipe {self.name}: freeze is Inductor's freezing: it needs a compiled recipe "
+                f"with the inductor backend"
+            )
         if self.cuda_graphs and not self.buckets:
             raise ValueError(f"recipe {self.name}: CUDA graphs need buckets (fixed shapes)")
         if self.dynamic and (self.buckets or self.compile not in WHOLE_MODEL_COMPILE_MODES):
@@ -125,10 +136,30 @@ class Recipe:
     def context(self, device: torch.device | str):
         """Precision flags and autocast every model call of this recipe runs under. With CUDA
         graphs autocast's cast cache is off: cached weight casts live outside the graph's pool
-        and die with the autocast context, so a replay would read freed memory."""
-        return precision_context(
-            self.precision, torch.device(device).type, cast_cache=not self.cuda_graphs
+        and die with the autocast context, so a replay would read freed memory. With ``freeze``,
+        Inductor's freezing is on (:func:`freezing`)."""
+        stack = contextlib.ExitStack()
+        stack.enter_context(freezing(self.freeze))
+        stack.enter_context(
+            precision_context(
+                self.precision, torch.device(device).type, cast_cache=not self.cuda_graphs
+            )
         )
+        return stack
+
+
+def freezing(enabled: bool = True):
+    """Inductor's freezing for what compiles inside (a no-op context when not ``enabled``).
+
+    Dynamo reads ``torch._inductor.config.freezing`` (the global setting, not ``torch.compile``'s
+    options) while it traces, to lift the weights as constants, so the flag must be on around the
+    calls that compile; replays of a captured CUDA graph do not trace. Freezing applies to graphs
+    traced while gradients are off (the model's entry points run under ``torch.no_grad``)."""
+    if not enabled:
+        return contextlib.nullcontext()
+    from torch._inductor import config
+
+    return config.patch(freezing=True)
 
 
 def autocast_dtype(precision: str):
@@ -380,6 +411,7 @@ def recipe_from_cell(fields: dict, name: str | None = None) -> Recipe:
         cuda_graphs=bool(fields.get("cuda_graphs")),
         fused_ffn=bool(fields.get("fused_ffn")),
         fused_norm_linear=bool(fields.get("fused_norm_linear")),
+        freeze=bool(fields.get("freeze")),
         description="promoted by the benchmark driver",
     )
 

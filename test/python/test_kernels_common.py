@@ -1,0 +1,90 @@
+"""The Triton operators' shared rules (python/tabserve/kernels): what Inductor needs of a kernel
+to compile it into a graph.
+
+Under ``torch.compile`` Inductor does not call a ``triton_op``'s kernel object: it copies the
+kernel's source and the source of every ``@triton.jit`` helper it calls into its own generated
+module, each helper under the name of its ``def``. A helper imported under another name
+(``from ._common import round_to as _round``) then fails there with ``NameError`` while eager
+calls work (found on the H200: every compiled cell with a fused operator failed). So every jit
+function a kernel calls must be called by its own name.
+"""
+
+from __future__ import annotations
+
+import ast
+import builtins
+import importlib
+import importlib.util
+import pkgutil
+
+import pytest
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None, reason="Triton is not installed"
+)
+
+KERNEL_MODULES = ("feed_forward", "norm_linear", "_common")
+
+
+def _jit_functions():
+    from triton.runtime.jit import JITFunction
+
+    for name in KERNEL_MODULES:
+        module = importlib.import_module(f"tabserve.kernels.{name}")
+        for attribute, value in vars(module).items():
+            if isinstance(value, JITFunction) and value.fn.__module__ == module.__name__:
+                yield f"{name}.{attribute}", value
+
+
+def _called_jit_names(kernel):
+    """``{name in the kernel's source: the jit function it resolves to}``."""
+    from triton.runtime.jit import JITFunction
+
+    called = {}
+    for node in ast.walk(ast.parse(kernel.src)):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+            value = kernel.fn.__globals__.get(node.func.id)
+            if isinstance(value, JITFunction):
+                called[node.func.id] = value
+    return called
+
+
+def test_every_kernel_module_is_listed():
+    import tabserve.kernels as package
+
+    found = {m.name for m in pkgutil.iter_modules(package.__path__)}
+    assert found == set(KERNEL_MODULES)
+
+
+def test_kernels_call_their_jit_helpers_by_their_own_names():
+    kernels = dict(_jit_functions())
+    assert {"feed_forward._feed_forward_kernel", "norm_linear._norm_linear_kernel"} <= set(kernels)
+    helpers_seen = set()
+    for where, kernel in kernels.items():
+        for name, helper in _called_jit_names(kernel).items():
+            helpers_seen.add(helper.fn.__name__)
+            assert name == helper.fn.__name__, (
+                f"{where} calls the jit function {helper.fn.__name__} as {name}: Inductor's "
+                f"generated module defines it as {helper.fn.__name__} only"
+            )
+    assert {"round_to", "layer_norm_rows"} <= helpers_seen  # the walk reached the helpers
+
+
+def test_inductors_copy_of_each_kernel_defines_every_function_it_calls():
+    # Inductor's own gathering of a user kernel's source (a private API: skipped if it moves).
+    wrapper = pytest.importorskip("torch._inductor.codegen.wrapper")
+    gather = getattr(wrapper, "user_defined_triton_kernel_transitive_closure_source_code", None)
+    if gather is None:
+        pytest.skip("this torch gathers user kernels' source differently")
+    kernels = {w: k for w, k in _jit_functions() if w.endswith("_kernel")}
+    assert len(kernels) == 2
+    for where, kernel in kernels.items():
+        tree = ast.parse(gather(kernel))
+        defined = {n.name for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)}
+        called = {
+            n.func.id
+            for n in ast.walk(tree)
+            if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
+        }
+        assert called - defined - set(dir(builtins)) == set(), where
+        assert {"round_to", "layer_norm_rows"} <= defined, where
