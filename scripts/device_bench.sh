@@ -82,12 +82,13 @@ for part in "$@"; do
       echo "pytest rc=$?"; grep -n -B2 -A12 "Error\|^E " "$LOG/pytest.log" | tail -${PYTEST_TAIL:-60}
       tail -3 "$LOG/pytest.log" ;;
     profile)  # where the time goes (benchmarks/profile_tabiclv2.py): PROFILE_WORKLOADS, and
-      # PROFILE_CELLS_LARGE / PROFILE_CELLS_SMALL / ... per workload (else PROFILE_CELLS)
+      # PROFILE_CELLS_LARGE / PROFILE_CELLS_SMALL / ... per workload (else PROFILE_CELLS);
+      # PROFILE_TRACE=1: each profiled call as a Perfetto trace too (trace_*.json.gz)
       for w in ${PROFILE_WORKLOADS:-large small}; do
         cells_var=PROFILE_CELLS_${w^^}; cells_var=${cells_var//-/_}
         cells=${!cells_var:-${PROFILE_CELLS:-c1-ref-fp16 c5-fp16 c7-fp16-flash c18-fp16-buckets-cudagraphs}}
         timeout "$(left $((LIMIT - 60)))" python3 benchmarks/profile_tabiclv2.py --device cuda \
-          --workload $w --cells $cells \
+          --workload $w --cells $cells ${PROFILE_TRACE:+--trace "$OUT"} \
           --out "$LOG/profile_$w.txt" --json "$OUT/profile_$w.json" 2>"$LOG/profile_$w.err"
         echo "profile $w rc=$?"; cat "$OUT/profile_$w.json" 2>/dev/null | tr -d '\n ' | cut -c1-1500; echo
       done ;;
