@@ -186,13 +186,12 @@ constexpr int kQassmaxMaxOuter = 6;  // q's leading dimensions before [heads, qu
 constexpr int kQassmaxMaxHidden = 128;
 constexpr size_t kQassmaxMaxShared = 48 * 1024;
 
-enum class WeightType : int { kFloat, kHalf, kBFloat16, kDouble };
-
 // The weights in the order of the schema: base_weight1, base_bias1, base_weight2, base_bias2,
-// query_weight1, query_bias1, query_weight2, query_bias2 (contiguous, any floating dtype).
+// query_weight1, query_bias1, query_weight2, query_bias2, as contiguous fp32 (the host converts
+// other floating dtypes first: exact for fp16 / bf16; a double goes through float as the
+// composite's cast to q's dtype does).
 struct QassmaxWeights {
-  std::array<const void*, 8> data;
-  std::array<WeightType, 8> type;
+  std::array<const float*, 8> data;
 };
 enum : int { kBaseW1, kBaseB1, kBaseW2, kBaseB2, kQueryW1, kQueryB1, kQueryW2, kQueryB2 };
 
@@ -210,19 +209,6 @@ struct QassmaxShape {
   const void* n_keys;
   bool n_is_int64, n_per_batch;
 };
-
-__device__ __forceinline__ float load_weight(const QassmaxWeights& w, int which, int64_t i) {
-  switch (w.type[which]) {
-    case WeightType::kHalf:
-      return __half2float(static_cast<const __half*>(w.data[which])[i]);
-    case WeightType::kBFloat16:
-      return __bfloat162float(static_cast<const __nv_bfloat16*>(w.data[which])[i]);
-    case WeightType::kDouble:
-      return static_cast<float>(static_cast<const double*>(w.data[which])[i]);
-    default:
-      return static_cast<const float*>(w.data[which])[i];
-  }
-}
 
 // x rounded to q's dtype and back (the composite's tensors between two ops).
 template <typename scalar_t>
@@ -250,14 +236,14 @@ __global__ void __launch_bounds__(kQassmaxRows)
   // Columns past head_dim (query_out) stay zero: they meet the zero dims of a row's registers.
   for (int i = threadIdx.x; i < hidden * kMaxDim; i += blockDim.x) {
     const int j = i / kMaxDim, d = i % kMaxDim;
-    w1[i] = d < dim ? rounded<scalar_t>(load_weight(w, kQueryW1, j * dim + d)) : 0.0f;
-    w2t[i] = d < s.query_out ? rounded<scalar_t>(load_weight(w, kQueryW2, d * hidden + j)) : 0.0f;
+    w1[i] = d < dim ? rounded<scalar_t>(w.data[kQueryW1][j * dim + d]) : 0.0f;
+    w2t[i] = d < s.query_out ? rounded<scalar_t>(w.data[kQueryW2][d * hidden + j]) : 0.0f;
   }
   for (int i = threadIdx.x; i < hidden; i += blockDim.x) {
-    b1[i] = rounded<scalar_t>(load_weight(w, kQueryB1, i));
+    b1[i] = rounded<scalar_t>(w.data[kQueryB1][i]);
   }
   for (int i = threadIdx.x; i < s.query_out; i += blockDim.x) {
-    b2[i] = rounded<scalar_t>(load_weight(w, kQueryB2, i));
+    b2[i] = rounded<scalar_t>(w.data[kQueryB2][i]);
   }
 
   const int head = blockIdx.y;
@@ -283,19 +269,20 @@ __global__ void __launch_bounds__(kQassmaxRows)
     __syncthreads();  // the previous outer index's base is no longer read
     for (int j = threadIdx.x; j < s.base_hidden; j += blockDim.x) {
       const float pre = rounded<scalar_t>(
-          rounded<scalar_t>(load_weight(w, kBaseW1, j)) * log_n +
-          rounded<scalar_t>(load_weight(w, kBaseB1, j)));
+          rounded<scalar_t>(w.data[kBaseW1][j]) * log_n +
+          rounded<scalar_t>(w.data[kBaseB1][j]));
       base_hidden[j] = rounded<scalar_t>(gelu_erf(pre));
     }
     __syncthreads();
     for (int d = threadIdx.x; d < s.base_out; d += blockDim.x) {
       const int64_t base_row = static_cast<int64_t>(head) * s.base_out + d;
+      const float* weight_row = w.data[kBaseW2] + base_row * s.base_hidden;
       float sum = 0.0f;
+#pragma unroll 8
       for (int j = 0; j < s.base_hidden; ++j) {
-        sum = fmaf(rounded<scalar_t>(load_weight(w, kBaseW2, base_row * s.base_hidden + j)),
-                   base_hidden[j], sum);
+        sum = fmaf(rounded<scalar_t>(__ldg(weight_row + j)), base_hidden[j], sum);
       }
-      base[d] = rounded<scalar_t>(sum + rounded<scalar_t>(load_weight(w, kBaseB2, base_row)));
+      base[d] = rounded<scalar_t>(sum + rounded<scalar_t>(w.data[kBaseB2][base_row]));
     }
     __syncthreads();
     if (row >= s.rows) continue;
@@ -306,7 +293,27 @@ __global__ void __launch_bounds__(kQassmaxRows)
       x[d] = d < dim ? static_cast<float>(q[q_offset + d]) : 0.0f;
       m[d] = 0.0f;
     }
-    for (int j = 0; j < hidden; ++j) {
+    // kUnits hidden units at a time: their dot products are independent chains (each summed
+    // over d in the same order as one at a time), which hides the FMA latency.
+    constexpr int kUnits = 4;
+    int j = 0;
+    for (; j + kUnits <= hidden; j += kUnits) {
+      float sums[kUnits];
+#pragma unroll
+      for (int u = 0; u < kUnits; ++u) sums[u] = 0.0f;
+#pragma unroll
+      for (int d = 0; d < kMaxDim; ++d) {
+#pragma unroll
+        for (int u = 0; u < kUnits; ++u) sums[u] = fmaf(w1[(j + u) * kMaxDim + d], x[d], sums[u]);
+      }
+#pragma unroll
+      for (int u = 0; u < kUnits; ++u) {
+        const float g = rounded<scalar_t>(gelu_erf(rounded<scalar_t>(sums[u] + b1[j + u])));
+#pragma unroll
+        for (int d = 0; d < kMaxDim; ++d) m[d] = fmaf(w2t[(j + u) * kMaxDim + d], g, m[d]);
+      }
+    }
+    for (; j < hidden; ++j) {
       float sum = 0.0f;
 #pragma unroll
       for (int d = 0; d < kMaxDim; ++d) sum = fmaf(w1[j * kMaxDim + d], x[d], sum);
@@ -322,19 +329,6 @@ __global__ void __launch_bounds__(kQassmaxRows)
       const float scale = rounded<scalar_t>(base[s.base_out == 1 ? 0 : d] * rounded<scalar_t>(t + 1.0f));
       out[out_offset + d] = static_cast<scalar_t>(x[d] * scale);
     }
-  }
-}
-
-WeightType weight_type(const at::Tensor& t) {
-  switch (t.scalar_type()) {
-    case at::kHalf:
-      return WeightType::kHalf;
-    case at::kBFloat16:
-      return WeightType::kBFloat16;
-    case at::kDouble:
-      return WeightType::kDouble;
-    default:
-      return WeightType::kFloat;
   }
 }
 
@@ -389,14 +383,14 @@ at::Tensor qassmax_scale_cuda(const at::Tensor& q, const at::Tensor& n_keys,
   s.n_is_int64 = n_keys.scalar_type() == at::kLong;
   s.n_per_batch = n_keys.dim() == 1;
 
-  // Contiguous weights (nn.Linear's already are), read in their own dtype by the kernel.
+  // Contiguous fp32 weights (nn.Linear's fp32 parameters already are: no copy), so the kernel's
+  // loads are plain float loads it can pipeline.
   std::array<at::Tensor, 8> weights{base_weight1, base_bias1, base_weight2, base_bias2,
                                     query_weight1, query_bias1, query_weight2, query_bias2};
   QassmaxWeights w{};
   for (size_t i = 0; i < weights.size(); ++i) {
-    weights[i] = weights[i].contiguous();
-    w.data[i] = weights[i].data_ptr();
-    w.type[i] = weight_type(weights[i]);
+    weights[i] = weights[i].to(at::kFloat).contiguous();
+    w.data[i] = weights[i].const_data_ptr<float>();
   }
   const at::Tensor n_contiguous = n_keys.contiguous();
   s.n_keys = n_contiguous.data_ptr();
