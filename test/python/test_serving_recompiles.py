@@ -113,3 +113,33 @@ def test_freeze_needs_an_inductor_compile():
     with pytest.raises(ValueError, match="freeze is Inductor's freezing"):
         recipes.RECIPES["fp16-buckets-compile"].replace(freeze=True, compile_backend="eager")
     assert recipes.recipe_from_cell({"precision": "fp16", "compile": "default", "freeze": True}).freeze
+
+
+def test_cuda_graph_recipes_freeze_while_capturing_only(monkeypatch):
+    """With CUDA graphs only the captures trace: serving turns freezing on around them, and a
+    replay runs with the flag as the caller left it (a CPU stand-in records both)."""
+    from tabserve.models.tabicl import serving
+
+    flags = []
+
+    class Recorder:
+        def __init__(self, fn, inputs, static=(), pool=None):
+            flags.append(("capture", torch._inductor.config.freezing))
+            self.output = fn(*inputs, *static)
+
+        def __call__(self, *inputs):
+            flags.append(("replay", torch._inductor.config.freezing))
+            return self.output
+
+    monkeypatch.setattr(serving, "_BucketGraph", Recorder)
+    torch._dynamo.reset()
+    model = copy.deepcopy(our_model("clf", "tiny"))
+    recipe = recipes.RECIPES["fp16-buckets-compile"].replace(freeze=True)
+    served = ServedTabICL(model, recipe, GRID)
+    served.recipe = recipe.replace(cuda_graphs=True)  # the CUDA check passed: CPU stand-in
+    X, y = random_table(4, TABLES, 12, 5, 4, 3)
+    first = served(X, y, return_logits=False)
+    again = served(X, y, return_logits=False)
+    assert flags == [("capture", True), ("replay", False), ("replay", False)]
+    assert torch.equal(first, again)
+    assert (first.float() - model(X, y, return_logits=False)).abs().max() <= 2e-2

@@ -58,13 +58,21 @@ class Engine:
     def _outer_autocast(self) -> bool:
         return True
 
+    @property
+    def _uses_serving(self) -> bool:
+        """Whether the cell's model is served (:class:`ServedTabICL`), which then enters its
+        recipe's context itself."""
+        return False
+
     @contextlib.contextmanager
     def context(self):
         """Everything a call of this cell runs under."""
         cell = self.cell
         with contextlib.ExitStack() as stack:
             stack.enter_context(torch.no_grad())
-            stack.enter_context(freezing(cell.freeze))
+            # Served cells (buckets, regional, CUDA graphs) turn freezing on themselves, where
+            # they may trace; a timed replay should not pay for the flag.
+            stack.enter_context(freezing(cell.freeze and not self._uses_serving))
             stack.enter_context(precision_flags(cell.precision))
             dtype = autocast_dtype(cell.precision)
             if dtype is not None and self._outer_autocast():

@@ -137,9 +137,10 @@ class Recipe:
         """Precision flags and autocast every model call of this recipe runs under. With CUDA
         graphs autocast's cast cache is off: cached weight casts live outside the graph's pool
         and die with the autocast context, so a replay would read freed memory. With ``freeze``,
-        Inductor's freezing is on (:func:`freezing`)."""
+        Inductor's freezing is on (:func:`freezing`), except with CUDA graphs: serving turns it
+        on around the captures, the only calls of those recipes that trace."""
         stack = contextlib.ExitStack()
-        stack.enter_context(freezing(self.freeze))
+        stack.enter_context(freezing(self.freeze and not self.cuda_graphs))
         stack.enter_context(
             precision_context(
                 self.precision, torch.device(device).type, cast_cache=not self.cuda_graphs
@@ -148,18 +149,27 @@ class Recipe:
         return stack
 
 
+@contextlib.contextmanager
 def freezing(enabled: bool = True):
-    """Inductor's freezing for what compiles inside (a no-op context when not ``enabled``).
+    """Inductor's freezing for what compiles inside (a no-op when not ``enabled``).
 
     Dynamo reads ``torch._inductor.config.freezing`` (the global setting, not ``torch.compile``'s
     options) while it traces, to lift the weights as constants, so the flag must be on around the
-    calls that compile; replays of a captured CUDA graph do not trace. Freezing applies to graphs
-    traced while gradients are off (the model's entry points run under ``torch.no_grad``)."""
+    calls that may compile; replays of a captured CUDA graph do not trace (serving turns it on
+    around captures only). Freezing applies to graphs traced while gradients are off (the
+    model's entry points run under ``torch.no_grad``). The flag is set and restored directly:
+    ``config.patch`` costs 2-3x more per call."""
     if not enabled:
-        return contextlib.nullcontext()
+        yield
+        return
     from torch._inductor import config
 
-    return config.patch(freezing=True)
+    saved = config.freezing
+    config.freezing = True
+    try:
+        yield
+    finally:
+        config.freezing = saved
 
 
 def autocast_dtype(precision: str):

@@ -49,6 +49,7 @@ from .quantiles import quantile_stats
 from .recipes import (
     STAGES,
     Recipe,
+    freezing,
     get_recipe,
     sdpa_context,
     set_fused_feed_forward,
@@ -237,7 +238,8 @@ class ServedTabICL:
             graphs = self._graphs if not static else self._cached_graphs
             graph = graphs.get(key)
             if graph is None:
-                graph = _BucketGraph(fn, inputs, static, self._pool)
+                with freezing(self.recipe.freeze):  # the capture is where compiled cores trace
+                    graph = _BucketGraph(fn, inputs, static, self._pool)
                 graphs[key] = graph
                 self.captures += 1
                 if static and len(graphs) > MAX_CACHED_GRAPHS:
