@@ -26,7 +26,7 @@ bench() {  # bench NAME WORKLOADS... -- CELLS...
   local workloads=() cells=()
   while [ "$1" != "--" ]; do workloads+=("$1"); shift; done; shift
   cells=("$@")
-  python3 -m tabserve.bench --device cuda --budget 0.3 --min-repeats 5 --timeout "${CELL_TIMEOUT:-150}" --quiet \
+  python3 -m tabserve.bench --device cuda --budget 0.3 --min-repeats 5 --timeout "${CELL_TIMEOUT:-200}" --quiet \
     --no-plot ${BENCH_ARGS:-} --workloads "${workloads[@]}" --cells "${cells[@]}" --deadline "${BUDGET:-$(left $((LIMIT - 120)))}" \
     --out "$OUT/tabiclv2_h200_$name.json" --recipes "$LOG/recipes_$name.json" \
     >"$LOG/bench_$name.log" 2>&1

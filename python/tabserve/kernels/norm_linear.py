@@ -104,7 +104,7 @@ if triton is not None:
         dim, out_features = x.shape[-1], weight.shape[0]
         tokens = x.numel() // dim
         out = torch.empty((*x.shape[:-1], out_features), dtype=compute_dtype, device=x.device)
-        # The feed-forward kernel's tiles (not tuned for this kernel yet).
+        # Tiles: LONG_CONFIG (its own sweep) on long streams, the shared short-stream tile else.
         block_tokens, num_warps, num_stages = tile_config(tokens, LONG_CONFIG)
         launcher(_norm_linear_kernel)[(triton.cdiv(tokens, block_tokens),)](
             x.contiguous(),
