@@ -143,3 +143,22 @@ def test_cuda_graph_recipes_freeze_while_capturing_only(monkeypatch):
     assert flags == [("capture", True), ("replay", False), ("replay", False)]
     assert torch.equal(first, again)
     assert (first.float() - model(X, y, return_logits=False)).abs().max() <= 2e-2
+
+
+def test_freezing_stays_on_while_any_caller_is_inside():
+    """Host threads share a served model: one caller leaving must not turn freezing off under
+    another that may be tracing; the last one out restores the setting it found."""
+    config = torch._inductor.config
+    assert config.freezing is False
+    first, second = recipes.freezing(), recipes.freezing()
+    first.__enter__()
+    second.__enter__()
+    with recipes.freezing(False):  # a caller without freeze changes nothing
+        assert config.freezing is True
+    first.__exit__(None, None, None)
+    assert config.freezing is True  # the second caller is still inside
+    second.__exit__(None, None, None)
+    assert config.freezing is False
+    with pytest.raises(RuntimeError, match="boom"), recipes.freezing():
+        raise RuntimeError("boom")
+    assert config.freezing is False  # restored on an exception too

@@ -46,6 +46,7 @@ import dataclasses
 import json
 import math
 import os
+import threading
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -149,27 +150,45 @@ class Recipe:
         return stack
 
 
-@contextlib.contextmanager
-def freezing(enabled: bool = True):
-    """Inductor's freezing for what compiles inside (a no-op when not ``enabled``).
+class _Freezing:
+    """Holds ``torch._inductor.config.freezing`` on while any served call that asked for it is
+    inside (host threads may share a served model), and restores the caller's setting when the
+    last one leaves."""
 
-    Dynamo reads ``torch._inductor.config.freezing`` (the global setting, not ``torch.compile``'s
-    options) while it traces, to lift the weights as constants, so the flag must be on around the
-    calls that may compile; replays of a captured CUDA graph do not trace (serving turns it on
-    around captures only). Freezing applies to graphs traced while gradients are off (the
-    model's entry points run under ``torch.no_grad``). The flag is set and restored directly:
-    ``config.patch`` costs 2-3x more per call."""
-    if not enabled:
-        yield
-        return
-    from torch._inductor import config
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._inside = 0
+        self._saved = False
 
-    saved = config.freezing
-    config.freezing = True
-    try:
-        yield
-    finally:
-        config.freezing = saved
+    @contextlib.contextmanager
+    def __call__(self, enabled: bool = True):
+        if not enabled:
+            yield
+            return
+        from torch._inductor import config
+
+        with self._lock:
+            if self._inside == 0:
+                self._saved = config.freezing
+                config.freezing = True
+            self._inside += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._inside -= 1
+                if self._inside == 0:
+                    config.freezing = self._saved
+
+
+#: ``with freezing(enabled):`` Inductor's freezing for what compiles inside (a no-op when not
+#: ``enabled``). Dynamo reads ``torch._inductor.config.freezing`` (the global setting, not
+#: ``torch.compile``'s options) while it traces, to lift the weights as constants, so the flag
+#: must be on around the calls that may compile; replays of a captured CUDA graph do not trace
+#: (serving turns it on around captures only). Freezing applies to graphs traced while
+#: gradients are off (the model's entry points run under ``torch.no_grad``). The flag is set
+#: directly (``config.patch`` costs 2-3x more per call) and stays on while any caller is inside.
+freezing = _Freezing()
 
 
 def autocast_dtype(precision: str):
