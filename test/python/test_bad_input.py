@@ -491,6 +491,7 @@ REFUSED = [
     C("model", "labels not integers", lambda w: w.model(w.X, w.y + 0.5), ValueError, "non-negative integers"),
     C("model", "negative labels", lambda w: w.model(w.X, w.y - 1), ValueError, "non-negative integers"),
     C("model", "labels with a gap (0, 2)", lambda w: w.model(w.X, w.y * 2), ValueError, "exactly 0..K-1"),
+    C("model", "a label past int64 (1e19)", lambda w: w.model(w.X, torch.where(w.y > 1, 1e19, w.y)), ValueError, "exactly 0..K-1"),
     C("model", "quantiles from a classifier", lambda w: w.model.predict_stats(w.X, w.y), ValueError, "regression checkpoint"),
     C("model", "cache: feature count mismatch", lambda w: w.model.forward_with_cache(w.X[:, 20:, :3], w.model.build_cache(w.X[:, :20], w.y)), ValueError, "does not match the cache"),
     # -- TabICLClassifier / TabICLRegressor ---------------------------------------------------

@@ -213,6 +213,9 @@ def test_test_rows_are_independent():
         (lambda X, y: (X, y[:1]), ValueError, "y_train must be"),
         (lambda X, y: (X, y + 0.5), ValueError, "non-negative integers"),
         (lambda X, y: (X, torch.where(y == 1, 5.0, y)), ValueError, "exactly 0..K-1"),
+        # Integral but past int64: once wrapped to a negative label that passed the checks and
+        # then failed inside one_hot (a device assert in a compiled or captured graph).
+        (lambda X, y: (X, torch.where(y == 2, 1e19, y)), ValueError, "exactly 0..K-1"),
         (
             lambda X, y: (X, torch.cat([y[:1], torch.zeros_like(y[1:])])),
             ValueError,
@@ -231,6 +234,7 @@ def test_test_rows_are_independent():
         "batch",
         "fractional",
         "gap",
+        "huge-label",
         "classes",
         "nan-y",
         "too-many-labels",
@@ -278,14 +282,15 @@ def test_label_checks_equal_the_contract_on_random_labels():
     valid labels and every way to break them."""
     model = our_model("clf", "tiny")
     gen = torch.Generator().manual_seed(11)
-    breaks = [None, "gap", "negative", "fraction", "nan", "inf", "uneven", "duplicate-only"]
+    breaks = [None, "gap", "negative", "fraction", "nan", "inf", "uneven", "duplicate-only", "huge"]
     seen = set()
     for trial in range(160):
-        tables, classes = 1 + trial % 3, 1 + trial % 4
+        # Every break meets 1, 2 and 3 tables (the table count cycles once per pass of breaks).
+        kind = breaks[trial % len(breaks)]
+        tables, classes = 1 + (trial // len(breaks)) % 3, 1 + trial % 4
         rows = classes + trial % 6
         y = torch.randint(0, classes, (tables, rows), generator=gen).float()
         y[:, :classes] = torch.arange(classes).float()  # every class present
-        kind = breaks[trial % len(breaks)]
         if kind == "gap":
             y[y == classes - 1] = classes
         elif kind == "negative":
@@ -300,6 +305,8 @@ def test_label_checks_equal_the_contract_on_random_labels():
             y[0] = 0
         elif kind == "duplicate-only":
             y[:] = 0
+        elif kind == "huge":  # integral, past int64: must not wrap to a small label
+            y[0, -1] = 1e19
         X = torch.randn(tables, rows + 1, 3, generator=gen)
         expected = expected_label_error(y)
         seen.add(expected)

@@ -215,15 +215,18 @@ class TabICLv2(nn.Module):
             self._raise_unless_finite(name, x_finite, y_finite)
             return X.to(self._device_dtype()[1]), 0
         # Labels 0..K-1 in every table: the distinct labels per table (from the sorted rows)
-        # and each table's largest label.
+        # and each table's largest label, in float64: a cast to int64 would wrap labels past
+        # 2^63 (1e19 became a negative number and passed these checks, then failed in one_hot).
         flags.append(((y_train == y_train.round()) & (y_train >= 0)).all())
-        labels = torch.nan_to_num(y_train, nan=0.0, posinf=0.0, neginf=0.0).long()
+        labels = torch.nan_to_num(y_train.double(), nan=0.0, posinf=0.0, neginf=0.0)
         ordered = labels.sort(dim=1).values
         distinct = 1 + (ordered[:, 1:] != ordered[:, :-1]).sum(dim=1)
-        summary = torch.cat([torch.stack(flags).long(), distinct, ordered[:, -1]]).tolist()
+        summary = torch.cat([torch.stack(flags).double(), distinct.double(), ordered[:, -1]])
+        summary = summary.tolist()
         x_finite, y_finite, integral = summary[:3]
         tables = X.shape[0]
-        counts, largest = summary[3 : 3 + tables], summary[3 + tables :]
+        counts = [int(count) for count in summary[3 : 3 + tables]]
+        largest = summary[3 + tables :]
         self._raise_unless_finite(name, x_finite, y_finite)
         if not integral:
             raise ValueError("classification labels must be non-negative integers 0..K-1")
