@@ -6,6 +6,7 @@ raw outputs (logits / quantiles) and the KV-cached paths. Tolerance: 1e-5 absolu
 
 from __future__ import annotations
 
+import copy
 import math
 import zlib
 
@@ -455,3 +456,21 @@ def test_stages_run_large_inputs_in_chunks_with_the_same_results(stage, uneven):
     torch.testing.assert_close(served(X, y), whole(X, y), atol=1e-6, rtol=0)
     many_X, many_y = random_table(12, 2, 40, 5, 4, 13)  # > max_classes: mixed-radix digits
     torch.testing.assert_close(chunked(many_X, many_y), whole(many_X, many_y), atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize(
+    "dtype", [torch.int64, torch.int32, torch.uint8, torch.float16, torch.bool]
+)
+def test_labels_of_any_real_dtype_equal_float_labels(dtype):
+    """Integer, bool (binary) and half labels are the same labels: same predictions, plain and
+    padded (bool labels once raised NotImplementedError from round())."""
+    from tabserve.buckets import BucketGrid
+    from tabserve.models.tabicl.serving import ServedTabICL
+
+    model = our_model("clf", "tiny")
+    X, y = random_table(5, 2, 14, 4, 3, 2)
+    want = model(X, y)
+    assert torch.equal(model(X, y.to(dtype)), want)
+    grid = BucketGrid(train_rows=(16,), test_rows=(8,), features=(4,))
+    padded = ServedTabICL(copy.deepcopy(model), "fp32-buckets", grid)
+    assert (padded(X, y.to(dtype)) - want).abs().max() <= 1e-5

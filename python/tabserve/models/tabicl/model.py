@@ -217,8 +217,10 @@ class TabICLv2(nn.Module):
         # Labels 0..K-1 in every table: the distinct labels per table (from the sorted rows)
         # and each table's largest label, in float64: a cast to int64 would wrap labels past
         # 2^63 (1e19 became a negative number and passed these checks, then failed in one_hot).
-        flags.append(((y_train == y_train.round()) & (y_train >= 0)).all())
-        labels = torch.nan_to_num(y_train.double(), nan=0.0, posinf=0.0, neginf=0.0)
+        # (float64 also takes bool labels, which have no round().)
+        labels = y_train.double()
+        flags.append(((labels == labels.round()) & (labels >= 0)).all())
+        labels = torch.nan_to_num(labels, nan=0.0, posinf=0.0, neginf=0.0)
         ordered = labels.sort(dim=1).values
         distinct = 1 + (ordered[:, 1:] != ordered[:, :-1]).sum(dim=1)
         summary = torch.cat([torch.stack(flags).double(), distinct.double(), ordered[:, -1]])
