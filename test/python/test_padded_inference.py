@@ -138,7 +138,6 @@ def test_sentinel_column_still_skipped_when_padded():
     _assert_same(model(X, y), served(X, y), True)
 
 
-
 def test_feature_groups_stay_in_bounds_for_any_count_tensor():
     """The feature count reaches the grouping as a tensor nothing checks (a compiled package is
     autotuned with random inputs): it is clamped into [1, H], so the group indices never leave X
@@ -149,6 +148,7 @@ def test_feature_groups_stay_in_bounds_for_any_count_tensor():
         out = embedder.cells(X, torch.tensor(n))
         assert torch.equal(out, embedder.cells(X, torch.tensor(clamped)))
     assert torch.equal(embedder.cells(X, torch.tensor(4))[:, :4], embedder.cells(X[..., :4]))
+
 
 def test_padded_path_refuses_what_the_model_refuses():
     served = _served("clf")
@@ -210,7 +210,11 @@ def test_recipes_are_valid_and_named():
         recipes.Recipe("bad", cuda_graphs=True)
     with pytest.raises(ValueError, match="precision"):
         recipes.Recipe("bad", precision="fp12")
-    for bad in ({"compile": "none"}, {"compile": "regional"}, {"buckets": True, "compile": "default"}):
+    for bad in (
+        {"compile": "none"},
+        {"compile": "regional"},
+        {"buckets": True, "compile": "default"},
+    ):
         with pytest.raises(ValueError, match="dynamic shapes are a whole-model compile"):
             recipes.Recipe("bad", dynamic=True, **bad)
     assert recipes.RECIPES["fp16-dynamic-flash"].dynamic
@@ -462,9 +466,7 @@ def test_graph_replays_are_serialised_between_threads(monkeypatch):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_graph_recipe_shared_by_two_threads_on_their_own_streams():
     served = ServedTabICL(_cuda_model("clf"), recipes.RECIPES["fp32-buckets-cudagraphs"], GRID)
-    tables = [
-        tuple(t.cuda() for t in random_table(800 + i, 2, 10, 5, 5, 3)) for i in range(12)
-    ]
+    tables = [tuple(t.cuda() for t in random_table(800 + i, 2, 10, 5, 5, 3)) for i in range(12)]
     with recipes.precision_flags("fp32"):
         expected = [served(X, y) for X, y in tables]
         got: dict = {}
@@ -483,3 +485,20 @@ def test_cuda_graph_recipe_shared_by_two_threads_on_their_own_streams():
             t.join()
     for i, want in enumerate(expected):
         assert torch.equal(want, got[i]), i
+
+
+@pytest.mark.parametrize("task,classes", [("clf", 3), ("clf", 13), ("reg", 0)])
+def test_zero_test_rows_predict_nothing(task, classes):
+    """A table of train rows only: ``(B, 0, K)`` (``num_quantiles`` for the regressor) from the
+    plain and the padded model alike, one-shot and from a KV cache (the plain model's attention
+    once failed on zero queries with a reshape error)."""
+    model = our_model(task, "tiny")
+    served = ServedTabICL(copy.deepcopy(model), "fp32-buckets", GRID)
+    X, y = random_table(6, 2, 20, 0, 4, classes)
+    width = model.config.num_quantiles if task == "reg" else classes
+    for f in (model, served):
+        out = f(X, y)
+        assert out.shape == (2, 0, width) and out.dtype == torch.float32
+        if classes <= model.config.max_classes:
+            cache = f.build_cache(X, y)
+            assert f.forward_with_cache(X[:, :0], cache).shape == (2, 0, width)

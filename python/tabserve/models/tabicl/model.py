@@ -296,6 +296,8 @@ class TabICLv2(nn.Module):
             train rows, device mismatch, labels that are not 0..K-1 in every table.
         """
         X, num_classes = self._check_inputs(X, y_train)
+        if X.shape[1] == y_train.shape[1]:  # no test rows: nothing to predict
+            return self._no_predictions(X, num_classes)
         y_train = y_train.to(X.dtype)
         R = self._representations(X, y_train, num_classes)
         if num_classes > self.config.max_classes:
@@ -311,6 +313,11 @@ class TabICLv2(nn.Module):
             if self.is_regressor
             else self._classify(raw, num_classes, return_logits, softmax_temperature)
         )
+
+    def _no_predictions(self, X: Tensor, num_classes: int) -> Tensor:
+        """The output for zero test rows: ``(B, 0, K)``, or ``(B, 0, num_quantiles)``."""
+        width = self.config.num_quantiles if self.is_regressor else num_classes
+        return X.new_empty((X.shape[0], 0, width))
 
     def _require_regressor(self) -> None:
         if not self.is_regressor:
@@ -418,6 +425,8 @@ class TabICLv2(nn.Module):
                 f"X_test {tuple(X_test.shape)} does not match the cache ({cache.batch_size} tables, "
                 f"{cache.n_features} features)"
             )
+        if X_test.shape[1] == 0:
+            return self._no_predictions(X_test, cache.num_classes)
         R = self.row_interactor(self.col_embedder.forward_cached(X_test, cache.col))
         raw = self.icl_predictor.forward_cached(R, cache.icl)
         return (

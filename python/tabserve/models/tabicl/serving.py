@@ -292,6 +292,8 @@ class ServedTabICL:
         y_train = y_train.to(X.dtype)
         n_train, n_features = y_train.shape[1], X.shape[2]
         n_test = X.shape[1] - n_train
+        if n_test == 0:
+            return model._no_predictions(X, num_classes)
         chunks = self.grid.plan(n_train, n_test, n_features)
         if chunks[0].bucket is None:  # past the grid: unpadded
             with self.recipe.context(self.device):
