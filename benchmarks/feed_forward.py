@@ -23,12 +23,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import (
     compare_and_time,
-    environment,
     kernel_benchmark_args,
     kernel_methods,
-    print_table,
+    report_kernel_benchmark,
     tile_configured,
-    write_json,
 )
 from tabserve.kernels import feed_forward as ff
 
@@ -77,18 +75,15 @@ def main(argv=None) -> int:
         records += found
         rows += table
         del x, update, want, ulp
-    print_table(
+    report_kernel_benchmark(
+        "feed_forward",
         f"feed_forward, fp32 stream, {dtype} matmuls on {device}",
-        ["case", "method", "median ms", "p20-p80", "peak extra MiB", "max err (roundings)"],
+        args,
+        device,
+        dtype,
+        records,
         rows,
     )
-    out = args.json or Path(__file__).parent / "results" / f"feed-forward-{device.type}.json"
-    write_json(
-        out,
-        {"benchmark": "feed_forward", "device": str(device), "dtype": str(dtype),
-         "environment": environment(), "records": records},
-    )  # fmt: skip
-    print(f"wrote {out}")
     return 0
 
 

@@ -312,3 +312,26 @@ def tile_configured(run_kernel, config):
             return run_kernel(*args)
 
     return run
+
+
+def report_kernel_benchmark(
+    benchmark: str, title: str, args, device, dtype, records: list, rows: list
+) -> Path:
+    """The fused-operator benchmarks' output: the table on stdout, then the JSON (``--json`` or
+    results/<benchmark with dashes>-<device type>.json) with the environment; returns its path."""
+    print_table(
+        title,
+        ["case", "method", "median ms", "p20-p80", "peak extra MiB", "max err (roundings)"],
+        rows,
+    )
+    name = benchmark.replace("_", "-")
+    out = (
+        args.json or Path(__file__).parent / "results" / f"{name}-{torch.device(device).type}.json"
+    )
+    write_json(
+        out,
+        {"benchmark": benchmark, "device": str(device), "dtype": str(dtype),
+         "environment": environment(), "records": records},
+    )  # fmt: skip
+    print(f"wrote {out}")
+    return out

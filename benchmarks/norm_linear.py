@@ -21,12 +21,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import (
     compare_and_time,
-    environment,
     kernel_benchmark_args,
     kernel_methods,
-    print_table,
+    report_kernel_benchmark,
     tile_configured,
-    write_json,
 )
 from tabserve.kernels import norm_linear as nl
 
@@ -72,18 +70,15 @@ def main(argv=None) -> int:
         records += found
         rows += table
         del x, want, ulp
-    print_table(
+    report_kernel_benchmark(
+        "norm_linear",
         f"norm_linear, fp32 stream, {dtype} matmuls on {device}",
-        ["case", "method", "median ms", "p20-p80", "peak extra MiB", "max err (roundings)"],
+        args,
+        device,
+        dtype,
+        records,
         rows,
     )
-    out = args.json or Path(__file__).parent / "results" / f"norm-linear-{device.type}.json"
-    write_json(
-        out,
-        {"benchmark": "norm_linear", "device": str(device), "dtype": str(dtype),
-         "environment": environment(), "records": records},
-    )  # fmt: skip
-    print(f"wrote {out}")
     return 0
 
 

@@ -23,11 +23,9 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import (
     compare_and_time,
-    environment,
     kernel_benchmark_args,
     kernel_methods,
-    print_table,
-    write_json,
+    report_kernel_benchmark,
 )
 
 HEADS, HIDDEN = 8, 64
@@ -87,18 +85,15 @@ def main(argv=None) -> int:
         found, table = compare_and_time(case, methods, call, want, rounding, device, args.budget)
         records += found
         rows += table
-    print_table(
+    report_kernel_benchmark(
+        "qassmax_scale",
         f"qassmax_scale, {dtype} queries on {device}",
-        ["case", "method", "median ms", "p20-p80", "peak extra MiB", "max err (roundings)"],
+        args,
+        device,
+        dtype,
+        records,
         rows,
     )
-    out = args.json or Path(__file__).parent / "results" / f"qassmax-scale-{device.type}.json"
-    write_json(
-        out,
-        {"benchmark": "qassmax_scale", "device": str(device), "dtype": str(dtype),
-         "environment": environment(), "records": records},
-    )  # fmt: skip
-    print(f"wrote {out}")
     return 0
 
 

@@ -72,7 +72,8 @@ class Engine:
             stack.enter_context(torch.no_grad())
             # Served cells (buckets, regional, CUDA graphs) turn freezing on themselves, where
             # they may trace; a timed replay should not pay for the flag.
-            stack.enter_context(freezing(cell.freeze and not self._uses_serving))
+            if cell.freeze and not self._uses_serving:
+                stack.enter_context(freezing())
             stack.enter_context(precision_flags(cell.precision))
             dtype = autocast_dtype(cell.precision)
             if dtype is not None and self._outer_autocast():

@@ -385,13 +385,12 @@ class AttentionBlock(nn.Module):
         if update is not None and update.shape != x.shape:  # broadcast queries (inducing points)
             x, update = x + update, None
         dtype = _autocast_matmul_dtype(x) if self.fused_feed_forward else None
-        if dtype is not None:
-            if fused_ffn.kernel_applies(x, update, self.linear1.weight, dtype):
-                norm, linear1, linear2 = self.norm2, self.linear1, self.linear2
-                return fused_ffn.feed_forward_op(
-                    x, update, norm.weight, norm.bias, linear1.weight, linear1.bias,
-                    linear2.weight, linear2.bias, norm.eps, dtype,
-                )  # fmt: skip
+        if dtype is not None and fused_ffn.kernel_applies(x, update, self.linear1.weight, dtype):
+            norm, linear1, linear2 = self.norm2, self.linear1, self.linear2
+            return fused_ffn.feed_forward_op(
+                x, update, norm.weight, norm.bias, linear1.weight, linear1.bias,
+                linear2.weight, linear2.bias, norm.eps, dtype,
+            )  # fmt: skip
         if update is not None:
             x = x + update
         return x + self.linear2(F.gelu(self.linear1(self.norm2(x))))

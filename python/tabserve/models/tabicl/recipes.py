@@ -140,13 +140,14 @@ class Recipe:
         and die with the autocast context, so a replay would read freed memory. With ``freeze``,
         Inductor's freezing is on (:func:`freezing`), except with CUDA graphs: serving turns it
         on around the captures, the only calls of those recipes that trace."""
-        stack = contextlib.ExitStack()
-        stack.enter_context(freezing(self.freeze and not self.cuda_graphs))
-        stack.enter_context(
-            precision_context(
-                self.precision, torch.device(device).type, cast_cache=not self.cuda_graphs
-            )
+        precision = precision_context(
+            self.precision, torch.device(device).type, cast_cache=not self.cuda_graphs
         )
+        if not self.freeze or self.cuda_graphs:  # every call of most recipes: nothing more
+            return precision
+        stack = contextlib.ExitStack()
+        stack.enter_context(freezing())
+        stack.enter_context(precision)
         return stack
 
 
