@@ -6,7 +6,7 @@
 #   bash scripts/device_bench.sh large            # one part per call is the safe plan
 #   bash scripts/device_bench.sh medium stream
 # Parts: small, large, compiled, medium, xlarge, stream, restart, soak, sanitize, profile, cudatests,
-# align, pytest, attention, ffn, norm, qassmax.
+# align, pytest, attention, ffn, norm, qassmax, checks.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
@@ -83,6 +83,13 @@ for part in "$@"; do
       timeout "$(left $((LIMIT - 10)))" python3 benchmarks/qassmax_scale.py --device cuda ${QASSMAX_ARGS:-} \
         --json "$OUT/qassmax-scale-cuda.json" >"$LOG/qassmax_bench.log" 2>&1
       echo "qassmax bench rc=$?"; tail -20 "$LOG/qassmax_bench.log" ;;
+    checks)  # the one-kernel input checks: their tests (CPU and CUDA), then their benchmark
+      timeout "$(left $((LIMIT - 60)))" python3 -m pytest -q -p no:cacheprovider -p no:logging -rfE \
+        test/python/test_table_checks.py >"$LOG/checks_pytest.log" 2>&1
+      echo "checks pytest rc=$?"; grep -n -A8 "^E " "$LOG/checks_pytest.log" | head -40; tail -3 "$LOG/checks_pytest.log"
+      timeout "$(left $((LIMIT - 10)))" python3 benchmarks/table_checks.py --device cuda \
+        --json "$OUT/table-checks-cuda.json" >"$LOG/checks_bench.log" 2>&1
+      echo "checks bench rc=$?"; tail -12 "$LOG/checks_bench.log" ;;
     pytest)  # any tests: PYTEST_ARGS (files, -k, ...), PYTEST_ENV (e.g. CUDA_LAUNCH_BLOCKING=1)
       timeout "${PYTEST_TIMEOUT:-$(left $((LIMIT - 30)))}" env ${PYTEST_ENV:-} python3 -m pytest -q \
         -p no:cacheprovider -p no:logging -rfE ${PYTEST_ARGS:-test/python} >"$LOG/pytest.log" 2>&1
@@ -127,7 +134,7 @@ for part in "$@"; do
     sanitize)
       SKIP_BUILD=1 STAGES=sanitize SAN_TOOLS="${SAN_TOOLS:-synccheck racecheck memcheck initcheck}" SAN_TIMEOUT=${SAN_TIMEOUT:-120} \
         DEADLINE=$(left $((LIMIT - 120))) OUT="$LOG/sanitize" bash scripts/device_check.sh 2>&1 | tail -8 ;;
-    *) echo "unknown part $part (small, large, compiled, medium, xlarge, stream, restart, soak, sanitize, profile, cudatests, align, pytest, attention, ffn, norm, qassmax)"; exit 2 ;;
+    *) echo "unknown part $part (small, large, compiled, medium, xlarge, stream, restart, soak, sanitize, profile, cudatests, align, pytest, attention, ffn, norm, qassmax, checks)"; exit 2 ;;
   esac
 done
 tar czf "$OUT/logs.tgz" -C "$LOG" . 2>/dev/null

@@ -6,10 +6,11 @@ skips (the inputs they build then read as "uninitialised": seen on the H200, 202
 every input is built on the host and copied to the device (copies initialise memory in
 initcheck's tracking), strided views are slices (no kernel), and the only kernels that run are
 tabserve's: small_head_attention (plain, RoPE in the kernel, per-entry n, one-chunk and streamed
-keys, aligned and unaligned rows), qassmax_scale (the fused fp16 / bf16 kernel, head dims 16 and
-64), rotary_embedding, feed_forward and norm_linear (Triton). Each output is copied back and
-checked against the CPU kernel, so a run that reads garbage also fails here. Exit status 1 on a
-mismatch.
+keys, aligned and unaligned rows), qassmax_scale (the fused fp16 / bf16 kernel, head dims 16, 24
+and 64, query-MLP widths 40 to 100, runs of several tiles per block), rotary_embedding,
+feed_forward and norm_linear (Triton), table_checks (shared and global bitmaps). Each output is
+copied back and checked against the CPU kernel, so a run that reads garbage also fails here.
+Exit status 1 on a mismatch.
 
     compute-sanitizer --tool initcheck --error-exitcode 1 python3 scripts/sanitize_kernels.py
 """
@@ -76,7 +77,12 @@ def small_head_cases(dtype) -> None:
 
 def qassmax_cases(dtype) -> None:
     for i, (shape, hidden, per_entry) in enumerate(
-        [((2, 8, 100, 64), 64, False), ((3, 8, 33, 16), 64, True)]
+        [
+            ((2, 8, 100, 64), 64, False),
+            ((3, 8, 33, 16), 64, True),
+            ((1, 8, 4500, 64), 40, False),  # more tiles than resident blocks: runs of tiles
+            ((2, 2, 50, 24), 100, True),  # rows off the vector path, padded dims and units
+        ]
     ):
         batch, heads, _, dim = shape
         base = [
@@ -139,6 +145,20 @@ def norm_linear_cases(dtype) -> None:
         check(f"norm_linear {dtype} case {i}", got, want, 5e-2)
 
 
+def table_checks_cases() -> None:
+    """Labels with faults and gaps, a strided table with NaN / inf, the shared bitmap and the
+    global one (past 393,216 train rows)."""
+    for i, (tables, n, classes) in enumerate([(3, 700, 7), (2, 400_000, 1000)]):
+        X = host(tables, 5, n + 3, seed=20 + i).transpose(1, 2)  # strided: features outermost
+        X[0, 1, 2] = float("nan")
+        y = (torch.arange(n).repeat(tables, 1) % classes).double()
+        y[-1, 3] = 0.5
+        y[0, 4] = float("inf")
+        want = ops.table_checks(X, y, True)
+        got = ops.table_checks(X.to("cuda"), y.to("cuda"), True)
+        check(f"table_checks case {i}", got, want, 0.0)
+
+
 def main() -> int:
     if not torch.cuda.is_available():
         print("no CUDA device")
@@ -149,6 +169,7 @@ def main() -> int:
         rotary_cases(dtype)
         feed_forward_cases(dtype)
         norm_linear_cases(dtype)
+    table_checks_cases()
     torch.cuda.synchronize()
     print(f"{len(FAILURES)} mismatches" + (f": {FAILURES}" if FAILURES else ""))
     return 1 if FAILURES else 0

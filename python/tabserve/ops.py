@@ -443,6 +443,61 @@ def _mlp_tensors(mlp) -> tuple[Tensor, Tensor, Tensor, Tensor]:
 
 
 # ---------------------------------------------------------------------------------------------
+# Input checks of a TabICL call (csrc/ops/table_checks.cpp, csrc/ops/cuda/table_checks.cu)
+
+#: Label dtypes ``table_checks`` takes (no unsigned types past uint8, no complex).
+TABLE_CHECK_LABEL_DTYPES = frozenset(
+    {
+        torch.bool,
+        torch.uint8,
+        torch.int8,
+        torch.int16,
+        torch.int32,
+        torch.int64,
+        torch.float16,
+        torch.bfloat16,
+        torch.float32,
+        torch.float64,
+    }
+)
+
+
+@torch.library.register_fake("tabserve::table_checks")
+def _table_checks_fake(X, y_train, classification):
+    _same_device("table_checks", X=X, y_train=y_train)
+    torch._check(X.dim() == 3, lambda: f"X must be (tables, rows, features), got {X.dim()}-D")
+    torch._check(
+        y_train.dim() == 2 and y_train.shape[0] == X.shape[0],
+        lambda: f"y_train must be (tables, train rows) = ({X.shape[0]}, N)",
+    )
+    return X.new_empty(2 + 3 * X.shape[0], dtype=torch.int64)
+
+
+def table_checks(X: Tensor, y_train: Tensor, classification: bool) -> Tensor:
+    """The value checks of a TabICL call in one kernel, as one int64 vector on X's device.
+
+    Args:
+        X: (tables, rows, features) floating tensor, any strides.
+        y_train: (tables, N) labels of the first N rows: bool, uint8, a signed integer type or
+            floating point.
+        classification: also check that the labels of every table are 0..K-1.
+
+    Returns:
+        ``[non-finite values of X, non-finite labels]``, then for each table t at ``2 + 3t``
+        (classification; zeros otherwise): the labels that are not integers in ``[0, N)``
+        (NaN / infinite ones included), the number of distinct labels among the others and the
+        largest of those (-1 if none). The labels are exactly 0..K-1 in every table, one K,
+        when every bad count is 0, every distinct count is K and every largest label is K - 1
+        (K labels 0..K-1 need K <= N, so the bitmap of [0, N) sees every one of them).
+
+    Raises:
+        RuntimeError naming the argument: X not 3-D or not floating point, y_train of the wrong
+        shape, dtype or device.
+    """
+    return torch.ops.tabserve.table_checks(X, y_train, classification)
+
+
+# ---------------------------------------------------------------------------------------------
 # Rotary position embedding (csrc/ops/rotary.cpp, csrc/ops/cuda/rotary.cu)
 
 

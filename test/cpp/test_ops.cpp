@@ -4,6 +4,7 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <gtest/gtest.h>
 
+#include <limits>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -227,5 +228,44 @@ TEST(DispatcherOps, SmallHeadAttentionOtherHeadDimensionRaisesNamingIt) {
     FAIL() << "expected an error";
   } catch (const c10::Error& e) {
     EXPECT_NE(std::string(e.what()).find("q must have head_dim 16"), std::string::npos) << e.what();
+  }
+}
+
+namespace {
+
+auto table_checks_op() {
+  return c10::Dispatcher::singleton()
+      .findSchemaOrThrow("tabserve::table_checks", "")
+      .typed<at::Tensor(const at::Tensor&, const at::Tensor&, bool)>();
+}
+
+}  // namespace
+
+// Counts from hand-built labels: table 0 is 0..2 with repeats, table 1 has a gap (no 1), a
+// fractional and a negative label; X has one NaN and one infinity.
+TEST(DispatcherOps, TableChecksCountFaultsAndDistinctLabels) {
+  at::Tensor X = at::zeros({2, 8, 3});
+  X[0][1][2] = std::numeric_limits<float>::quiet_NaN();
+  X[1][7][0] = std::numeric_limits<float>::infinity();
+  const at::Tensor y = at::tensor({0.0, 1.0, 2.0, 2.0, 1.0, 0.0, 0.0, 2.0, 2.0, 0.5, -1.0, 0.0},
+                                  at::kDouble)
+                           .view({2, 6});
+  const at::Tensor got = table_checks_op().call(X, y, true);
+  const std::vector<int64_t> expected{2, 0, 0, 3, 2, 2, 2, 2};
+  ASSERT_EQ(got.numel(), static_cast<int64_t>(expected.size()));
+  for (size_t i = 0; i < expected.size(); ++i) {
+    EXPECT_EQ(got[static_cast<int64_t>(i)].item<int64_t>(), expected[i]) << "entry " << i;
+  }
+  const at::Tensor regression = table_checks_op().call(X, y, false);
+  EXPECT_EQ(regression[0].item<int64_t>(), 2);
+  EXPECT_EQ(regression.narrow(0, 1, 7).abs().sum().item<int64_t>(), 0);
+}
+
+TEST(DispatcherOps, TableChecksComplexLabelsRaiseNamingThem) {
+  try {
+    table_checks_op().call(at::zeros({1, 3, 2}), at::zeros({1, 2}, at::kComplexFloat), true);
+    FAIL() << "expected an error";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("y_train must be bool"), std::string::npos) << e.what();
   }
 }

@@ -157,3 +157,16 @@ def random_table(
         return X, torch.randn(tables, n_train, generator=g)
     y = torch.stack([torch.randperm(n_train, generator=g) % n_classes for _ in range(tables)])
     return X, y.float()
+
+
+def device_params():
+    """``cpu`` and ``cuda`` for ``pytest.mark.parametrize("device", ...)``: the CUDA case is
+    marked ``cuda`` and skipped without a GPU."""
+    cuda = pytest.param(
+        "cuda",
+        marks=[
+            pytest.mark.cuda,
+            pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+        ],
+    )
+    return ["cpu", cuda]

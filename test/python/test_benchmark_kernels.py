@@ -1,6 +1,7 @@
-"""The fused-operator benchmarks (benchmarks/feed_forward.py, norm_linear.py, qassmax_scale.py):
-their quick CPU runs time every method on every quick case and report each method's error against
-the composite, which on the CPU (the operators' composite kernels) is within a rounding."""
+"""The fused-operator benchmarks (benchmarks/feed_forward.py, norm_linear.py, qassmax_scale.py,
+table_checks.py): their quick CPU runs time every method on every quick case and report each
+method's error against the composite, which on the CPU (the operators' composite kernels) is
+within a rounding."""
 
 import json
 import sys
@@ -13,18 +14,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import feed_forward
 import norm_linear
 import qassmax_scale
+import table_checks
 
 
-@pytest.mark.parametrize("bench", [feed_forward, norm_linear, qassmax_scale], ids=lambda b: b.__name__)
+@pytest.mark.parametrize(
+    "bench", [feed_forward, norm_linear, qassmax_scale, table_checks], ids=lambda b: b.__name__
+)
 def test_quick_cpu_run_times_every_method_and_checks_it(bench, tmp_path):
     out = tmp_path / "bench.json"
     assert bench.main(["--quick", "--device", "cpu", "--budget", "0.01", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     assert report["device"] == "cpu" and report["environment"]["torch"]
     records = report["records"]
-    # CPU methods: the composite and the operator, on every quick case.
+    # CPU methods: the composite (table_checks: the ATen checks) and the operator, on every
+    # quick case.
+    composite = "ATen checks" if bench is table_checks else "composite"
     assert {(r["case"], r["method"]) for r in records} == {
-        (case[0], method) for case in bench.QUICK_CASES for method in ("composite", "tabserve op")
+        (case[0], method) for case in bench.QUICK_CASES for method in (composite, "tabserve op")
     }
     for record in records:
         assert record["median_ms"] > 0

@@ -582,6 +582,66 @@ def test_qassmax_scale_cuda_within_the_composites_error(dtype, elementwise):
 
 
 @cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_qassmax_scale_cuda_any_mlp_width_and_many_tiles(dtype):
+    """The kernel pads the query MLP's hidden width to its tensor-core tiles (16) and walks many
+    64-row tiles per block: widths off that grid (1, 40, 100, 128, and 129 past the kernel's
+    limit: the composite), base MLPs of any width, both output variants, and long query runs
+    (several tiles per block, a partial last tile) against float64 maths."""
+    rng = random.Random(5)
+    for case, (query_hidden, base_hidden) in enumerate(
+        [(1, 3), (40, 64), (100, 37), (128, 200), (129, 8)]
+    ):
+        heads, head_dim = rng.choice([2, 8]), rng.choice([16, 24, 64])
+        query_out = head_dim if case % 2 == 0 else 1
+        base_out = head_dim if case % 3 else 1
+        gen = torch.Generator().manual_seed(case)
+        shapes = [
+            (base_hidden, 1),
+            (base_hidden,),
+            (heads * base_out, base_hidden),
+            (heads * base_out,),
+            (query_hidden, head_dim),
+            (query_hidden,),
+            (query_out, query_hidden),
+            (query_out,),
+        ]
+        weights = [torch.randn(*shape, generator=gen) * 0.5 for shape in shapes]
+        q = torch.randn(3, heads, rng.choice([700, 2049]), head_dim, generator=gen).to(dtype)
+        counts = [rng.randint(1, 9000) for _ in range(3)]
+        with torch.no_grad():
+            got = ops.qassmax_scale(
+                q.cuda(),
+                torch.tensor(counts, device="cuda"),
+                [w.cuda() for w in weights[:4]],
+                [w.cuda() for w in weights[4:]],
+            )
+        assert_within_the_composites_error(got, q, counts, True, weights)
+
+
+@cuda
+def test_qassmax_scale_cuda_keeps_a_strided_head_dim():
+    """q whose head_dim is not contiguous (the kernel's rows need it): the composite, in q's
+    strides, within its error against float64 maths."""
+    module = reference_qassmax(2, 16, True, 3)
+    weights = [
+        p.detach()
+        for mlp in (module.base_mlp, module.query_mlp)
+        for p in (mlp[0].weight, mlp[0].bias, mlp[2].weight, mlp[2].bias)
+    ]
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 16, 5, 2, generator=gen).half().permute(0, 3, 2, 1)  # stride(-1) = 10
+    with torch.no_grad():
+        got = ops.qassmax_scale(
+            q.cuda(),
+            torch.tensor(40, device="cuda"),
+            [w.cuda() for w in weights[:4]],
+            [w.cuda() for w in weights[4:]],
+        )
+    assert_within_the_composites_error(got, q, [40], False, weights)
+
+
+@cuda
 def test_qassmax_scale_cuda_per_batch_counts_past_the_grid_limit():
     module = reference_qassmax(1, 16, True, 4)
     weights = [

@@ -7,20 +7,13 @@ import math
 import pytest
 import tabserve  # noqa: F401  (registers torch.ops.tabserve)
 import torch
+from tabicl_helpers import device_params
 from tabserve import ops
 from tabserve.models.tabicl import layers
 from tabserve.models.tabicl.layers import RotaryEmbedding
 
 HAS_CUDA = torch.cuda.is_available()
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
-
-
-def device_params():
-    cuda = pytest.param(
-        "cuda",
-        marks=[pytest.mark.cuda, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")],
-    )
-    return ["cpu", cuda]
 
 
 def tables(length, dim, device, dtype=torch.float32, base=100000.0):
