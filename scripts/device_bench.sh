@@ -90,8 +90,9 @@ for part in "$@"; do
       timeout "$(left $((LIMIT - 10)))" python3 benchmarks/table_checks.py --device cuda \
         --json "$OUT/table-checks-cuda.json" >"$LOG/checks_bench.log" 2>&1
       echo "checks bench rc=$?"; tail -12 "$LOG/checks_bench.log" ;;
-    pytest)  # any tests: PYTEST_ARGS (files, -k, ...), PYTEST_ENV (e.g. CUDA_LAUNCH_BLOCKING=1)
-      timeout "${PYTEST_TIMEOUT:-$(left $((LIMIT - 30)))}" env ${PYTEST_ENV:-} python3 -m pytest -q \
+    pytest)  # any tests: PYTEST_ARGS (files, -k, -v: no -q here, which would cancel a -v; a run cut
+      # by PYTEST_TIMEOUT then still shows each finished test), PYTEST_ENV (e.g. CUDA_LAUNCH_BLOCKING=1)
+      timeout "${PYTEST_TIMEOUT:-$(left $((LIMIT - 30)))}" env ${PYTEST_ENV:-} python3 -m pytest \
         -p no:cacheprovider -p no:logging -rfE ${PYTEST_ARGS:-test/python} >"$LOG/pytest.log" 2>&1
       echo "pytest rc=$?"; grep -n -B2 -A12 "Error\|^E " "$LOG/pytest.log" | tail -${PYTEST_TAIL:-60}
       tail -3 "$LOG/pytest.log" ;;

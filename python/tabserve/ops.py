@@ -467,8 +467,18 @@ def _table_checks_fake(X, y_train, classification):
     _same_device("table_checks", X=X, y_train=y_train)
     torch._check(X.dim() == 3, lambda: f"X must be (tables, rows, features), got {X.dim()}-D")
     torch._check(
+        X.dtype.is_floating_point, lambda: f"X must be a floating-point tensor, got {X.dtype}"
+    )
+    torch._check(
         y_train.dim() == 2 and y_train.shape[0] == X.shape[0],
         lambda: f"y_train must be (tables, train rows) = ({X.shape[0]}, N)",
+    )
+    torch._check(
+        y_train.dtype in TABLE_CHECK_LABEL_DTYPES,
+        lambda: (
+            f"y_train must be bool, a signed integer type, uint8 or floating point, got "
+            f"{y_train.dtype}"
+        ),
     )
     return X.new_empty(2 + 3 * X.shape[0], dtype=torch.int64)
 

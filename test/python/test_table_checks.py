@@ -130,6 +130,22 @@ def test_table_checks_reject_mixed_devices():
         ops.table_checks(torch.zeros(1, 3, 2, device="cuda"), torch.zeros(1, 2), True)
 
 
+def test_table_checks_fake_kernel_shapes_and_refusals():
+    """Meta tensors (torch.compile's tracing) get the summary's shape, and the CPU kernel's
+    argument errors."""
+    X = torch.empty(3, 7, 2, device="meta")
+    got = ops.table_checks(X, torch.empty(3, 5, device="meta"), True)
+    assert got.shape == (2 + 3 * 3,) and got.dtype == torch.int64 and got.device.type == "meta"
+    bad = [
+        ((X.long(), torch.empty(3, 5, device="meta")), "floating-point"),
+        ((X, torch.empty(2, 5, device="meta")), "y_train must be"),
+        ((X, torch.empty(3, 5, device="meta", dtype=torch.complex64)), "y_train must be bool"),
+    ]
+    for args, message in bad:
+        with pytest.raises(RuntimeError, match=message):
+            ops.table_checks(*args, True)
+
+
 def test_table_checks_opcheck():
     gen = torch.Generator().manual_seed(3)
     X = torch.randn(2, 9, 4, generator=gen)

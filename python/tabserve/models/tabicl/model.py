@@ -202,11 +202,12 @@ class TabICLv2(nn.Module):
         """Validate a table and its train labels; returns ``(X in the model's dtype, K)`` with
         K the number of classes (0 for regression).
 
-        Every check that reads values is reduced on the device into one small vector that
-        reaches the host in one transfer: on a GPU the checks cost one synchronisation, not the
-        eight of checking each rule on its own (each a stall of the host before the launches of
-        the forward pass; the H200 profile of a small table showed 8 reads and 10 stream
-        synchronisations per call before this).
+        Every check that reads values is one ``tabserve::table_checks`` kernel whose verdict
+        reaches the host in one transfer (:meth:`_accepted_in_one_kernel`); only a call it
+        finds fault with (or a build without the extension) runs the ATen checks below, which
+        name the fault and also end in one transfer: on a GPU the checks cost one
+        synchronisation, not the eight of checking each rule on its own (the H200 profile of a
+        small table showed 8 reads and 10 stream synchronisations per call before that).
         """
         X = self._check_table_shape(X, name)
         self._check_label_shape(X, y_train)
