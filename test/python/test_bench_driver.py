@@ -548,6 +548,68 @@ def test_targets_read_the_promoted_cells_and_never_call_unmeasured_met():
     assert "Targets (issues 5 and 6" in printed and "not measured" in printed
 
 
+def test_merged_reference_history_and_the_fastest_reference_column(tmp_path, capsys):
+    """Merging keeps every run's reference medians (a merged document brings its own runs' and
+    counts each run once); the speedup targets keep their same-run verdict and add the figure
+    against the fastest reference run in the document (hand-computed below)."""
+    from tabserve.bench import targets
+
+    FAST = "c39-fp16-buckets-compile-cudagraphs-head16-row-fused-frozen"
+
+    def run(reference_ms, cell_ms, created):
+        results = [
+            {
+                "workload": "small",
+                "cell": "c1-ref-fp16",
+                "status": "ok",
+                "one_shot": {"median_ms": reference_ms},
+                "kv": {"median_ms": 20.0},
+            },
+            {
+                "workload": "small",
+                "cell": FAST,
+                "status": "ok",
+                "one_shot": {"median_ms": cell_ms},
+                "kv": {"median_ms": 1.0},
+                "gate": {"passed": True},
+            },
+        ]
+        return {
+            "schema": report.SCHEMA,
+            "created": created,
+            "environment": {"gpu": "G", "torch": "t", "tabicl": "2", "tabserve": "0"},
+            "settings": {"device": "cuda", "checkpoint_note": "x"},
+            "workloads": [{"name": "small"}],
+            "results": results,
+        }
+
+    assert report.reference_medians(run(30.0, 4.0, "a")["results"]) == {
+        "small": {"one_shot": {"c1-ref-fp16": [30.0]}, "kv": {"c1-ref-fp16": [20.0]}}
+    }
+    paths = []
+    for i, (reference_ms, cell_ms) in enumerate([(30.0, 4.0), (50.0, 3.5)]):
+        paths.append(tmp_path / f"run{i}.json")
+        paths[-1].write_text(json.dumps(run(reference_ms, cell_ms, str(i))))
+    merged = tmp_path / "merged.json"
+    argv = ["--merge", *map(str, paths), "--out", str(merged), "--no-plot"]
+    assert main(argv) == 0
+    document = json.loads(merged.read_text())
+    assert document["reference_medians"]["small"]["one_shot"]["c1-ref-fp16"] == [30.0, 50.0]
+    assert document["reference_medians"]["small"]["kv"]["c1-ref-fp16"] == [20.0]
+    # Merging the merged document with one of its runs again adds no run twice.
+    again = tmp_path / "again.json"
+    assert main(["--merge", str(merged), str(paths[1]), "--out", str(again), "--no-plot"]) == 0
+    history = json.loads(again.read_text())["reference_medians"]["small"]["one_shot"]
+    assert history == {"c1-ref-fp16": [30.0, 50.0]}
+    promotion = {"small": {"one_shot": {"cell": FAST, "median_ms": 3.5}}}
+    rows = {r["target"]: r for r in targets.evaluate(dict(document, promotion=promotion))}
+    small = rows["small one-shot vs reference fp16"]
+    assert small["value"] == pytest.approx(50.0 / 3.5) and small["verdict"] == "met"
+    assert small["vs_fastest_reference"] == pytest.approx(30.0 / 3.5)
+    assert small["reference_runs"] == 2
+    assert "8.57 (2 runs)" in capsys.readouterr().out
+
+
 def test_stream_reports_fresh_over_warm_and_recompiles(tmp_path, capsys):
     """The stream phase times each fresh table once, then the same tables warm: the issue-5
     stream target (fresh p50 over the warm latency of the same bucket) comes out per cell."""

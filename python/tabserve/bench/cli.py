@@ -306,6 +306,12 @@ def _merge(args) -> int:
     """One document from several runs' JSON (gates were computed in each run; a later file's
     result for the same cell and workload replaces an earlier one, unless it is gate-only)."""
     documents = [json.loads(path.read_text()) for path in args.merge]
+    # Every merged run's reference medians (a merged document brings those of its own runs).
+    history: dict = {}
+    for document in documents:
+        history = report.reference_medians(
+            document["results"], history, document.get("reference_medians")
+        )
     results = {}
     for document in documents:
         for result in document["results"]:
@@ -324,6 +330,7 @@ def _merge(args) -> int:
         workloads=list(workloads.values()),
         results=merged,
         env=documents[-1]["environment"],
+        reference_history=history,
     )
     out = args.out or args.merge[0].with_name("tabiclv2_merged.json")
     _publish(document, out, args)

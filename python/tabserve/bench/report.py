@@ -3,8 +3,9 @@
 JSON schema (``SCHEMA``): ``environment`` (versions and hardware), ``settings`` (device, timing,
 checkpoints and whether they are random), ``cells`` and ``workloads`` (the tables as run),
 ``results`` (one per cell x workload: ``status``, ``reason``, phases ``cold`` / ``one_shot`` /
-``kv`` / ``end_to_end`` or ``stream`` with every sample, ``gate``, ``speedup``), ``promotion``
-and, in ABBA mode, ``ab``.
+``kv`` / ``end_to_end`` or ``stream`` with every sample, ``gate``, ``speedup``), ``promotion``,
+``reference_medians`` (``{workload: {phase: {reference cell: [median ms of every run seen]}}}``:
+this run's, and with ``--merge`` every merged run's), ``targets`` and, in ABBA mode, ``ab``.
 """
 
 from __future__ import annotations
@@ -151,6 +152,37 @@ def add_speedups(results: list) -> None:
         result["speedup"] = speedup
 
 
+def reference_medians(results: list, *histories: dict | None) -> dict:
+    """``{workload: {phase: {reference cell: [medians]}}}``: the lists of ``histories`` joined,
+    then the reference cells' medians in ``results``; a value already listed is not added again
+    (a document merged with the runs it came from counts each run once); each list sorted."""
+    merged: dict = {}
+
+    def add(workload: str, phase: str, cell: str, median: float) -> None:
+        values = merged.setdefault(workload, {}).setdefault(phase, {}).setdefault(cell, [])
+        if not any(abs(v - median) <= 1e-9 * max(1.0, median) for v in values):
+            values.append(median)
+
+    for history in histories:
+        for workload, phases in (history or {}).items():
+            for phase, cells in phases.items():
+                for cell, values in cells.items():
+                    for median in values:
+                        add(workload, phase, cell, median)
+    references = {cell for _, cell in BASELINES}
+    for result in results:
+        if result.get("cell") in references and result.get("status") == "ok":
+            for phase in ("one_shot", "kv", "stream"):
+                median = _phase_ms(result, phase)
+                if median is not None:
+                    add(result["workload"], phase, result["cell"], median)
+    for phases in merged.values():
+        for cells in phases.values():
+            for values in cells.values():
+                values.sort()
+    return merged
+
+
 def payload(
     *,
     settings: dict,
@@ -159,9 +191,11 @@ def payload(
     results: list,
     ab: dict | None = None,
     env: dict | None = None,
+    reference_history: dict | None = None,
 ) -> dict:
     """The JSON document of one run (see the module docstring); ``env`` defaults to this
-    machine's :func:`environment` (merges pass the measuring machine's)."""
+    machine's :func:`environment` (merges pass the measuring machine's, and the merged runs'
+    ``reference_history``)."""
     cells_by_name = {c.name: c for c in cells}
     document = {
         "schema": SCHEMA,
@@ -172,6 +206,7 @@ def payload(
         "workloads": [w.as_dict() for w in workloads],
         "results": results,
         "promotion": promote(results, cells_by_name),
+        "reference_medians": reference_medians(results, reference_history),
         **({"ab": ab} if ab is not None else {}),
     }
     document["targets"] = targets.evaluate(document)
@@ -359,11 +394,18 @@ def stream_rows(results: list) -> list:
     return rows
 
 
-TARGET_COLUMNS = ("target", "workload", "cell", ">value", ">needed", "verdict")
+TARGET_COLUMNS = (
+    "target", "workload", "cell", ">value", ">needed", "verdict", ">vs fastest reference seen",
+)  # fmt: skip
+
+
+def _runs(count: int) -> str:
+    return f"{count} run" if count == 1 else f"{count} runs"
 
 
 def _target_row(verdict: dict) -> list:
     value, threshold = verdict["value"], verdict["threshold"]
+    fastest = verdict.get("vs_fastest_reference")
     return [
         verdict["target"],
         verdict["workload"],
@@ -371,6 +413,7 @@ def _target_row(verdict: dict) -> list:
         "-" if value is None else f"{value:.2f}",
         ("<= " if verdict["at_most"] else ">= ") + f"{threshold:g}",
         verdict["verdict"],
+        "-" if fastest is None else f"{fastest:.2f} ({_runs(verdict['reference_runs'])})",
     ]
 
 
@@ -423,7 +466,10 @@ def render(document: dict) -> str:
     if any(v["verdict"] != targets.UNMEASURED for v in verdicts):
         parts += [
             "",
-            "Targets (issues 5 and 6; the promoted cell's figure)",
+            (
+                "Targets (issues 5 and 6; the promoted cell's figure against the reference of its"
+                " own run; last column: against the fastest reference run in the document)"
+            ),
             format_table(TARGET_COLUMNS, [_target_row(v) for v in verdicts]),
         ]
     failed = [r for r in results if r["status"] not in ("ok", "skipped")]

@@ -4,7 +4,10 @@ Each target reads one figure of the cell the document promotes for a workload an
 recipe ``recipe="auto"`` would serve), or, for the restart target, of the warm-cache cells, and
 compares it with a threshold. Speedups are the document's (``result["speedup"]``: against the
 reference cells of the same run, or of the merged runs). A target whose cell or baseline did not
-run is "not measured", never "met".
+run is "not measured", never "met". Speedup targets also carry the figure against the fastest
+run of the same reference cell in the document's ``reference_medians`` (every merged run's): the
+reference's own latency moves between runs (the H200's small fp16 reference: 30-51 ms), so the
+verdict of one run can rest on a slow reference; that column shows how much.
 """
 
 from __future__ import annotations
@@ -54,6 +57,25 @@ TARGETS = (
 #: Route of the promotion -> phase of a result (where speedups and figures live).
 PHASES = {"one_shot": "one_shot", "kv_predict": "kv", "stream": "stream"}
 REFERENCE_FP16 = "c1-ref-fp16"
+#: Speedup figure -> its reference cell.
+REFERENCE_CELLS = {"ref16": REFERENCE_FP16, "ref32": "c0-ref-fp32"}
+
+
+def _against_fastest(target: Target, result: dict, document: dict) -> tuple[float, int] | None:
+    """(fastest reference median / the cell's median, runs of that reference), or None."""
+    if target.figure not in REFERENCE_CELLS:
+        return None
+    phase = PHASES[target.route]
+    medians = (
+        document.get("reference_medians", {})
+        .get(result["workload"], {})
+        .get(phase, {})
+        .get(REFERENCE_CELLS[target.figure])
+    )
+    mine = result.get(phase, {}).get("median_ms") if isinstance(result.get(phase), dict) else None
+    if not medians or not mine:
+        return None
+    return min(medians) / mine, len(medians)
 
 
 def _figure(target: Target, result: dict, by_key: dict) -> float | None:
@@ -111,5 +133,9 @@ def evaluate(document: dict, targets=TARGETS) -> list[dict]:
         promoted = document.get("promotion", {}).get(target.workload, {}).get(target.route)
         result = by_key.get((target.workload, promoted["cell"])) if promoted else None
         value = _figure(target, result, by_key) if result else None
-        rows.append(_row(target, promoted["cell"] if promoted else None, value))
+        row = _row(target, promoted["cell"] if promoted else None, value)
+        fastest = _against_fastest(target, result, document) if value is not None else None
+        if fastest is not None:
+            row["vs_fastest_reference"], row["reference_runs"] = fastest
+        rows.append(row)
     return rows
