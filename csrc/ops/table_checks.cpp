@@ -75,7 +75,8 @@ at::Tensor table_checks_cpu(const at::Tensor& X, const at::Tensor& y_train, bool
         if (!std::isfinite(v)) {
           ++infinite;
           ++bad;
-        } else if (classification && !(v >= 0 && v < static_cast<double>(n) && v == std::floor(v))) {
+        } else if (classification &&
+                   !(v >= 0 && v < static_cast<double>(n) && v == std::floor(v))) {
           ++bad;
         } else if (classification) {
           const auto label = static_cast<int64_t>(v);

@@ -185,7 +185,8 @@ at::Tensor prefix_attention_cuda(const at::Tensor& q, const at::Tensor& k, const
 // (from n) is recomputed only when a tile's (n, head) differs from the block's previous tile.
 //
 // The first version ran one query row per thread (8,192 serial FMAs per row): 52-87 us per
-// call of a small table on the H200, a third of its replayed graph (seventh session's profile).
+// call of a small table on the H200, a third of its replayed graph (seventh session's profile);
+// this one 32-35 us per call there, host launch included (eighth session, docs/ops.md).
 
 constexpr int kQassmaxWarps = 4;
 constexpr int kQassmaxThreads = kQassmaxWarps * 32;
@@ -226,12 +227,12 @@ struct QassmaxShape {
 // The shared-memory layout of one block, in bytes from the (128-byte aligned) start; every
 // region starts on a 128-byte boundary, as WMMA's loads and stores need 32.
 struct QassmaxLayout {
-  int hidden_padded;             // query_hidden rounded up to 16 (the kernel: to 64 or 128)
+  int hidden_padded;             // the kernel's kHidden: query_hidden rounded up to 64 or 128
   int x_ld, h_ld, sums_ld;       // row lengths (elements) of the x, hidden and sums tiles
   size_t w1, w2, x, h, sums, b1, b2, base_hidden, base, bytes;
 
-  __host__ __device__ QassmaxLayout(int dim, int hidden, int base_hidden_units) {
-    hidden_padded = (hidden + 15) / 16 * 16;
+  __host__ __device__ QassmaxLayout(int dim, int padded_hidden, int base_hidden_units) {
+    hidden_padded = padded_hidden;
     x_ld = dim + kQassmaxPad;
     h_ld = hidden_padded + kQassmaxPad;
     sums_ld = (hidden_padded > dim ? hidden_padded : dim) + 4;
@@ -241,11 +242,11 @@ struct QassmaxLayout {
       at = (at + size + 127) / 128 * 128;
       return start;
     };
-    w1 = take(2 * size_t(hidden_padded) * x_ld);  // [hidden_padded][x_ld]: query_weight1
-    w2 = take(2 * size_t(dim) * h_ld);            // [dim][h_ld]: query_weight2 (zero rows past query_out)
-    x = take(2 * size_t(kQassmaxTileRows) * x_ld);       // the tile's queries
-    h = take(2 * size_t(kQassmaxTileRows) * h_ld);       // GELU(first linear), q's dtype
-    sums = take(4 * size_t(kQassmaxTileRows) * sums_ld); // fp32 sums of either linear
+    w1 = take(2 * size_t(hidden_padded) * x_ld);          // [hidden][x_ld]: query_weight1
+    w2 = take(2 * size_t(dim) * h_ld);                    // [dim][h_ld]: query_weight2
+    x = take(2 * size_t(kQassmaxTileRows) * x_ld);        // the tile's queries
+    h = take(2 * size_t(kQassmaxTileRows) * h_ld);        // GELU(first linear), q's dtype
+    sums = take(4 * size_t(kQassmaxTileRows) * sums_ld);  // fp32 sums of either linear
     b1 = take(4 * size_t(hidden_padded));
     b2 = take(4 * size_t(dim));
     base_hidden = take(4 * size_t(base_hidden_units));
@@ -332,7 +333,9 @@ __device__ void qassmax_base(const QassmaxShape& s, const QassmaxWeights& w, int
     for (int offset = 16; offset > 0; offset /= 2) {
       total += __shfl_xor_sync(0xffffffffu, total, offset);
     }
-    if (lane == 0 && d < s.base_out) base[d] = rounded<scalar_t>(total + rounded<scalar_t>(bias[u]));
+    if (lane == 0 && d < s.base_out) {
+      base[d] = rounded<scalar_t>(total + rounded<scalar_t>(bias[u]));
+    }
   }
   __syncthreads();
 }
@@ -635,8 +638,8 @@ at::Tensor qassmax_scale_cuda(const at::Tensor& q, const at::Tensor& n_keys,
     int blocks_per_sm = 0;
     C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks_per_sm, kernel,
                                                                  kQassmaxThreads, layout.bytes));
-    const int64_t resident =
-        static_cast<int64_t>(std::max(blocks_per_sm, 1)) * attribute(cudaDevAttrMultiProcessorCount);
+    const int64_t resident = static_cast<int64_t>(std::max(blocks_per_sm, 1)) *
+                             attribute(cudaDevAttrMultiProcessorCount);
     s.tiles_per_block = (s.tiles + resident - 1) / resident;
     const auto blocks =
         static_cast<unsigned>((s.tiles + s.tiles_per_block - 1) / s.tiles_per_block);

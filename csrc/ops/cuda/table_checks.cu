@@ -92,7 +92,9 @@ __global__ void __launch_bounds__(kThreads)
   __syncthreads();
   if (threadIdx.x % 32 == 0) scratch[threadIdx.x / 32] = largest;
   __syncthreads();  // also: every bit of the bitmap is set
-  for (int w = 0; w < kThreads / 32; ++w) largest = max(largest, static_cast<long long>(scratch[w]));
+  for (int w = 0; w < kThreads / 32; ++w) {
+    largest = max(largest, static_cast<long long>(scratch[w]));
+  }
   int64_t distinct = 0;
   for (int64_t w = threadIdx.x; w < words; w += kThreads) distinct += __popc(bits[w]);
   distinct = block_sum(distinct, scratch);
@@ -115,8 +117,8 @@ at::Tensor table_checks_cuda(const at::Tensor& X, const at::Tensor& y_train, boo
   const bool in_shared = words <= kMaxSharedWords;
   at::Tensor scratch;
   if (!in_shared) scratch = at::zeros({tables, words}, X.options().dtype(at::kInt));
-  const int64_t x_blocks =
-      std::min<int64_t>(kMaxXBlocks, std::max<int64_t>(1, (X.numel() + 8 * kThreads - 1) / (8 * kThreads)));
+  const int64_t x_blocks = std::min<int64_t>(
+      kMaxXBlocks, std::max<int64_t>(1, (X.numel() + 8 * kThreads - 1) / (8 * kThreads)));
   TORCH_CHECK(tables + x_blocks <= std::numeric_limits<int32_t>::max(),
               "X has too many tables for one launch: ", tables);
   const Strides3 xs{X.size(1), X.size(2), X.stride(0), X.stride(1), X.stride(2)};
