@@ -6,7 +6,7 @@
 #   bash scripts/device_bench.sh large            # one part per call is the safe plan
 #   bash scripts/device_bench.sh medium stream
 # Parts: small, large, compiled, medium, xlarge, stream, restart, soak, sanitize, profile, cudatests,
-# align, pytest, attention, ffn, norm, qassmax, checks.
+# align, pytest, attention, ffn, norm, qassmax, checks, patch (PATCH_FILE: later parts run patched).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
@@ -23,6 +23,9 @@ echo "== built (${SECONDS}s)"
 
 bench() {  # bench NAME WORKLOADS... -- CELLS...
   local name=$1; shift
+  # A part run again after `patch` writes beside its first run (NAME_2, NAME_3, ...).
+  local base=$name n=2
+  while [ -e "$OUT/tabiclv2_h200_$name.json" ]; do name=${base}_$n; n=$((n + 1)); done
   local workloads=() cells=()
   while [ "$1" != "--" ]; do workloads+=("$1"); shift; done; shift
   cells=("$@")
@@ -90,6 +93,15 @@ for part in "$@"; do
       timeout "$(left $((LIMIT - 10)))" python3 benchmarks/table_checks.py --device cuda \
         --json "$OUT/table-checks-cuda.json" >"$LOG/checks_bench.log" 2>&1
       echo "checks bench rc=$?"; tail -12 "$LOG/checks_bench.log" ;;
+    patch)  # apply PATCH_FILE (git diff output, e.g. `git diff main BRANCH > x.patch`, shipped as
+      # an untracked file) to this copy; later parts run with it (one call measures both trees).
+      # C++ / CUDA changes are rebuilt; Python-only ones need no build.
+      patch -p1 --forward <"${PATCH_FILE:?PATCH_FILE names the patch}" >"$LOG/patch.log" 2>&1
+      echo "patch rc=$? $(grep -c '^patching file' "$LOG/patch.log") files"
+      if grep -q '^patching file csrc/' "$LOG/patch.log"; then
+        STAGES=none OUT="$LOG/build_patched" bash scripts/device_check.sh >"$LOG/build_patched.log" 2>&1
+        echo "rebuilt rc=$? (${SECONDS}s)"
+      fi ;;
     pytest)  # any tests: PYTEST_ARGS (files, -k, -v: no -q here, which would cancel a -v; a run cut
       # by PYTEST_TIMEOUT then still shows each finished test), PYTEST_ENV (e.g. CUDA_LAUNCH_BLOCKING=1)
       timeout "${PYTEST_TIMEOUT:-$(left $((LIMIT - 30)))}" env ${PYTEST_ENV:-} python3 -m pytest \
@@ -135,7 +147,7 @@ for part in "$@"; do
     sanitize)
       SKIP_BUILD=1 STAGES=sanitize SAN_TOOLS="${SAN_TOOLS:-synccheck racecheck memcheck initcheck}" SAN_TIMEOUT=${SAN_TIMEOUT:-120} \
         DEADLINE=$(left $((LIMIT - 120))) OUT="$LOG/sanitize" bash scripts/device_check.sh 2>&1 | tail -8 ;;
-    *) echo "unknown part $part (small, large, compiled, medium, xlarge, stream, restart, soak, sanitize, profile, cudatests, align, pytest, attention, ffn, norm, qassmax, checks)"; exit 2 ;;
+    *) echo "unknown part $part (small, large, compiled, medium, xlarge, stream, restart, soak, sanitize, profile, cudatests, align, pytest, attention, ffn, norm, qassmax, checks, patch)"; exit 2 ;;
   esac
 done
 tar czf "$OUT/logs.tgz" -C "$LOG" . 2>/dev/null
