@@ -8,21 +8,17 @@ import pytest
 import tabserve  # noqa: F401  (registers torch.ops.tabserve)
 import torch
 import torch.nn.functional as F
+from tabicl_helpers import device_params
 from tabserve import ops
 from tabserve.buckets import BucketGrid
 from torch import nn
 
 HAS_CUDA = torch.cuda.is_available()
-DEVICES = ["cpu"] + (["cuda"] if HAS_CUDA else [])
 _skip_no_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 
 
 def cuda(test):
     return pytest.mark.cuda(_skip_no_cuda(test))
-
-
-def device_params():
-    return [pytest.param(d, marks=pytest.mark.cuda) if d == "cuda" else d for d in DEVICES]
 
 
 try:  # the reference implementation, when installed

@@ -181,7 +181,7 @@ def test_the_model_accepts_through_the_operator_and_names_faults_through_aten(mo
     _, num_classes = model._check_inputs(X, y)
     assert num_classes == 3 and called == [True]
     monkeypatch.setattr(torch, "isfinite", original_isfinite)
-    assert model_module._table_checks_ops() is ops
+    assert model_module.extension_ops() is ops
     for labels, message in [
         (y - 1, "non-negative integers"),
         (torch.stack([y[0], y[1] % 2]), "same number of classes"),

@@ -275,13 +275,20 @@ def batched_sdpa(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
 
 
 @functools.cache
-def _rotary_op():
-    """``tabserve.ops.rotary_embedding``, or None without the compiled extension (the unpadded
-    model then runs on ATen ops alone, as it always could)."""
+def extension_ops():
+    """``tabserve.ops``, or None without the compiled extension (the unpadded model then runs
+    on ATen ops alone, as it always could)."""
     try:
-        return _padded_ops().rotary_embedding
+        return _padded_ops()
     except (ImportError, OSError):
         return None
+
+
+@functools.cache
+def _rotary_op():
+    """``tabserve.ops.rotary_embedding``, or None without the compiled extension."""
+    ops = extension_ops()
+    return None if ops is None else ops.rotary_embedding
 
 
 def _small_head_kernel_applies(q: Tensor, k: Tensor, v: Tensor) -> bool:

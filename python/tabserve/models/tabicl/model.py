@@ -10,7 +10,6 @@ batch are independent (the estimators batch ensemble members this way).
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +21,7 @@ from .checkpoint import CheckpointError, PathLike, load_checkpoint, save_safeten
 from .config import TabICLv2Config
 from .embedding import ColumnEmbedding
 from .interaction import RowInteraction
-from .layers import KeyValue
+from .layers import KeyValue, extension_ops
 from .learning import HIERARCHY_LOG_EPS, InContextLearner
 from .quantiles import quantile_stats
 
@@ -253,7 +252,7 @@ class TabICLv2(nn.Module):
         below (most of a small table's time before its replayed graph, H200 profile of c39).
         None without the compiled extension, for label dtypes it does not take, and whenever it
         finds a fault: the ATen checks then raise the precise error."""
-        ops = _table_checks_ops()
+        ops = extension_ops()
         if ops is None or y_train.dtype not in ops.TABLE_CHECK_LABEL_DTYPES:
             return None
         summary = ops.table_checks(X, y_train, not self.is_regressor).tolist()
@@ -474,14 +473,3 @@ class TabICLv2(nn.Module):
         """Regression statistics from test rows only (cached train side)."""
         self._require_regressor()
         return quantile_stats(self.forward_with_cache(X_test, cache), output_type, alphas)
-
-
-@functools.cache
-def _table_checks_ops():
-    """``tabserve.ops`` (for ``table_checks``), or None without the compiled extension (the
-    checks then run as ATen ops, as they always could)."""
-    try:
-        from tabserve import ops
-    except (ImportError, OSError):
-        return None
-    return ops
