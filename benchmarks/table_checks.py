@@ -49,7 +49,7 @@ def main(argv=None) -> int:
     model = checker(device)
 
     def aten(X, y):
-        with mock.patch.object(model_module, "_table_checks_ops", lambda: None):
+        with mock.patch.object(model_module, "extension_ops", lambda: None):
             return torch.tensor([model._check_inputs(X, y)[1]])
 
     def operator(X, y):
