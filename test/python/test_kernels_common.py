@@ -15,7 +15,12 @@ import ast
 import builtins
 import importlib
 import importlib.util
+import json
+import os
 import pkgutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -88,3 +93,43 @@ def test_inductors_copy_of_each_kernel_defines_every_function_it_calls():
         }
         assert called - defined - set(dir(builtins)) == set(), where
         assert {"round_to", "layer_norm_rows"} <= defined, where
+
+
+def test_weights_cast_on_the_host_give_the_kernels_own_bits():
+    """Both kernels take their weight matrices already in the matmul dtype
+    (``_common.matmul_operand``): the same round-to-nearest as the kernels' own ``round_to`` of
+    fp32 weights, so the outputs are the bits the kernels gave with fp32 weights. Checked in a
+    child under ``TRITON_INTERPRET=1`` (fp16: the interpreter has no bf16) on every interpreter
+    case of both operators."""
+    code = """
+import json, torch, test_feed_forward as tf, test_norm_linear as tn
+from tabserve.kernels import feed_forward as ff, norm_linear as nl
+def both(module, run):
+    cast = run()
+    original = module.matmul_operand
+    module.matmul_operand = lambda w, dtype: w.contiguous()  # fp32 into the kernel, as before
+    try:
+        return torch.equal(cast, run())
+    finally:
+        module.matmul_operand = original
+out = []
+for _, leading, dim, hidden, x_dtype, bias, update in tf.KERNEL_CASES:
+    args = tf.make_inputs(leading, dim, hidden, x_dtype, bias, update)
+    out.append(both(ff, lambda: ff.run_kernel(*args, 1e-5, torch.float16)))
+for case in tn.KERNEL_CASES:
+    args = tn.make_inputs(*case)
+    out.append(both(nl, lambda: nl.run_kernel(*args, 1e-5, torch.float16)))
+print(json.dumps(out))
+"""
+    child = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=Path(__file__).parent,
+        env=dict(os.environ, TRITON_INTERPRET="1"),
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert child.returncode == 0, child.stderr[-2000:]
+    results = json.loads(child.stdout.strip().splitlines()[-1])
+    assert len(results) >= 10 and all(results), results

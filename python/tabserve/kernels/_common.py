@@ -51,6 +51,18 @@ def kernel_takes(x: Tensor, compute_dtype: torch.dtype) -> bool:
     )
 
 
+def matmul_operand(weight: Tensor, compute_dtype: torch.dtype) -> Tensor:
+    """A weight matrix as the kernels read it: fp32 weights cast to the matmul dtype here, once
+    per call (under Inductor's freezing, once per compiled graph), instead of every program
+    loading the fp32 matrix and rounding it itself. The same round-to-nearest as the kernels'
+    ``round_to``, so the same bits; half the bytes each program reads (the H200 profile of c38
+    had the fused feed-forward's programs re-reading its fp32 weights, 256 KiB per 64 tokens).
+    Other dtypes (fp64) keep the kernels' own single rounding."""
+    if weight.dtype == torch.float32:
+        weight = weight.to(compute_dtype)
+    return weight.contiguous()
+
+
 def check_arguments(
     op: str, x: Tensor, matrix: tuple[str, Tensor], expected: dict, eps, compute_dtype
 ) -> None:

@@ -21,7 +21,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ._common import check_arguments, define_operator, kernel_takes, tile_config, triton
+from ._common import (
+    check_arguments,
+    define_operator,
+    kernel_takes,
+    matmul_operand,
+    tile_config,
+    triton,
+)
 
 if triton is not None:
     import triton.language as tl
@@ -111,7 +118,7 @@ if triton is not None:
             out,
             norm_weight.contiguous(),
             norm_weight if norm_bias is None else norm_bias.contiguous(),
-            weight.contiguous(),
+            matmul_operand(weight, compute_dtype),
             bias.contiguous(),
             tokens,
             EPS=eps,
