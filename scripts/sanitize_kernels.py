@@ -54,6 +54,7 @@ def small_head_cases(dtype) -> None:
         (3, 8, 4, 68, 0, False, False),  # the CLS block
         (2, 8, 128, 300, 2, False, True),  # streamed, per-entry n, unaligned
         (2, 4, 200, 128, 0, False, True),  # one chunk, per-entry n
+        (600, 8, 68, 68, 0, True, True),  # resident blocks walking units (double-buffered)
     ]
     for i, (batch, heads, queries, keys, spare, rotary, per_entry) in enumerate(cases):
         width = 3 * heads * 16 + spare

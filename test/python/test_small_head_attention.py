@@ -138,6 +138,7 @@ ROPE_CASES = [
     (6, 8, 68, 68, None),  # the row stage
     (5, 8, 20, 20, [20, 3, 1, 20, 7]),  # padded features: a count per row
     (2, 2, 150, 150, 140),  # more tokens than one staged chunk (keys streamed)
+    (3, 8, 4, 68, None),  # the CLS block: 4 queries at positions 0-3 over every token
 ]
 
 
@@ -225,7 +226,14 @@ CUDA_CASES = CASES + [
     (3, 3, 20, 50, [50, 7, 1]),  # every head of an entry in one block, per-entry n
     (2, 16, 64, 128, None),  # 16 heads' keys exceed one block's staging: a block per head
     (2, 2, 200, 300, [300, 150]),  # streamed keys, 13 query tiles over two blocks per head
+    # More units than resident blocks: each block walks units, staging the next one's keys
+    # while it attends over the current one's (both buffers, counts changing between units).
+    (1200, 8, 68, 68, [68, 41, 9] * 400),
 ]
+
+#: RoPE in the kernel, on CUDA: also the resident blocks walking many units (keys rotated in
+#: shared memory after each unit's copies land).
+CUDA_ROPE_CASES = ROPE_CASES + [(1200, 8, 68, 68, [68, 41, 9] * 400)]
 
 
 def on_cuda_cases(cases):
@@ -309,7 +317,7 @@ def test_cuda_graph_replays_with_a_new_count():
         assert (captured.double().cpu() - exact(q, k, v, count)).abs().max().item() <= 3e-3
 
 
-@on_cuda_cases(ROPE_CASES)
+@on_cuda_cases(CUDA_ROPE_CASES)
 def test_cuda_rotary_in_the_kernel_is_bitwise_rotating_first(case, dtype, spare):
     """The kernel's RoPE rounds each product and the sum in fp32, as ATen's composite does:
     the rotated operands, and so the outputs, are bit for bit those of rotating first."""
@@ -362,3 +370,32 @@ def test_cuda_model_on_the_kernel_matches_sdpa_in_fp16(task, monkeypatch):
         for got, want in ((ours, fp32), (ours, sdpa), (sdpa, fp32))
     ]
     assert max(errors[:2]) <= bound, (errors, bound)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_cuda_row_stage_on_the_kernel_matches_sdpa_in_fp16(monkeypatch):
+    """The full v2 model with the row stage on the kernel (RoPE rotated in the kernel, the CLS
+    block's keys too) against the same model on SDPA, both under fp16 autocast: the fp16
+    recipes' tolerance (probabilities within 2e-2, argmax agreement >= 99%)."""
+    model = copy.deepcopy(our_model("clf", "full")).cuda()
+    g = torch.Generator().manual_seed(3)
+    X = torch.randn(2, 300, 10, generator=g).cuda()
+    y = (torch.arange(240) % 4).float()[None].expand(2, -1).cuda()
+    calls, attend = [], ops.small_head_attention
+
+    def recording(q, k, v, n_keys=None, scale=None, rotary=None):
+        calls.append((q.shape[-2], k.shape[-2], rotary is not None))
+        return attend(q, k, v, n_keys, scale, rotary=rotary)
+
+    monkeypatch.setattr(ops, "small_head_attention", recording)
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.float16):
+        set_stage_kernels(model.row_interactor, "head16")
+        kernel = model(X, y).float().softmax(-1)
+        set_stage_kernels(model.row_interactor, "cudnn")
+        plain = model(X, y).float().softmax(-1)
+    cls = model.row_interactor.num_cls
+    assert (cls, 10 + cls, True) in calls  # the CLS block's keys rotated in the kernel
+    assert all(rotated for *_, rotated in calls)
+    assert (kernel - plain).abs().max() <= 2e-2
+    assert (kernel.argmax(-1) == plain.argmax(-1)).double().mean() >= 0.99

@@ -113,7 +113,8 @@ struct Params {
   int64_t heads, queries, keys;
   int64_t heads_per_block;   // 1, or every head (keys in one chunk, few query tiles)
   int64_t tiles_per_block;   // query tiles of one head in one block
-  int64_t blocks_per_group;  // blocks per (batch entry, heads of a block)
+  int64_t blocks_per_group;  // units per (batch entry, heads of a block)
+  int64_t units;             // batch entries x head groups x blocks_per_group
   int staged_rows;           // rows of one head's keys a block stages at once (multiple of 16)
   const void* n_keys;        // nullptr: every key is used
   bool n_keys_long;
@@ -149,80 +150,79 @@ __device__ __forceinline__ void rotate_two(const Params& p, int64_t position, in
   lo = new_lo;
 }
 
+// cp.async: a 16-byte global-to-shared copy that completes in the background (sm_80 and later),
+// so a block stages its next keys and values while its warps attend over the current ones.
+__device__ __forceinline__ void copy_async_16(void* dst, const void* src) {
+  const auto address = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(address), "l"(src));
+}
+__device__ __forceinline__ void commit_copies() { asm volatile("cp.async.commit_group;\n" ::); }
+// Waits until at most `kPending` of this thread's committed groups of copies are in flight.
+template <int kPending>
+__device__ __forceinline__ void wait_copies() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
+}
+
 // Rows [start, start + count) of keys and values of heads [h0, h0 + heads) into shared memory,
-// zero rows up to `padded`; the block's threads split the 16-byte halves of the rows.
-// With RoPE tables the keys are staged a whole row per thread (a rotation pairs dims d and d + 8
-// of the two halves) and rotated at their positions start + key.
-template <typename T, bool kRotate>
+// zero rows up to `padded`; the block's threads split the 16-byte halves of the rows (rows of
+// one token's heads are contiguous: consecutive threads read consecutive 16 bytes). Aligned rows
+// go through cp.async (the caller commits and waits), others through registers.
+template <typename T>
 __device__ __forceinline__ void stage(const Params& p, const T* k, const T* v, int64_t start,
                                       int count, int padded, int heads, T* keys, T* values) {
   const int halves = 2 * padded * heads;
-  for (int i = static_cast<int>(threadIdx.x); i < (kRotate ? halves : 2 * halves); i += kThreads) {
-    const bool is_value = kRotate || i >= halves;
-    const int j = kRotate ? i : (is_value ? i - halves : i);
+  for (int i = static_cast<int>(threadIdx.x); i < 2 * halves; i += kThreads) {
+    const bool is_value = i >= halves;
+    const int j = is_value ? i - halves : i;
     const int half = j & 1, head = (j >> 1) % heads, key = (j >> 1) / heads;
     T* dst = (is_value ? values : keys) + head * p.staged_rows * kD + swizzled(key, half);
-    uint4* dst4 = reinterpret_cast<uint4*>(dst);
     if (key >= count) {
-      *dst4 = make_uint4(0, 0, 0, 0);
+      *reinterpret_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0);
       continue;
     }
     const Operand& o = is_value ? p.v : p.k;
     const T* src =
         (is_value ? v : k) + head * o.head_stride + (start + key) * o.row_stride + half * 8;
     if (p.aligned) {
-      *dst4 = *reinterpret_cast<const uint4*>(src);
+      copy_async_16(dst, src);
     } else {
 #pragma unroll
       for (int e = 0; e < 8; ++e) dst[e] = src[e];
     }
   }
-  if constexpr (kRotate) {
-    for (int i = static_cast<int>(threadIdx.x); i < padded * heads; i += kThreads) {
-      const int head = i % heads, key = i / heads;
-      T* row = keys + head * p.staged_rows * kD;
-      uint32_t packed[8] = {};  // dims 2e, 2e + 1
-      if (key < count) {
-        const T* src = k + head * p.k.head_stride + (start + key) * p.k.row_stride;
-        if (p.aligned) {
-          const uint4 lo = *reinterpret_cast<const uint4*>(src);
-          const uint4 hi = *reinterpret_cast<const uint4*>(src + 8);
-          const uint32_t words[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+}
+
+// RoPE of the staged keys, in place (after the block has waited for them): one thread per real
+// row (consecutive threads on consecutive rows of a head: no bank conflict), both halves of the
+// row in its registers, each at its position start + key.
+template <typename T>
+__device__ __forceinline__ void rotate_staged(const Params& p, int64_t start, int count,
+                                              int heads, T* keys) {
+  for (int i = static_cast<int>(threadIdx.x); i < count * heads; i += kThreads) {
+    const int head = i / count, key = i % count;
+    T* row = keys + head * p.staged_rows * kD;
+    uint4* lo_half = reinterpret_cast<uint4*>(row + swizzled(key, 0));
+    uint4* hi_half = reinterpret_cast<uint4*>(row + swizzled(key, 1));
+    const uint4 lo4 = *lo_half, hi4 = *hi_half;
+    uint32_t packed[8] = {lo4.x, lo4.y, lo4.z, lo4.w, hi4.x, hi4.y, hi4.z, hi4.w};  // 2e, 2e+1
 #pragma unroll
-          for (int e = 0; e < 8; ++e) packed[e] = words[e];
-        } else {
-#pragma unroll
-          for (int e = 0; e < 8; ++e) {
-            T pair[2] = {src[2 * e], src[2 * e + 1]};
-            packed[e] = *reinterpret_cast<const uint32_t*>(pair);
-          }
-        }
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {  // dims 2e, 2e + 1 with their partners 2e + 8, 2e + 9
-          float2 lo = unpack_two<T>(packed[e]), hi = unpack_two<T>(packed[e + 4]);
-          rotate_two(p, start + key, 2 * e, lo, hi);
-          packed[e] = pack_two<T>(lo.x, lo.y);
-          packed[e + 4] = pack_two<T>(hi.x, hi.y);
-        }
-      }
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        *reinterpret_cast<uint4*>(row + swizzled(key, half)) =
-            make_uint4(packed[4 * half], packed[4 * half + 1], packed[4 * half + 2],
-                       packed[4 * half + 3]);
-      }
+    for (int e = 0; e < 4; ++e) {  // dims 2e, 2e + 1 with their partners 2e + 8, 2e + 9
+      float2 lo = unpack_two<T>(packed[e]), hi = unpack_two<T>(packed[e + 4]);
+      rotate_two(p, start + key, 2 * e, lo, hi);
+      packed[e] = pack_two<T>(lo.x, lo.y);
+      packed[e + 4] = pack_two<T>(hi.x, hi.y);
     }
+    *lo_half = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+    *hi_half = make_uint4(packed[4], packed[5], packed[6], packed[7]);
   }
 }
 
 // The A fragment of 16 query rows (zeros past the last query): lane (g, t) = (lane / 4, lane % 4)
-// holds dims 2t, 2t + 1 and 2t + 8, 2t + 9 of rows g and g + 8.
-// With RoPE tables the lane's dims 2t, 2t + 1 and their partners 2t + 8, 2t + 9 are rotated at
-// the row's position (both halves of a row sit in the same lane).
-template <typename T, bool kRotate>
-__device__ __forceinline__ void load_queries(const Params& p, const T* q, int64_t row_stride,
-                                             int64_t first, int64_t queries, bool aligned,
-                                             uint32_t (&a)[4]) {
+// holds dims 2t, 2t + 1 and 2t + 8, 2t + 9 of rows g and g + 8. Loads only: a warp issues the
+// next tile's loads before it attends over the current tile.
+template <typename T>
+__device__ __forceinline__ void load_query(const T* q, int64_t row_stride, int64_t first,
+                                           int64_t queries, bool aligned, uint32_t (&a)[4]) {
   const int g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
@@ -232,22 +232,27 @@ __device__ __forceinline__ void load_queries(const Params& p, const T* q, int64_
     if (query >= queries) continue;
     const T* src = q + query * row_stride + dim;
     if (aligned) {
-      a[i] = *reinterpret_cast<const uint32_t*>(src);
+      a[i] = __ldg(reinterpret_cast<const unsigned int*>(src));
     } else {
       T pair[2] = {src[0], src[1]};
       a[i] = *reinterpret_cast<const uint32_t*>(pair);
     }
   }
-  if constexpr (kRotate) {
+}
+
+// RoPE of a loaded A fragment: the lane's dims 2t, 2t + 1 and their partners 2t + 8, 2t + 9
+// (both halves of a row sit in the same lane), each row at its position.
+template <typename T>
+__device__ __forceinline__ void rotate_query(const Params& p, int64_t first, uint32_t (&a)[4]) {
+  const int g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const int64_t query = first + g + 8 * r;
-      if (query >= queries) continue;
-      float2 lo = unpack_two<T>(a[r]), hi = unpack_two<T>(a[r + 2]);
-      rotate_two(p, query, 2 * t, lo, hi);
-      a[r] = pack_two<T>(lo.x, lo.y);
-      a[r + 2] = pack_two<T>(hi.x, hi.y);
-    }
+  for (int r = 0; r < 2; ++r) {
+    const int64_t query = first + g + 8 * r;
+    if (query >= p.queries) continue;
+    float2 lo = unpack_two<T>(a[r]), hi = unpack_two<T>(a[r + 2]);
+    rotate_two(p, query, 2 * t, lo, hi);
+    a[r] = pack_two<T>(lo.x, lo.y);
+    a[r + 2] = pack_two<T>(hi.x, hi.y);
   }
 }
 
@@ -357,64 +362,137 @@ __device__ __forceinline__ void write_tile(const Params& p, int64_t b, int64_t h
   }
 }
 
+// Work unit `unit` of the grid's units: a batch entry, its heads [h0, h0 + heads_per_block) and
+// a run of query tiles; `used` is the entry's real key count.
+struct Unit {
+  int64_t b, h0, first_tile, tiles, used;
+};
+
+__device__ __forceinline__ Unit unit_at(const Params& p, int64_t unit) {
+  Unit u;
+  const int64_t group = unit / p.blocks_per_group;  // (batch entry, head group)
+  const int64_t groups_per_entry = p.heads / p.heads_per_block;
+  u.b = group / groups_per_entry;
+  u.h0 = group % groups_per_entry * p.heads_per_block;
+  u.first_tile = unit % p.blocks_per_group * p.tiles_per_block;
+  u.tiles = smaller(p.tiles_per_block, (p.queries + 15) / 16 - u.first_tile);
+  u.used = p.keys;
+  if (p.n_keys != nullptr) {
+    const int64_t index = u.b * p.n_keys_stride;
+    const int64_t raw = p.n_keys_long ? static_cast<const int64_t*>(p.n_keys)[index]
+                                      : static_cast<const int32_t*>(p.n_keys)[index];
+    u.used = smaller(raw < 1 ? int64_t{1} : raw, p.keys);
+  }
+  return u;
+}
+
+template <typename T>
+__device__ __forceinline__ const T* head_base(const Operand& o, const Unit& u) {
+  return static_cast<const T*>(o.data) + u.b * o.batch_stride + u.h0 * o.head_stride;
+}
+
+// Keys of a unit in one chunk (<= 128).
 template <typename T, bool kRotate>
-__global__ void __launch_bounds__(kThreads, 2) small_head_attention_kernel(Params p) {
+__global__ void __launch_bounds__(kThreads, 2) one_chunk_kernel(Params p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   extern __shared__ __align__(16) unsigned char staging[];
   const int warp = static_cast<int>(threadIdx.x) / 32;
   const int heads = static_cast<int>(p.heads_per_block);
-  const int64_t group = blockIdx.x / p.blocks_per_group;  // (batch entry, head group)
-  const int64_t groups_per_entry = p.heads / heads;
-  const int64_t b = group / groups_per_entry, h0 = group % groups_per_entry * heads;
-  const int64_t all_tiles = (p.queries + 15) / 16;
-  const int64_t first_tile = blockIdx.x % p.blocks_per_group * p.tiles_per_block;
-  const int64_t tiles = smaller(p.tiles_per_block, all_tiles - first_tile);
-
-  int64_t used = p.keys;
-  if (p.n_keys != nullptr) {
-    const int64_t index = b * p.n_keys_stride;
-    const int64_t raw = p.n_keys_long ? static_cast<const int64_t*>(p.n_keys)[index]
-                                      : static_cast<const int32_t*>(p.n_keys)[index];
-    used = smaller(raw < 1 ? int64_t{1} : raw, p.keys);
-  }
-  T* keys = reinterpret_cast<T*>(staging);
-  T* values = keys + heads * p.staged_rows * kD;
-  const T* q = static_cast<const T*>(p.q.data) + b * p.q.batch_stride + h0 * p.q.head_stride;
-  const T* k = static_cast<const T*>(p.k.data) + b * p.k.batch_stride + h0 * p.k.head_stride;
-  const T* v = static_cast<const T*>(p.v.data) + b * p.v.batch_stride + h0 * p.v.head_stride;
-
-  if (p.keys <= kChunk) {  // every key staged once; the warps take (head, tile) items in turn
-    const int count = static_cast<int>(used);
-    stage<T, kRotate>(p, k, v, 0, count, (count + 15) & ~15, heads, keys, values);
-    __syncthreads();
-    for (int64_t item = warp; item < heads * tiles; item += kWarps) {
-      const int head = static_cast<int>(item / tiles);
-      const int64_t first = (first_tile + item % tiles) * 16;
-      uint32_t query[4];
-      load_queries<T, kRotate>(p, q + head * p.q.head_stride, p.q.row_stride, first, p.queries,
-                      p.aligned, query);
-      TileState st;
-      attend<T>(query, keys + head * p.staged_rows * kD, values + head * p.staged_rows * kD,
-                count, p.scale_log2, st);
-      write_tile<T>(p, b, h0 + head, first, st);
+  const int64_t buffer = 2 * heads * p.staged_rows * kD;  // elements: keys, then values
+  T* const buffers = reinterpret_cast<T*>(staging);
+  {
+    // Every key of a unit fits one staging buffer. Blocks stay resident and walk the units with
+    // the grid's stride, staging unit i + 1 into the other buffer (cp.async) while the warps
+    // take unit i's (head, tile) items in turn, each warp loading its next item's queries
+    // before it attends over the current one.
+    const auto issue = [&](int64_t unit, int slot) {
+      const Unit u = unit_at(p, unit);
+      const int count = static_cast<int>(u.used);
+      T* keys = buffers + slot * buffer;
+      stage<T>(p, head_base<T>(p.k, u), head_base<T>(p.v, u), 0, count, (count + 15) & ~15,
+               heads, keys, keys + buffer / 2);
+    };
+    if (blockIdx.x < p.units) issue(blockIdx.x, 0);
+    commit_copies();
+    int slot = 0;
+    for (int64_t unit = blockIdx.x; unit < p.units; unit += gridDim.x, slot ^= 1) {
+      if (unit + gridDim.x < p.units) issue(unit + gridDim.x, slot ^ 1);
+      commit_copies();  // (an empty group on the last unit keeps the count of groups uniform)
+      wait_copies<1>();  // this unit's copies have landed, the next unit's may be in flight
+      __syncthreads();
+      const Unit u = unit_at(p, unit);
+      const int count = static_cast<int>(u.used);
+      T* const keys = buffers + slot * buffer;
+      T* const values = keys + buffer / 2;
+      if constexpr (kRotate) {
+        rotate_staged<T>(p, 0, count, heads, keys);
+        __syncthreads();
+      }
+      const T* q = head_base<T>(p.q, u);
+      const int64_t items = heads * u.tiles;
+      const auto first_query = [&](int64_t item) { return (u.first_tile + item % u.tiles) * 16; };
+      uint32_t next[4];
+      if (warp < items) {
+        load_query<T>(q + warp / u.tiles * p.q.head_stride, p.q.row_stride, first_query(warp),
+                      p.queries, p.aligned, next);
+      }
+      for (int64_t item = warp; item < items; item += kWarps) {
+        uint32_t query[4] = {next[0], next[1], next[2], next[3]};
+        const int64_t later = item + kWarps;
+        if (later < items) {
+          load_query<T>(q + later / u.tiles * p.q.head_stride, p.q.row_stride,
+                        first_query(later), p.queries, p.aligned, next);
+        }
+        const int head = static_cast<int>(item / u.tiles);
+        const int64_t first = first_query(item);
+        if constexpr (kRotate) rotate_query<T>(p, first, query);
+        TileState st;
+        attend<T>(query, keys + head * p.staged_rows * kD, values + head * p.staged_rows * kD,
+                  count, p.scale_log2, st);
+        write_tile<T>(p, u.b, u.h0 + head, first, st);
+      }
+      __syncthreads();  // every warp is done with this buffer before it is staged into again
     }
-    return;
   }
+#endif
+}
 
-  // Keys streamed 128 at a time through shared memory; warp w owns query tile w of the block.
-  const bool active = warp < tiles;
-  const int64_t first = (first_tile + warp) * 16;
+// Past 128 keys: one unit per block (one head, warp w owns query tile w), keys streamed 128 at a
+// time through the buffer with an online softmax.
+template <typename T, bool kRotate>
+__global__ void __launch_bounds__(kThreads, 2) streaming_kernel(Params p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  extern __shared__ __align__(16) unsigned char staging[];
+  const int warp = static_cast<int>(threadIdx.x) / 32;
+  const int64_t buffer = 2 * p.staged_rows * kD;  // elements: keys, then values
+  T* const buffers = reinterpret_cast<T*>(staging);
+  const Unit u = unit_at(p, blockIdx.x);
+  T* const keys = buffers;
+  T* const values = keys + buffer / 2;
+  const T* k = head_base<T>(p.k, u);
+  const T* v = head_base<T>(p.v, u);
+  const bool active = warp < u.tiles;
+  const int64_t first = (u.first_tile + warp) * 16;
   uint32_t query[4];
-  if (active) load_queries<T, kRotate>(p, q, p.q.row_stride, first, p.queries, p.aligned, query);
+  if (active) {
+    load_query<T>(head_base<T>(p.q, u), p.q.row_stride, first, p.queries, p.aligned, query);
+    if constexpr (kRotate) rotate_query<T>(p, first, query);
+  }
   TileState st;
-  for (int64_t start = 0; start < used; start += kChunk) {
-    const int count = static_cast<int>(smaller(int64_t{kChunk}, used - start));
+  for (int64_t start = 0; start < u.used; start += kChunk) {
+    const int count = static_cast<int>(smaller(int64_t{kChunk}, u.used - start));
     if (start > 0) __syncthreads();  // every warp is done with the previous chunk
-    stage<T, kRotate>(p, k, v, start, count, (count + 15) & ~15, 1, keys, values);
+    stage<T>(p, k, v, start, count, (count + 15) & ~15, 1, keys, values);
+    commit_copies();
+    wait_copies<0>();
     __syncthreads();
+    if constexpr (kRotate) {
+      rotate_staged<T>(p, start, count, 1, keys);
+      __syncthreads();
+    }
     if (active) attend<T>(query, keys, values, count, p.scale_log2, st);
   }
-  if (active) write_tile<T>(p, b, h0, first, st);
+  if (active) write_tile<T>(p, u.b, u.h0, first, st);
 #endif
 }
 
@@ -468,10 +546,11 @@ at::Tensor small_head_attention_cuda(const at::Tensor& q_in, const at::Tensor& k
   // Even split of a head's tiles over its blocks (640 tiles: 10 blocks of 64, not 9 + 1 of 64).
   params.blocks_per_group = (tiles + params.tiles_per_block - 1) / params.tiles_per_block;
   params.tiles_per_block = (tiles + params.blocks_per_group - 1) / params.blocks_per_group;
-  const int64_t blocks = batch * (heads / params.heads_per_block) * params.blocks_per_group;
-  TORCH_CHECK(blocks <= std::numeric_limits<int32_t>::max(),
+  params.units = batch * (heads / params.heads_per_block) * params.blocks_per_group;
+  const bool one_chunk = keys <= kChunk;
+  TORCH_CHECK(one_chunk || params.units <= std::numeric_limits<int32_t>::max(),
               "small_head_attention: batch * heads * query blocks must fit the grid (2^31 - 1), ",
-              "got ", blocks);
+              "got ", params.units);
 
   params.q = operand(q);
   params.k = operand(k);
@@ -497,18 +576,39 @@ at::Tensor small_head_attention_cuda(const at::Tensor& q_in, const at::Tensor& k
     params.sin = sin.const_data_ptr<float>();
   }
 
+  // One chunk of keys: two staging buffers (a unit's keys land while the previous unit's are
+  // attended over), and as many blocks as stay resident, each walking the units.
+  const int64_t buffer_bytes = 2 * params.heads_per_block * params.staged_rows * kD * q.element_size();
+  const auto shared = static_cast<size_t>((one_chunk ? 2 : 1) * buffer_bytes);
   const auto stream = c10::cuda::getCurrentCUDAStream();
-  const auto grid = static_cast<unsigned int>(blocks);
-  const auto shared = static_cast<size_t>(2 * params.heads_per_block * params.staged_rows * kD *
-                                          q.element_size());
-  const auto launch = [&](auto kernel) { kernel<<<grid, kThreads, shared, stream>>>(params); };
+  const auto launch = [&](auto kernel) {
+    int64_t grid = params.units;
+    if (one_chunk) {
+      if (shared > kStagingBytes) {
+        C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                            static_cast<int>(shared)));
+      }
+      int blocks_per_sm = 0, sms = 0;
+      C10_CUDA_CHECK(
+          cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks_per_sm, kernel, kThreads, shared));
+      C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+      grid = std::min<int64_t>(grid, static_cast<int64_t>(std::max(blocks_per_sm, 1)) * sms);
+    }
+    kernel<<<static_cast<unsigned int>(grid), kThreads, shared, stream>>>(params);
+  };
   const bool rotate = params.cos != nullptr;
+  const auto dispatch = [&](auto element) {
+    using T = decltype(element);
+    if (one_chunk) {
+      launch(rotate ? one_chunk_kernel<T, true> : one_chunk_kernel<T, false>);
+    } else {
+      launch(rotate ? streaming_kernel<T, true> : streaming_kernel<T, false>);
+    }
+  };
   if (q.scalar_type() == at::kHalf) {
-    launch(rotate ? small_head_attention_kernel<__half, true>
-                  : small_head_attention_kernel<__half, false>);
+    dispatch(__half{});
   } else {
-    launch(rotate ? small_head_attention_kernel<__nv_bfloat16, true>
-                  : small_head_attention_kernel<__nv_bfloat16, false>);
+    dispatch(__nv_bfloat16{});
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return out;

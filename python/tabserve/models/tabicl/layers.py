@@ -152,14 +152,20 @@ class Attention(nn.Module):
         return x.unflatten(-1, (self.num_heads, self.head_dim)).transpose(-3, -2)
 
     def _rope_in_kernel(self, rope: RotaryEmbedding, q: Tensor, k: Tensor, v: Tensor) -> bool:
-        """Self-attention with RoPE and no QASSMax (the row stage) on the head-dim-16 kernel:
-        the kernel rotates q and k itself from fp32 tables (shapes and dtypes only: static
-        under compile)."""
+        """Attention with RoPE and no QASSMax (the row stage) on the head-dim-16 kernel, which
+        rotates q and k itself from fp32 tables (shapes and dtypes only: static under
+        compile)."""
+        return self.rotates_keys_itself(rope) and _small_head_kernel_applies(q, k, v)
+
+    def rotates_keys_itself(self, rope: RotaryEmbedding | None) -> bool:
+        """Whether keys handed to :meth:`forward` had better come unrotated (``keys_rotated=
+        False``): the head-dim-16 kernel may then rotate them as it loads them (the row stage's
+        CLS block: its keys are every token of the row), saving a pass over them."""
         return (
-            self.small_heads
+            rope is not None
+            and self.small_heads
             and self.ssmax_layer is None
             and rope.freqs.dtype == torch.float32
-            and _small_head_kernel_applies(q, k, v)
         )
 
     def _project(self, x: Tensor, weight: Tensor, bias: Tensor, norm: nn.LayerNorm | None):
@@ -194,10 +200,13 @@ class Attention(nn.Module):
         rope: RotaryEmbedding | None = None,
         n_keys: Tensor | None = None,
         norm: nn.LayerNorm | None = None,
+        keys_rotated: bool = True,
     ) -> Tensor:
         """q: normalised query tokens ``(..., Lq, E)`` (raw ones with ``norm``, which the
         projections then apply); kv from ``project_kv`` (broadcastable), or None for
-        self-attention over ``q``.
+        self-attention over ``q``. ``keys_rotated=False``: kv's keys come without RoPE
+        (``project_kv`` without ``rope``, see :meth:`rotates_keys_itself`), and are rotated here,
+        in the head-dim-16 kernel where it applies.
 
         ``n_keys`` (padded serving): a 0-d integer tensor on q's device; only the first n keys
         are real (the rest is bucket padding). Attention then runs over those n keys and QASSMax
@@ -205,19 +214,23 @@ class Attention(nn.Module):
         shapes stay the bucket's and n never reaches the host.
         """
         dim = q.shape[-1]
-        fused_rope = None  # RoPE tables handed to the head-dim-16 kernel instead
         if kv is None:  # one packed projection, as the reference's self-attention does
             packed = self._project(q, self.in_proj_weight, self.in_proj_bias, norm).chunk(3, -1)
             query, k, v = (self._split_heads(t) for t in packed)
-            if rope is not None and self._rope_in_kernel(rope, query, k, v):
-                fused_rope = rope.tables(query.shape[-2], query.device, query.dtype)
-            elif rope is not None:
-                k = rope(k)
+            keys_rotated = False
         else:
             query = self._split_heads(
                 self._project(q, self.in_proj_weight[:dim], self.in_proj_bias[:dim], norm)
             )
             k, v = kv
+        fused_rope = None  # RoPE tables handed to the head-dim-16 kernel instead
+        if rope is not None and not keys_rotated:
+            if self._rope_in_kernel(rope, query, k, v):
+                # Queries sit at positions 0..Lq-1, as rope(query) puts them.
+                length = max(query.shape[-2], k.shape[-2])
+                fused_rope = rope.tables(length, query.device, query.dtype)
+            else:
+                k = rope(k)
         if rope is not None and fused_rope is None:
             query = rope(query)
         if self.ssmax_layer is not None:
@@ -382,7 +395,14 @@ class AttentionBlock(nn.Module):
         elif kv is None:
             keys_values = self.attn.project_kv(q_in, rope, norm) if return_kv else None
         else:
-            keys_values = self.key_value(kv, rope)
+            # Unrotated keys where the attention kernel rotates them itself (never returned:
+            # a caller's cache holds rotated keys).
+            deferred = not return_kv and self.attn.rotates_keys_itself(rope)
+            keys_values = self.key_value(kv, None if deferred else rope)
+            x = self.feed_forward(
+                q, self.attn(q_in, keys_values, rope, n_keys, norm, keys_rotated=not deferred)
+            )
+            return (x, keys_values) if return_kv else x
         x = self.feed_forward(q, self.attn(q_in, keys_values, rope, n_keys, norm))
         return (x, keys_values) if return_kv else x
 
