@@ -10,6 +10,7 @@ method's error against fp32 maths on the first batch entries is reported next to
 
     python benchmarks/small_head_attention.py --device cuda
     python benchmarks/small_head_attention.py --quick        # CPU, small cases (op vs SDPA)
+    python benchmarks/small_head_attention.py --methods "tabserve op" "sdpa cudnn"
 """
 
 from __future__ import annotations
@@ -108,6 +109,9 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", choices=("float16", "bfloat16"), default="float16")
     parser.add_argument("--budget", type=float, default=0.5, help="seconds per measurement")
     parser.add_argument("--json", type=Path)
+    parser.add_argument(
+        "--methods", nargs="+", metavar="NAME", help="only these methods (as the table names them)"
+    )
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype) if device.type == "cuda" else torch.float32
@@ -115,6 +119,8 @@ def main(argv=None) -> int:
     for name, batch, queries, keys, broadcast in QUICK_CASES if args.quick else CASES:
         q, k, v = inputs(batch, queries, keys, broadcast, dtype, device)
         for method, fn in methods(device).items():
+            if args.methods and method not in args.methods:
+                continue
             try:
                 error = max_error(fn(q, k, v), q, k, v)
                 m = measure(lambda fn=fn, q=q, k=k, v=v: fn(q, k, v), device, budget_s=args.budget)

@@ -62,8 +62,10 @@ for part in "$@"; do
       bench restart ${RESTART_WORKLOADS:-small} -- ${RESTART_CELLS:-c20-fp16-buckets-warm-cache \
         c27-fp16-buckets-aot-restart c29-fp16-buckets-aot-cudagraphs-restart} ;;
     attention)  # small_head_attention against the SDPA backends on the large workload's shapes
+      # ATTENTION_METHODS: only these methods, e.g. "tabserve op|sdpa cudnn" ('|'-separated).
+      IFS='|' read -ra attention_methods <<<"${ATTENTION_METHODS:-}"
       timeout "$(left $((LIMIT - 10)))" python3 benchmarks/small_head_attention.py --device cuda \
-        --budget 0.3 --json "$OUT/small-head-attention-cuda.json" >"$LOG/attention.log" 2>&1
+        ${ATTENTION_METHODS:+--methods "${attention_methods[@]}"} --budget 0.3 --json "$OUT/small-head-attention-cuda.json" >"$LOG/attention.log" 2>&1
       echo "attention rc=$?"; tail -25 "$LOG/attention.log" ;;
     ffn)  # the fused feed-forward operator: its CUDA tests, then the benchmark with a tile sweep
       timeout "$(left $((LIMIT - 60)))" python3 -m pytest -q -p no:cacheprovider -p no:logging -rfE \

@@ -190,12 +190,23 @@ def test_compiles_in_one_graph_with_n_from_a_tensor():
 
 
 def test_stage_kernel_choice_reaches_the_attention_layers():
+    from tabserve.models.tabicl.layers import SHORT_KEYS
+
     model = copy.deepcopy(our_model("clf", "tiny"))  # our_model is cached: change a copy
     set_stage_kernels(model.row_interactor, "head16")
     row = [m.small_heads for m in model.row_interactor.modules() if hasattr(m, "small_heads")]
     col = [m.small_heads for m in model.col_embedder.modules() if hasattr(m, "small_heads")]
     assert row and all(row) and col and not any(col)
-    # On the CPU (fp32) the kernel does not apply: the stage runs SDPA, same numbers.
+    set_stage_kernels(model.col_embedder, "head16-short")
+    limits = {
+        m.small_head_max_keys
+        for stage in (model.row_interactor, model.col_embedder)
+        for m in stage.modules()
+        if hasattr(m, "small_heads")
+    }
+    assert limits == {None, SHORT_KEYS}
+    # On the CPU (fp32) the kernel does not apply: the stages run SDPA (the CLS block's keys,
+    # handed over unrotated for the kernel, are rotated before it), same numbers.
     X, y = random_table(7, 2, 12, 4, 5, 3)
     assert torch.equal(model(X, y), our_model("clf", "tiny")(X, y))
 
@@ -374,10 +385,12 @@ def test_cuda_model_on_the_kernel_matches_sdpa_in_fp16(task, monkeypatch):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
-def test_cuda_row_stage_on_the_kernel_matches_sdpa_in_fp16(monkeypatch):
+def test_cuda_model_stages_on_the_kernel_match_sdpa_in_fp16(monkeypatch):
     """The full v2 model with the row stage on the kernel (RoPE rotated in the kernel, the CLS
-    block's keys too) against the same model on SDPA, both under fp16 autocast: the fp16
-    recipes' tolerance (probabilities within 2e-2, argmax agreement >= 99%)."""
+    block's keys too) and the column stage's short key runs on it (``head16-short``: the rows
+    over the induced tokens, not the inducing points over 240 train rows), against the same
+    model on SDPA, both under fp16 autocast: the fp16 recipes' tolerance (probabilities within
+    2e-2, argmax agreement >= 99%)."""
     model = copy.deepcopy(our_model("clf", "full")).cuda()
     g = torch.Generator().manual_seed(3)
     X = torch.randn(2, 300, 10, generator=g).cuda()
@@ -391,11 +404,29 @@ def test_cuda_row_stage_on_the_kernel_matches_sdpa_in_fp16(monkeypatch):
     monkeypatch.setattr(ops, "small_head_attention", recording)
     with torch.no_grad(), torch.autocast("cuda", dtype=torch.float16):
         set_stage_kernels(model.row_interactor, "head16")
+        set_stage_kernels(model.col_embedder, "head16-short")
         kernel = model(X, y).float().softmax(-1)
         set_stage_kernels(model.row_interactor, "cudnn")
+        set_stage_kernels(model.col_embedder, "cudnn")
         plain = model(X, y).float().softmax(-1)
     cls = model.row_interactor.num_cls
     assert (cls, 10 + cls, True) in calls  # the CLS block's keys rotated in the kernel
-    assert all(rotated for *_, rotated in calls)
+    inducing = model.col_embedder.tf_col.blocks[0].ind_vectors.shape[0]
+    column = [c for c in calls if not c[2]]
+    assert column and all(c == (300, inducing, False) for c in column)
     assert (kernel - plain).abs().max() <= 2e-2
     assert (kernel.argmax(-1) == plain.argmax(-1)).double().mean() >= 0.99
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("scale", [0.7, -0.3, 0.0])
+@pytest.mark.parametrize("keys, n", [(50, [50, 21]), (300, [300, 133])], ids=["chunk", "streamed"])
+def test_cuda_scales_of_any_sign(scale, keys, n):
+    """The kernel takes the max over raw scores and folds the scale into the exponent: a
+    negative scale (queries' signs flipped) and a zero scale (uniform weights) still give
+    float64 maths' softmax, with a partly filled last tile of keys."""
+    q, k, v = packed_qkv(8, 2, 2, 40, keys, torch.float16, "cuda")
+    out = ops.small_head_attention(q, k, v, _n_tensor(n, "cuda"), scale=scale)
+    error = (out.double().cpu() - exact(q, k, v, n, scale=scale)).abs().max().item()
+    assert error <= 3e-3, error

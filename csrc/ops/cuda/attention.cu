@@ -32,6 +32,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <limits>
 #include <type_traits>
@@ -46,7 +47,6 @@ constexpr int kD = 16;              // head dimension: the k of one m16n8k16 pro
 constexpr int kWarps = 8;           // query tiles in flight per block
 constexpr int kThreads = kWarps * 32;
 constexpr int kChunk = 128;         // keys per shared-memory chunk, scores held in registers
-constexpr int kKeyTiles = kChunk / 16;
 constexpr int64_t kMaxOneChunkTiles = 64;  // query tiles of one block when the keys fit a chunk
 constexpr int64_t kStagingBytes = 48 * 1024;  // shared memory a launch gets without opting in
 constexpr float kLog2e = 1.4426950408889634f;
@@ -119,7 +119,8 @@ struct Params {
   const void* n_keys;        // nullptr: every key is used
   bool n_keys_long;
   int64_t n_keys_stride;  // 0 for one count shared by the batch
-  float scale_log2;       // softmax scale * log2(e)
+  float scale_log2;       // |softmax scale| * log2(e) (1 for a scale of 0)
+  int query_sign;         // the scale's sign: -1 flips the queries' signs, 0 zeroes them
   bool aligned;           // every row of q, k and v starts on a 16-byte boundary
   const float* cos;       // nullptr, or RoPE tables [>= max(Lq, Lk), 16]: q and k are rotated
   const float* sin;
@@ -263,49 +264,64 @@ struct TileState {
   float out[2][4] = {};                   // [dims 0-7 | 8-15] accumulator fragments
 };
 
-// One staged chunk of `count` keys (rows rounded up to 16 with zeros) for the warp's queries.
-template <typename T>
-__device__ __forceinline__ void attend(const uint32_t (&query)[4], const T* keys, const T* values,
-                                       int count, float scale_log2, TileState& st) {
+// 2^x with denormal results flushed to zero: one MUFU.EX2 (exp2f also rescales arguments below
+// -126 to keep denormals, three more instructions per score). A probability below 2^-126 of the
+// row's largest is zero once it is rounded to fp16 / bf16 for the P V product, and adds nothing
+// to an fp32 sum that holds at least 1.
+__device__ __forceinline__ float exp2_ftz(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// One staged chunk of `count` keys, kTiles = ceil(count / 16) tiles of 16 (the last rounded up
+// with zero rows), for the warp's queries. The tile count is a template argument so that every
+// loop unrolls without guards; the scores stay raw (the max taken over them, the scale folded
+// into the exponent's FMA: s * scale - max * scale), and only the last tile masks keys.
+template <typename T, int kTiles>
+__device__ __forceinline__ void attend_tiles(const uint32_t (&query)[4], const T* keys,
+                                             const T* values, int count, float scale_log2,
+                                             TileState& st) {
   const int lane = threadIdx.x % 32, t = lane % 4;
   const int matrix = lane / 8, row = lane % 8;
-  const int tiles = (count + 15) / 16;
 
-  float s[2 * kKeyTiles][4];
+  float s[2 * kTiles][4];
 #pragma unroll
-  for (int kt = 0; kt < kKeyTiles; ++kt) {
-    if (kt < tiles) {
-      // Matrices: keys +0..7 / +8..15 (bit 1) x dims 0-7 / 8-15 (bit 0): B fragments of 2 tiles.
-      uint32_t b[4];
-      ldmatrix_x4(b, keys + swizzled(kt * 16 + row + 8 * (matrix >> 1), matrix & 1));
+  for (int kt = 0; kt < kTiles; ++kt) {
+    // Matrices: keys +0..7 / +8..15 (bit 1) x dims 0-7 / 8-15 (bit 0): B fragments of 2 tiles.
+    uint32_t b[4];
+    ldmatrix_x4(b, keys + swizzled(kt * 16 + row + 8 * (matrix >> 1), matrix & 1));
 #pragma unroll
-      for (int i = 0; i < 4; ++i) s[2 * kt][i] = s[2 * kt + 1][i] = 0.f;
-      mma<T>(s[2 * kt], query, b[0], b[1]);
-      mma<T>(s[2 * kt + 1], query, b[2], b[3]);
+    for (int i = 0; i < 4; ++i) s[2 * kt][i] = s[2 * kt + 1][i] = 0.f;
+    mma<T>(s[2 * kt], query, b[0], b[1]);
+    mma<T>(s[2 * kt + 1], query, b[2], b[3]);
+  }
+  if (count < kTiles * 16) {  // the zero rows of the last tile
+#pragma unroll
+    for (int n = 2 * kTiles - 2; n < 2 * kTiles; ++n) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        if (n * 8 + 2 * t + (i & 1) >= count) s[n][i] = -INFINITY;
+      }
     }
   }
 
   float chunk_max[2] = {-INFINITY, -INFINITY};
 #pragma unroll
-  for (int n = 0; n < 2 * kKeyTiles; ++n) {
-    if (n < 2 * tiles) {
+  for (int n = 0; n < 2 * kTiles; ++n) {
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int key = n * 8 + 2 * t + (i & 1);
-        s[n][i] = key < count ? s[n][i] * scale_log2 : -INFINITY;
-        chunk_max[i >> 1] = fmaxf(chunk_max[i >> 1], s[n][i]);
-      }
-    }
+    for (int i = 0; i < 4; ++i) chunk_max[i >> 1] = fmaxf(chunk_max[i >> 1], s[n][i]);
   }
-  float rescale[2];
+  float rescale[2], offset[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     chunk_max[r] = fmaxf(chunk_max[r], __shfl_xor_sync(0xffffffffu, chunk_max[r], 1));
     chunk_max[r] = fmaxf(chunk_max[r], __shfl_xor_sync(0xffffffffu, chunk_max[r], 2));
     const float new_max = fmaxf(st.max[r], chunk_max[r]);  // finite: the chunk has a used key
-    rescale[r] = exp2f(st.max[r] - new_max);               // 0 on the first chunk
+    rescale[r] = st.max[r] == -INFINITY ? 0.f : exp2_ftz((st.max[r] - new_max) * scale_log2);
     st.max[r] = new_max;
     st.sum[r] *= rescale[r];
+    offset[r] = new_max * scale_log2;
   }
 #pragma unroll
   for (int d = 0; d < 2; ++d) {
@@ -314,27 +330,61 @@ __device__ __forceinline__ void attend(const uint32_t (&query)[4], const T* keys
   }
 
 #pragma unroll
-  for (int kt = 0; kt < kKeyTiles; ++kt) {
-    if (kt < tiles) {
-      uint32_t a[4];  // P of keys kt*16 .. +15: the two 8-key score tiles, packed
+  for (int kt = 0; kt < kTiles; ++kt) {
+    uint32_t a[4];  // P of keys kt*16 .. +15: the two 8-key score tiles, packed
 #pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int n = 2 * kt + half;
+    for (int half = 0; half < 2; ++half) {
+      const int n = 2 * kt + half;
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          s[n][i] = exp2f(s[n][i] - st.max[i >> 1]);  // 0 for masked keys
-          st.sum[i >> 1] += s[n][i];
-        }
-        a[2 * half] = pack_two<T>(s[n][0], s[n][1]);      // row g
-        a[2 * half + 1] = pack_two<T>(s[n][2], s[n][3]);  // row g + 8
+      for (int i = 0; i < 4; ++i) {
+        s[n][i] = exp2_ftz(fmaf(s[n][i], scale_log2, -offset[i >> 1]));  // 0 for masked keys
+        st.sum[i >> 1] += s[n][i];
       }
-      // Matrices: keys +0..7 / +8..15 (bit 0) x dims 0-7 / 8-15 (bit 1), transposed: B fragments
-      // of the two 8-dim output tiles.
-      uint32_t b[4];
-      ldmatrix_x4_trans(b, values + swizzled(kt * 16 + row + 8 * (matrix & 1), matrix >> 1));
-      mma<T>(st.out[0], a, b[0], b[1]);
-      mma<T>(st.out[1], a, b[2], b[3]);
+      a[2 * half] = pack_two<T>(s[n][0], s[n][1]);      // row g
+      a[2 * half + 1] = pack_two<T>(s[n][2], s[n][3]);  // row g + 8
     }
+    // Matrices: keys +0..7 / +8..15 (bit 0) x dims 0-7 / 8-15 (bit 1), transposed: B fragments
+    // of the two 8-dim output tiles.
+    uint32_t b[4];
+    ldmatrix_x4_trans(b, values + swizzled(kt * 16 + row + 8 * (matrix & 1), matrix >> 1));
+    mma<T>(st.out[0], a, b[0], b[1]);
+    mma<T>(st.out[1], a, b[2], b[3]);
+  }
+}
+
+// attend_tiles for a chunk of 1 to 128 keys (the count is uniform across the warp).
+template <typename T>
+__device__ __forceinline__ void attend(const uint32_t (&query)[4], const T* keys, const T* values,
+                                       int count, float scale_log2, TileState& st) {
+  switch ((count + 15) / 16) {
+#define TABSERVE_TILES(N)                                                    \
+  case N:                                                                    \
+    attend_tiles<T, N>(query, keys, values, count, scale_log2, st);          \
+    break;
+    TABSERVE_TILES(1)
+    TABSERVE_TILES(2)
+    TABSERVE_TILES(3)
+    TABSERVE_TILES(4)
+    TABSERVE_TILES(5)
+    TABSERVE_TILES(6)
+    TABSERVE_TILES(7)
+    TABSERVE_TILES(8)
+#undef TABSERVE_TILES
+    default:
+      break;
+  }
+}
+
+// The query fragment as the kernel multiplies it: rotated with RoPE tables, and for a scale
+// that is not positive, signs flipped (negative: exact, and |scale| is used, so the running max
+// over raw scores is the max of the scaled ones) or zeroed (0: every score 0, as the softmax of
+// scores times 0 has them).
+template <typename T, bool kRotate>
+__device__ __forceinline__ void prepare_query(const Params& p, int64_t first, uint32_t (&a)[4]) {
+  if constexpr (kRotate) rotate_query<T>(p, first, a);
+  if (p.query_sign != 1) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) a[i] = p.query_sign < 0 ? a[i] ^ 0x80008000u : 0u;
   }
 }
 
@@ -429,23 +479,24 @@ __global__ void __launch_bounds__(kThreads, 2) one_chunk_kernel(Params p) {
         __syncthreads();
       }
       const T* q = head_base<T>(p.q, u);
-      const int64_t items = heads * u.tiles;
-      const auto first_query = [&](int64_t item) { return (u.first_tile + item % u.tiles) * 16; };
+      const int tiles = static_cast<int>(u.tiles);  // <= kMaxOneChunkTiles
+      const int items = heads * tiles;
+      const auto first_query = [&](int item) { return (u.first_tile + item % tiles) * 16; };
       uint32_t next[4];
       if (warp < items) {
-        load_query<T>(q + warp / u.tiles * p.q.head_stride, p.q.row_stride, first_query(warp),
+        load_query<T>(q + warp / tiles * p.q.head_stride, p.q.row_stride, first_query(warp),
                       p.queries, p.aligned, next);
       }
-      for (int64_t item = warp; item < items; item += kWarps) {
+      for (int item = warp; item < items; item += kWarps) {
         uint32_t query[4] = {next[0], next[1], next[2], next[3]};
-        const int64_t later = item + kWarps;
+        const int later = item + kWarps;
         if (later < items) {
-          load_query<T>(q + later / u.tiles * p.q.head_stride, p.q.row_stride,
-                        first_query(later), p.queries, p.aligned, next);
+          load_query<T>(q + later / tiles * p.q.head_stride, p.q.row_stride, first_query(later),
+                        p.queries, p.aligned, next);
         }
-        const int head = static_cast<int>(item / u.tiles);
+        const int head = item / tiles;
         const int64_t first = first_query(item);
-        if constexpr (kRotate) rotate_query<T>(p, first, query);
+        prepare_query<T, kRotate>(p, first, query);
         TileState st;
         attend<T>(query, keys + head * p.staged_rows * kD, values + head * p.staged_rows * kD,
                   count, p.scale_log2, st);
@@ -476,7 +527,7 @@ __global__ void __launch_bounds__(kThreads, 2) streaming_kernel(Params p) {
   uint32_t query[4];
   if (active) {
     load_query<T>(head_base<T>(p.q, u), p.q.row_stride, first, p.queries, p.aligned, query);
-    if constexpr (kRotate) rotate_query<T>(p, first, query);
+    prepare_query<T, kRotate>(p, first, query);
   }
   TileState st;
   for (int64_t start = 0; start < u.used; start += kChunk) {
@@ -565,7 +616,9 @@ at::Tensor small_head_attention_cuda(const at::Tensor& q_in, const at::Tensor& k
     params.n_keys_long = n_keys->scalar_type() == at::kLong;
     params.n_keys_stride = n_keys->dim() == 0 ? 0 : n_keys->stride(0);
   }
-  params.scale_log2 = static_cast<float>(scale.value_or(0.25)) * kLog2e;
+  const double softmax_scale = scale.value_or(0.25);
+  params.query_sign = softmax_scale > 0 ? 1 : (softmax_scale < 0 ? -1 : 0);
+  params.scale_log2 = static_cast<float>(softmax_scale == 0 ? 1.0 : std::abs(softmax_scale)) * kLog2e;
   params.aligned = rows_aligned(q) && rows_aligned(k) && rows_aligned(v);
   // Contiguous tables (a copy only for a strided view: they are [L, 16] floats).
   at::Tensor cos, sin;

@@ -26,8 +26,9 @@ ATTENTION_BACKENDS = {
     "efficient": "EFFICIENT_ATTENTION",
     "cudnn": "CUDNN_ATTENTION",
 }
-#: tabserve's own attention kernels (``head16``: :func:`tabserve.ops.small_head_attention`).
-KERNEL_BACKENDS = ("head16",)
+#: tabserve's own attention kernels (``head16``: :func:`tabserve.ops.small_head_attention`;
+#: ``head16-short``: the same where the keys fit its one staged chunk, <= 128).
+KERNEL_BACKENDS = ("head16", "head16-short")
 #: The model's stages, in the order data flows through them.
 STAGES = ("col", "row", "icl")
 #: ``torch.compile`` modes a cell may ask for (None: eager).
@@ -458,6 +459,33 @@ CELLS: tuple[Cell, ...] = (
         buckets="default",
         cuda_graphs=True,
         attention={"row": "head16"},
+        fused_ffn=True,
+        fused_norm_linear=True,
+        freeze=True,
+    ),
+    # The column stage's rows over the 128 induced tokens on the head-dim-16 kernel too (the
+    # eleventh session's kernel: fewer instructions per score), the inducing points' attention
+    # over the train rows still on cuDNN.
+    Cell(
+        "c40-fp16-compile-head16-fused-frozen",
+        "tabserve",
+        "fp16",
+        "c38 with the column stage's short key runs on the head-dim-16 kernel",
+        compile="default",
+        attention={"row": "head16", "col": "head16-short"},
+        fused_ffn=True,
+        fused_norm_linear=True,
+        freeze=True,
+    ),
+    Cell(
+        "c41-fp16-buckets-compile-cudagraphs-head16-fused-frozen",
+        "tabserve",
+        "fp16",
+        "c39 with the column stage's short key runs on the head-dim-16 kernel",
+        compile="default",
+        buckets="default",
+        cuda_graphs=True,
+        attention={"row": "head16", "col": "head16-short"},
         fused_ffn=True,
         fused_norm_linear=True,
         freeze=True,

@@ -147,6 +147,9 @@ class Attention(nn.Module):
         #: Attention through :func:`tabserve.ops.small_head_attention` where it applies (CUDA,
         #: fp16 / bf16, head dimension 16); a serving recipe sets it per stage (``head16``).
         self.small_heads = False
+        #: With :attr:`small_heads`: the most keys the kernel takes here (None: any number;
+        #: ``head16-short``: :data:`SHORT_KEYS`, longer runs on SDPA).
+        self.small_head_max_keys: int | None = None
 
     def _split_heads(self, x: Tensor) -> Tensor:
         return x.unflatten(-1, (self.num_heads, self.head_dim)).transpose(-3, -2)
@@ -155,7 +158,17 @@ class Attention(nn.Module):
         """Attention with RoPE and no QASSMax (the row stage) on the head-dim-16 kernel, which
         rotates q and k itself from fp32 tables (shapes and dtypes only: static under
         compile)."""
-        return self.rotates_keys_itself(rope) and _small_head_kernel_applies(q, k, v)
+        return self.rotates_keys_itself(rope) and self._kernel_takes(q, k, v)
+
+    def _kernel_takes(self, q: Tensor, k: Tensor, v: Tensor) -> bool:
+        """Whether this layer's attention runs on :func:`tabserve.ops.small_head_attention`
+        (shapes and dtypes only: static under compile)."""
+        limit = self.small_head_max_keys
+        return (
+            self.small_heads
+            and (limit is None or k.shape[-2] <= limit)
+            and _small_head_kernel_applies(q, k, v)
+        )
 
     def rotates_keys_itself(self, rope: RotaryEmbedding | None) -> bool:
         """Whether keys handed to :meth:`forward` had better come unrotated (``keys_rotated=
@@ -246,7 +259,7 @@ class Attention(nn.Module):
         query = query.expand(*batch_shape, *query.shape[-3:]).reshape(-1, *query.shape[-3:])
         k = k.expand(*batch_shape, *k.shape[-3:]).reshape(-1, *k.shape[-3:])
         v = v.expand(*batch_shape, *v.shape[-3:]).reshape(-1, *v.shape[-3:])
-        if self.small_heads and _small_head_kernel_applies(query, k, v):
+        if self._kernel_takes(query, k, v):
             out = _padded_ops().small_head_attention(query, k, v, n_keys, rotary=fused_rope)
         elif n_keys is None:
             out = batched_sdpa(query, k, v)
@@ -255,6 +268,10 @@ class Attention(nn.Module):
         out = out.view(*batch_shape, *out.shape[-3:]).transpose(-3, -2).flatten(-2)
         return self.out_proj(out)
 
+
+#: Keys :func:`tabserve.ops.small_head_attention` stages in one chunk (its fastest path; the
+#: ``head16-short`` backend's limit).
+SHORT_KEYS = 128
 
 #: Batch limit of the fused CUDA attention kernels (a grid dimension).
 _CUDA_ATTENTION_MAX_BATCH = 65_535

@@ -63,8 +63,11 @@ ATTENTION_BACKENDS = {
 }
 #: tabserve's own attention kernels by the names recipes use: ``head16`` is
 #: :func:`tabserve.ops.small_head_attention` (CUDA, fp16 / bf16, head dimension 16: the column
-#: and row stages, padded or not); where it does not apply the stage runs PyTorch's default SDPA.
-KERNEL_BACKENDS = ("head16",)
+#: and row stages, padded or not); ``head16-short`` the same kernel only where every key fits its
+#: one staged chunk (<= 128 keys: the column stage's rows over the 128 induced tokens), the
+#: longer key runs (the inducing points over the train rows) on PyTorch's default SDPA. Where
+#: the kernel does not apply the stage runs PyTorch's default SDPA.
+KERNEL_BACKENDS = ("head16", "head16-short")
 #: ``prefix_attention`` backend of padded attention for each backend: flash / efficient have
 #: varlen kernels reading n on the device; cuDNN and math run SDPA with a key mask (``masked``),
 #: under the stage's ``sdpa_kernel``.
@@ -74,6 +77,7 @@ PREFIX_BACKENDS = {
     "cudnn": "masked",
     "math": "masked",
     "head16": "auto",
+    "head16-short": "auto",
 }
 #: The model's stages, in the order data flows through them (``stage -> submodule``).
 STAGES = {"col": "col_embedder", "row": "row_interactor", "icl": "icl_predictor"}
@@ -233,14 +237,15 @@ def sdpa_context(backend: str):
 
 def set_stage_kernels(module: torch.nn.Module, backend: str) -> None:
     """Points every attention layer of one stage module at ``backend``'s kernels: the padded
-    attention kernel (:data:`PREFIX_BACKENDS`) and, for ``head16``, tabserve's head-dim-16
-    operator."""
-    from .layers import Attention
+    attention kernel (:data:`PREFIX_BACKENDS`) and, for ``head16`` / ``head16-short``,
+    tabserve's head-dim-16 operator (``head16-short``: up to :data:`~.layers.SHORT_KEYS` keys)."""
+    from .layers import SHORT_KEYS, Attention
 
     for attention in module.modules():
         if isinstance(attention, Attention):
             attention.prefix_backend = PREFIX_BACKENDS[backend]
-            attention.small_heads = backend == "head16"
+            attention.small_heads = backend in KERNEL_BACKENDS
+            attention.small_head_max_keys = SHORT_KEYS if backend == "head16-short" else None
 
 
 def set_fused_feed_forward(module: torch.nn.Module, fused: bool) -> None:
