@@ -464,7 +464,7 @@ CELLS: tuple[Cell, ...] = (
         freeze=True,
     ),
     # The column stage's rows over the 128 induced tokens on the head-dim-16 kernel too (the
-    # eleventh session's kernel: fewer instructions per score), the inducing points' attention
+    # ninth session's kernel: fewer instructions per score), the inducing points' attention
     # over the train rows still on cuDNN.
     Cell(
         "c40-fp16-compile-head16-fused-frozen",

@@ -429,6 +429,31 @@ RECIPES: dict[str, Recipe] = dict(
             freeze=True,
         ),
         _recipe(
+            "fp16-compile-head16-fused-frozen",
+            "fp16-compile-head16-row-fused-frozen with the column stage's rows over the induced "
+            "tokens on the head-dim-16 kernel too (head16-short; cell c40: the fastest on the "
+            "large workload on the H200)",
+            precision="fp16",
+            compile="default",
+            attention={"row": "head16", "col": "head16-short"},
+            fused_ffn=True,
+            fused_norm_linear=True,
+            freeze=True,
+        ),
+        _recipe(
+            "fp16-buckets-compile-cudagraphs-head16-fused-frozen",
+            "fp16-buckets-compile-cudagraphs-head16-row-fused-frozen with the column stage's "
+            "short key runs on the head-dim-16 kernel too (cell c41)",
+            precision="fp16",
+            buckets=True,
+            compile="default",
+            cuda_graphs=True,
+            attention={"row": "head16", "col": "head16-short"},
+            fused_ffn=True,
+            fused_norm_linear=True,
+            freeze=True,
+        ),
+        _recipe(
             "fp32-buckets-cudagraphs",
             "one CUDA graph per bucket (shared pool), fp32 (CUDA only)",
             buckets=True,
