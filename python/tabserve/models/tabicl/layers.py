@@ -405,6 +405,7 @@ class AttentionBlock(nn.Module):
         """
         norm = self._projection_norm(q)  # fused: the projections normalise q themselves
         q_in = q if norm is not None else self.norm1(q)
+        keys_rotated = True
         if cached_kv is not None:
             keys_values = cached_kv
         elif kv_rows is not None:
@@ -414,13 +415,10 @@ class AttentionBlock(nn.Module):
         else:
             # Unrotated keys where the attention kernel rotates them itself (never returned:
             # a caller's cache holds rotated keys).
-            deferred = not return_kv and self.attn.rotates_keys_itself(rope)
-            keys_values = self.key_value(kv, None if deferred else rope)
-            x = self.feed_forward(
-                q, self.attn(q_in, keys_values, rope, n_keys, norm, keys_rotated=not deferred)
-            )
-            return (x, keys_values) if return_kv else x
-        x = self.feed_forward(q, self.attn(q_in, keys_values, rope, n_keys, norm))
+            keys_rotated = return_kv or not self.attn.rotates_keys_itself(rope)
+            keys_values = self.key_value(kv, rope if keys_rotated else None)
+        update = self.attn(q_in, keys_values, rope, n_keys, norm, keys_rotated=keys_rotated)
+        x = self.feed_forward(q, update)
         return (x, keys_values) if return_kv else x
 
     def feed_forward(self, x: Tensor, update: Tensor | None = None) -> Tensor:
