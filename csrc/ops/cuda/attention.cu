@@ -9,20 +9,26 @@
 // products. Nothing of a score goes through shared memory.
 //
 // Keys and values are staged in shared memory, 16-byte halves of their rows swizzled so that the
-// ldmatrix loads (plain for K, transposed for V) meet no bank conflict:
-//   - when every key fits one chunk (<= 128: the row stage's ~70 tokens, the column stage's 128
-//     induced tokens) a block stages its keys once and its 8 warps run query tiles over them; where
-//     a batch entry has few query tiles (the row stage: 5 tiles per head) a block stages all heads
-//     of the entry (their rows are contiguous) and runs heads x tiles;
-//   - past 128 keys (the column stage's train rows) a block owns up to 8 query tiles of one head,
-//     one per warp, and streams the keys through shared memory 128 at a time with an online
-//     softmax (running max and sum in fp32, exp2 with the scale folded in).
+// ldmatrix loads (plain for K, transposed for V) meet no bank conflict. Two kernels:
+//   - one_chunk_kernel, every key in one chunk (<= 128: the row stage's ~70 tokens, the column
+//     stage's 128 induced tokens): the work is cut into units (a batch entry; all of its heads
+//     where the row stage's few query tiles allow, else one; a run of query tiles). As many
+//     blocks as stay resident walk the units with the grid's stride through two staging buffers:
+//     unit i + 1's keys and values are copied by cp.async while the 8 warps take unit i's (head,
+//     tile) items in turn, each warp loading its next item's queries before it attends;
+//   - streaming_kernel, past 128 keys (the column stage's train rows): a block owns up to 8 query
+//     tiles of one head, one per warp, and streams the keys through shared memory 128 at a time
+//     with an online softmax (running max and sum in fp32).
+// Per score: the max over raw scores, one FMA that folds the scale into the exponent, one
+// ex2.approx.ftz and the fp32 sum (Nsight Compute found the first version issue-bound on
+// per-score integer work); the number of 16-key tiles of a chunk is a template argument, so the
+// loops unroll without guards, and only the last tile masks keys.
 // Keys past n (n read on the device, so nothing waits for the host and one CUDA graph serves every
 // n) are never loaded; the zero rows that round a chunk up to 16 keys are masked to -inf.
-// Global loads use 16-byte vectors when every row is 16-byte aligned, 2-byte loads otherwise.
-// With RoPE tables (the row stage) q and k are rotated as they are loaded: a lane holds both
-// halves of its query rows' dims, and keys are then staged one whole row per thread; this is a
-// separate instantiation (kRotate), so the plain kernel keeps its registers.
+// Copies use 16 bytes when every row is 16-byte aligned, 2-byte loads otherwise.
+// With RoPE tables (the row stage) q is rotated as a lane loads it (it holds both halves of its
+// rows' dims) and the staged keys are rotated in shared memory once they land, one row per
+// thread; this is a separate instantiation (kRotate), so the plain kernel keeps its registers.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -618,7 +624,8 @@ at::Tensor small_head_attention_cuda(const at::Tensor& q_in, const at::Tensor& k
   }
   const double softmax_scale = scale.value_or(0.25);
   params.query_sign = softmax_scale > 0 ? 1 : (softmax_scale < 0 ? -1 : 0);
-  params.scale_log2 = static_cast<float>(softmax_scale == 0 ? 1.0 : std::abs(softmax_scale)) * kLog2e;
+  params.scale_log2 =
+      static_cast<float>(softmax_scale == 0 ? 1.0 : std::abs(softmax_scale)) * kLog2e;
   params.aligned = rows_aligned(q) && rows_aligned(k) && rows_aligned(v);
   // Contiguous tables (a copy only for a strided view: they are [L, 16] floats).
   at::Tensor cos, sin;
@@ -631,7 +638,8 @@ at::Tensor small_head_attention_cuda(const at::Tensor& q_in, const at::Tensor& k
 
   // One chunk of keys: two staging buffers (a unit's keys land while the previous unit's are
   // attended over), and as many blocks as stay resident, each walking the units.
-  const int64_t buffer_bytes = 2 * params.heads_per_block * params.staged_rows * kD * q.element_size();
+  const int64_t buffer_bytes =
+      2 * params.heads_per_block * params.staged_rows * kD * q.element_size();
   const auto shared = static_cast<size_t>((one_chunk ? 2 : 1) * buffer_bytes);
   const auto stream = c10::cuda::getCurrentCUDAStream();
   const auto launch = [&](auto kernel) {
