@@ -36,6 +36,19 @@ CASES = [("small row", 8 * 576 * 12), ("large row", 8 * 10240 * 68), ("large col
 QUICK_CASES = [("tiny", 1000)]
 DIM, HIDDEN = 128, 256
 SWEEP = list(itertools.product((32, 64, 128), (4, 8), (1, 2, 3)))
+#: Hidden units per loop step tried besides the kernel's 64, on the tiles that led the sweep.
+STEP_SWEEP = (32, 128)
+STEP_SWEEP_TILES = ((64, 4, 1), (64, 4, 3), (128, 8, 1))
+
+
+def hidden_stepped(run, step: int):
+    """``run`` with ``step`` hidden units per loop step of the kernel."""
+
+    def stepped(*args):
+        with ff.hidden_step_override(step):
+            return run(*args)
+
+    return stepped
 
 
 def inputs(tokens: int, device):
@@ -58,6 +71,10 @@ def main(argv=None) -> int:
     args, device, dtype = kernel_benchmark_args(__doc__, argv)
     composite = ff.feed_forward_composite
     sweep = {f"op {b}x{w}w{s}s": tile_configured(ff.run_kernel, (b, w, s)) for b, w, s in SWEEP}
+    for (b, w, s), step in itertools.product(STEP_SWEEP_TILES, STEP_SWEEP):
+        sweep[f"op {b}x{w}w{s}s h{step}"] = hidden_stepped(
+            tile_configured(ff.run_kernel, (b, w, s)), step
+        )
     methods = kernel_methods(
         composite, torch.ops.tabserve.feed_forward, device, sweep if args.sweep else None
     )

@@ -148,8 +148,9 @@ def test_kernel_under_the_interpreter_agrees_with_the_composite():
     )
     assert child.returncode == 0, child.stderr[-2000:]
     results = json.loads(child.stdout.strip().splitlines()[-1])
-    assert len(results) == len(KERNEL_CASES)
-    for case, (equal, worst, dtype, shape) in zip(KERNEL_CASES, results):
+    assert len(results) == len(KERNEL_CASES) + len(OTHER_STEPS)
+    cases = KERNEL_CASES + [KERNEL_CASES[0]] * len(OTHER_STEPS)
+    for case, (equal, worst, dtype, shape) in zip(cases, results):
         _, leading, dim, _, x_dtype, _, update = case
         assert shape == [*leading, dim]
         sum_dtype = x_dtype if update is None else torch.promote_types(x_dtype, update)
@@ -166,7 +167,27 @@ def interpreter_cases() -> None:
         got = ff.run_kernel(*args, 1e-5, torch.float16)
         want = ff.feed_forward_composite(*args, 1e-5, torch.float16)
         out.append([*agreement(got, want, stream(args)), str(got.dtype), list(got.shape)])
+    # The benchmark sweep's other hidden steps, on the first case.
+    _, leading, dim, hidden, x_dtype, norm_bias, update = KERNEL_CASES[0]
+    args = make_inputs(leading, dim, hidden, x_dtype, norm_bias, update)
+    want = ff.feed_forward_composite(*args, 1e-5, torch.float16)
+    for step in OTHER_STEPS:
+        with ff.hidden_step_override(step):
+            got = ff.run_kernel(*args, 1e-5, torch.float16)
+        out.append([*agreement(got, want, stream(args)), str(got.dtype), list(got.shape)])
     print(json.dumps(out))
+
+
+#: Hidden units per loop step other than the kernel's own that the interpreter test runs.
+OTHER_STEPS = (32, 128)
+
+
+@pytest.mark.parametrize("step", [48, 8, 0])
+def test_hidden_step_override_takes_powers_of_two_only(step):
+    with pytest.raises(ValueError, match="hidden step must be a power of two >= 16"):
+        with ff.hidden_step_override(step):
+            pass
+    assert ff.HIDDEN_STEP_OVERRIDE is None
 
 
 def test_compiles_in_one_graph_and_traces_its_shape():

@@ -21,6 +21,8 @@ docs/ops.md gives the contract.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -42,6 +44,23 @@ if triton is not None:
 
 #: Hidden units per step of the kernel's loop; the hidden width must be a multiple.
 HIDDEN_STEP = 64
+#: Set by the benchmark's sweep (:func:`hidden_step_override`) to time another step everywhere.
+HIDDEN_STEP_OVERRIDE = None
+
+
+@contextlib.contextmanager
+def hidden_step_override(step: int):
+    """Every launch inside runs ``step`` hidden units per loop step (a power of two dividing
+    :data:`HIDDEN_STEP`'s multiples that the launch's hidden width also divides; the sweep's
+    32 and 128): fewer or more live registers per program against more or fewer steps."""
+    global HIDDEN_STEP_OVERRIDE
+    if step < 16 or step & (step - 1):
+        raise ValueError(f"feed_forward: hidden step must be a power of two >= 16, got {step}")
+    saved, HIDDEN_STEP_OVERRIDE = HIDDEN_STEP_OVERRIDE, step
+    try:
+        yield
+    finally:
+        HIDDEN_STEP_OVERRIDE = saved
 
 _OPERATOR = "tabserve::feed_forward"
 
@@ -162,6 +181,9 @@ if triton is not None:
         out_dtype = torch.promote_types(sum_dtype, compute_dtype)
         out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
         block_tokens, num_warps, num_stages = tile_config(tokens)
+        step = HIDDEN_STEP_OVERRIDE or HIDDEN_STEP
+        if hidden % step:
+            raise ValueError(f"feed_forward: hidden width {hidden} is not a multiple of {step}")
         grid = (triton.cdiv(tokens, block_tokens),)
         launcher(_feed_forward_kernel)[grid](
             x.contiguous(),
@@ -178,7 +200,7 @@ if triton is not None:
             DIM=dim,
             HIDDEN=hidden,
             BLOCK_TOKENS=block_tokens,
-            HIDDEN_STEP=HIDDEN_STEP,
+            HIDDEN_STEP=step,
             HAS_NORM_BIAS=norm_bias is not None,
             HAS_UPDATE=update is not None,
             SUM_ROUND=_SUM_ROUND[sum_dtype],
