@@ -62,6 +62,7 @@ def hidden_step_override(step: int):
     finally:
         HIDDEN_STEP_OVERRIDE = saved
 
+
 _OPERATOR = "tabserve::feed_forward"
 
 
