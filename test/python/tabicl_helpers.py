@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import atexit
 import functools
+import json
+import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import types
@@ -170,3 +173,20 @@ def device_params():
         ],
     )
     return ["cpu", cuda]
+
+
+def interpreter_child(code: str, timeout: int = 300):
+    """Runs ``code`` in a child Python under ``TRITON_INTERPRET=1`` (it must be set before Triton
+    compiles a kernel, hence a fresh process) from the tests' folder; returns the JSON of the last
+    line it printed. Fails the test with the child's stderr if it exits non-zero."""
+    child = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=Path(__file__).parent,
+        env=dict(os.environ, TRITON_INTERPRET="1"),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+    assert child.returncode == 0, child.stderr[-2000:]
+    return json.loads(child.stdout.strip().splitlines()[-1])

@@ -12,15 +12,11 @@ from __future__ import annotations
 import copy
 import importlib.util
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
-from tabicl_helpers import our_model
+from tabicl_helpers import interpreter_child, our_model
 from tabserve import ops
 from tabserve.kernels import feed_forward as ff
 from tabserve.models.tabicl.layers import AttentionBlock
@@ -135,19 +131,7 @@ def test_composite_is_float64_maths_within_bf16_rounding():
 def test_kernel_under_the_interpreter_agrees_with_the_composite():
     """Runs the Triton program on CPU tensors (``TRITON_INTERPRET=1`` must be set before Triton
     compiles it, hence a child process) for every case; the checks run here."""
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    code = "import test_feed_forward as t; t.interpreter_cases()"
-    child = subprocess.run(
-        [sys.executable, "-c", code],
-        cwd=Path(__file__).parent,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert child.returncode == 0, child.stderr[-2000:]
-    results = json.loads(child.stdout.strip().splitlines()[-1])
+    results = interpreter_child("import test_feed_forward as t; t.interpreter_cases()")
     assert len(results) == len(KERNEL_CASES) + len(OTHER_STEPS)
     cases = KERNEL_CASES + [KERNEL_CASES[0]] * len(OTHER_STEPS)
     for case, (equal, worst, dtype, shape) in zip(cases, results):
@@ -184,9 +168,11 @@ OTHER_STEPS = (32, 128)
 
 @pytest.mark.parametrize("step", [48, 8, 0])
 def test_hidden_step_override_takes_powers_of_two_only(step):
-    with pytest.raises(ValueError, match="hidden step must be a power of two >= 16"):
-        with ff.hidden_step_override(step):
-            pass
+    with (
+        pytest.raises(ValueError, match="hidden step must be a power of two >= 16"),
+        ff.hidden_step_override(step),
+    ):
+        pass
     assert ff.HIDDEN_STEP_OVERRIDE is None
 
 

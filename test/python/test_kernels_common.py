@@ -15,14 +15,10 @@ import ast
 import builtins
 import importlib
 import importlib.util
-import json
-import os
 import pkgutil
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+from tabicl_helpers import interpreter_child
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("triton") is None, reason="Triton is not installed"
@@ -103,6 +99,7 @@ def test_weights_cast_on_the_host_give_the_kernels_own_bits():
     case of both operators."""
     code = """
 import json, torch, test_feed_forward as tf, test_norm_linear as tn
+from tabicl_helpers import interpreter_child
 from tabserve.kernels import feed_forward as ff, norm_linear as nl
 def both(module, run):
     cast = run()
@@ -121,15 +118,5 @@ for case in tn.KERNEL_CASES:
     out.append(both(nl, lambda: nl.run_kernel(*args, 1e-5, torch.float16)))
 print(json.dumps(out))
 """
-    child = subprocess.run(
-        [sys.executable, "-c", code],
-        cwd=Path(__file__).parent,
-        env=dict(os.environ, TRITON_INTERPRET="1"),
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
-    assert child.returncode == 0, child.stderr[-2000:]
-    results = json.loads(child.stdout.strip().splitlines()[-1])
+    results = interpreter_child(code, timeout=600)
     assert len(results) >= 10 and all(results), results

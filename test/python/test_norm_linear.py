@@ -11,16 +11,12 @@ from __future__ import annotations
 import copy
 import importlib.util
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn.functional as F
-from tabicl_helpers import our_model
+from tabicl_helpers import interpreter_child, our_model
 from tabserve import ops
 from tabserve.kernels import norm_linear as nl
 from tabserve.models.tabicl.layers import AttentionBlock
@@ -80,17 +76,7 @@ def test_cpu_operator_is_the_modules_under_autocast_bit_for_bit(ln_bias):
 def test_kernel_under_the_interpreter_agrees_with_the_composite():
     """The Triton program on CPU tensors (``TRITON_INTERPRET=1``, set before Triton compiles it:
     a child process) for every case; the checks run here."""
-    child = subprocess.run(
-        [sys.executable, "-c", "import test_norm_linear as t; t.interpreter_cases()"],
-        cwd=Path(__file__).parent,
-        env=dict(os.environ, TRITON_INTERPRET="1"),
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert child.returncode == 0, child.stderr[-2000:]
-    results = json.loads(child.stdout.strip().splitlines()[-1])
+    results = interpreter_child("import test_norm_linear as t; t.interpreter_cases()")
     assert len(results) == len(KERNEL_CASES)
     for case, (equal, worst, dtype, shape) in zip(KERNEL_CASES, results):
         leading, _, out_features, _, _ = case
