@@ -67,11 +67,12 @@ for part in "$@"; do
       timeout "$(left $((LIMIT - 10)))" python3 benchmarks/small_head_attention.py --device cuda \
         ${ATTENTION_METHODS:+--methods "${attention_methods[@]}"} --budget 0.3 --json "$OUT/small-head-attention-cuda.json" >"$LOG/attention.log" 2>&1
       echo "attention rc=$?"; tail -25 "$LOG/attention.log" ;;
-    ffn)  # the fused feed-forward operator: its CUDA tests, then the benchmark with a tile sweep
+    ffn)  # the fused feed-forward operators: their CUDA tests, then the benchmark (FFN_ARGS, default
+          # --sweep: the Triton kernel's tile sweep; FFN_ARGS= times the methods only)
       timeout "$(left $((LIMIT - 60)))" python3 -m pytest -q -p no:cacheprovider -p no:logging -rfE \
-        test/python/test_feed_forward.py >"$LOG/ffn_pytest.log" 2>&1
+        test/python/test_feed_forward.py test/python/test_feed_forward_resident.py >"$LOG/ffn_pytest.log" 2>&1
       echo "ffn pytest rc=$?"; grep -n -A8 "^E " "$LOG/ffn_pytest.log" | head -40; tail -3 "$LOG/ffn_pytest.log"
-      timeout "$(left $((LIMIT - 10)))" python3 benchmarks/feed_forward.py --device cuda ${FFN_ARGS:---sweep} \
+      timeout "$(left $((LIMIT - 10)))" python3 benchmarks/feed_forward.py --device cuda ${FFN_ARGS---sweep} \
         --json "$OUT/feed-forward-cuda.json" >"$LOG/ffn_bench.log" 2>&1
       echo "ffn bench rc=$?"; tail -${FFN_TAIL:-70} "$LOG/ffn_bench.log" ;;
     norm)  # the fused LayerNorm + projection operator: its CUDA tests, then its benchmark

@@ -666,9 +666,10 @@ def feed_forward(
         tensors, tensors on another device than ``x``, an unsupported ``compute_dtype`` or a
         negative or infinite ``eps``.
     """
-    from tabserve.kernels.feed_forward import feed_forward_op
+    from tabserve.kernels import feed_forward as kernels
 
-    return feed_forward_op(x, update, norm_weight, norm_bias, w1, b1, w2, b2, eps, compute_dtype)
+    args = (x, update, norm_weight, norm_bias, w1, b1, w2, b2, eps, compute_dtype)
+    return kernels.feed_forward(*args)
 
 
 def norm_linear(
@@ -707,3 +708,93 @@ def norm_linear(
     from tabserve.kernels.norm_linear import norm_linear_op
 
     return norm_linear_op(x, norm_weight, norm_bias, weight, bias, eps, compute_dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# The feed-forward half at TabICLv2's width, weights resident on chip (csrc/ops/feed_forward.cpp,
+# csrc/ops/cuda/feed_forward.cu)
+
+#: The (width, FFN width) :func:`feed_forward_resident` serves: the column and row stages'.
+RESIDENT_DIM, RESIDENT_HIDDEN = 128, 256
+
+
+@torch.library.register_fake("tabserve::feed_forward_resident")
+def _feed_forward_resident_fake(x, update, norm_weight, norm_bias, w1, b1, w2, b2, eps):
+    _same_device(
+        "feed_forward_resident",
+        x=x, update=update, norm_weight=norm_weight, norm_bias=norm_bias,
+        w1=w1, b1=b1, w2=w2, b2=b2,
+    )  # fmt: skip
+    compute = w1.dtype
+    torch._check(
+        compute in (torch.float16, torch.bfloat16),
+        lambda: f"w1 must be float16 or bfloat16, got {compute}",
+    )
+    torch._check(
+        x.dim() >= 1 and x.shape[-1] == RESIDENT_DIM,
+        lambda: f"x must be [..., {RESIDENT_DIM}], got {tuple(x.shape)}",
+    )
+    torch._check(
+        x.dtype in (torch.float32, compute),
+        lambda: f"x must be float32 or the weights' dtype {compute}, got {x.dtype}",
+    )
+    expected = {
+        "update": (update, tuple(x.shape), compute),
+        "norm_weight": (norm_weight, (RESIDENT_DIM,), torch.float32),
+        "norm_bias": (norm_bias, (RESIDENT_DIM,), torch.float32),
+        "w1": (w1, (RESIDENT_HIDDEN, RESIDENT_DIM), compute),
+        "b1": (b1, (RESIDENT_HIDDEN,), compute),
+        "w2": (w2, (RESIDENT_DIM, RESIDENT_HIDDEN), compute),
+        "b2": (b2, (RESIDENT_DIM,), compute),
+    }
+    for name, (tensor, shape, dtype) in expected.items():
+        if tensor is None:
+            continue
+        torch._check(
+            tuple(tensor.shape) == shape and tensor.dtype == dtype,
+            lambda: f"{name} must be {dtype} {shape}, got {tensor.dtype} {tuple(tensor.shape)}",
+        )
+    torch._check(eps >= 0.0 and eps != float("inf"), lambda: f"eps must be finite >= 0: {eps}")
+    return x.new_empty(x.shape)  # contiguous, x's dtype
+
+
+def feed_forward_resident(
+    x: Tensor,
+    norm_weight: Tensor,
+    norm_bias: Tensor | None,
+    w1: Tensor,
+    b1: Tensor,
+    w2: Tensor,
+    b2: Tensor,
+    eps: float = 1e-5,
+    update: Tensor | None = None,
+) -> Tensor:
+    """:func:`feed_forward` at width 128 and FFN width 256 (TabICLv2's column and row stages),
+    with both weight matrices held in shared memory for the whole CUDA launch.
+
+    ``s = x (+ update)``; ``out = s + linear2(gelu(linear1(layer_norm(s))))``, as
+    ``torch.autocast`` to the weights' dtype T computes it: LayerNorm in fp32 rounded to T, both
+    linears accumulated in fp32 and rounded to T, the exact (erf) GELU in fp32 rounded to T,
+    ``x + update`` rounded to T when x is T, ``s + y`` in fp32. On CUDA (sm80+) one warp runs a
+    16-token tile through every step in registers (tensor-core products, another summation order
+    than cuBLAS: results differ from the composite by rounding, bounds in docs/ops.md); on CPU
+    ATen's fp32 kernels compute the same roundings (the tests' reference).
+
+    Args:
+        x: [..., 128] float32 or T tensor, any leading shape.
+        norm_weight, norm_bias: LayerNorm's float32 [128] parameters (bias may be None).
+        w1, b1: linear1's [256, 128] weight and [256] bias, T (float16 or bfloat16).
+        w2, b2: linear2's [128, 256] weight and [128] bias, T.
+        eps: LayerNorm's epsilon (finite, >= 0).
+        update: optional T tensor of x's shape added to x first (the attention half's output).
+
+    Returns:
+        [..., 128] contiguous tensor of x's dtype. No host synchronisation (CUDA-graph safe).
+
+    Raises:
+        RuntimeError naming the argument for any other shape or dtype, tensors on another device
+        than x, a negative or infinite eps, or (CUDA) a GPU older than sm80.
+    """
+    return torch.ops.tabserve.feed_forward_resident(
+        x, update, norm_weight, norm_bias, w1, b1, w2, b2, eps
+    )

@@ -200,7 +200,7 @@ def test_block_takes_the_operator_in_one_compiled_graph(monkeypatch):
         calls.append(args[-1])
         return ff.feed_forward_op(*args)
 
-    shim = SimpleNamespace(kernel_applies=lambda *a: True, feed_forward_op=op)
+    shim = SimpleNamespace(kernel_applies=lambda *a: True, feed_forward=op)
     monkeypatch.setattr(layers, "fused_ffn", shim)
     b = block(dim=32, hidden=64)
     x = torch.randn(2, 9, 32)
@@ -318,17 +318,19 @@ def test_cuda_compiled_and_captured_equal_eager():
         assert_agrees(eager, b.feed_forward(x, u), x.double() + u.double(), "fused vs modules")
 
 
-def fused_and_plain(task: str, set_flags, kernel_module) -> tuple[torch.Tensor, torch.Tensor]:
+def fused_and_plain(
+    task: str, set_flags, kernel_module, launcher: str = "_launch"
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The full v2 model's outputs on one table in fp16 on CUDA with ``set_flags(model, True)``
-    and with ``set_flags(model, False)``; asserts that ``kernel_module._launch`` ran."""
+    and with ``set_flags(model, False)``; asserts that ``kernel_module``'s ``launcher`` ran."""
     model = copy.deepcopy(our_model(task, "full")).cuda()
     g = torch.Generator().manual_seed(1)
     X = torch.randn(2, 300, 10, generator=g).cuda()
     y = (torch.arange(240) % 4).float()[None].expand(2, -1).cuda()
     if task == "reg":
         y = torch.randn(2, 240, generator=g).cuda()
-    calls, launch = [], kernel_module._launch
-    kernel_module._launch = lambda *a: calls.append(1) or launch(*a)
+    calls, launch = [], getattr(kernel_module, launcher)
+    setattr(kernel_module, launcher, lambda *a: calls.append(1) or launch(*a))
     try:
         with torch.no_grad(), torch.autocast("cuda", dtype=torch.float16):
             set_flags(model, True)
@@ -336,7 +338,7 @@ def fused_and_plain(task: str, set_flags, kernel_module) -> tuple[torch.Tensor, 
             set_flags(model, False)
             plain = model(X, y).float()
     finally:
-        kernel_module._launch = launch
+        setattr(kernel_module, launcher, launch)
     assert calls, "the fused kernel never ran"
     return fused, plain
 
@@ -354,9 +356,12 @@ def assert_model_outputs_agree(task: str, fused: torch.Tensor, plain: torch.Tens
 
 @requires_cuda
 @requires_triton
+@pytest.mark.parametrize("resident", [True, False], ids=["resident", "triton"])
 @pytest.mark.parametrize("task", ["clf", "reg"])
-def test_cuda_model_with_the_fused_ffn_matches_the_modules_in_fp16(task):
+def test_cuda_model_with_the_fused_ffn_matches_the_modules_in_fp16(task, resident, monkeypatch):
     from tabserve.models.tabicl.recipes import set_fused_feed_forward
 
-    fused, plain = fused_and_plain(task, set_fused_feed_forward, ff)
+    monkeypatch.setattr(ff, "RESIDENT_KERNEL", resident)
+    launcher = "_resident" if resident else "_launch"
+    fused, plain = fused_and_plain(task, set_fused_feed_forward, ff, launcher)
     assert_model_outputs_agree(task, fused, plain)

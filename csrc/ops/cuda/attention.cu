@@ -44,10 +44,17 @@
 #include <type_traits>
 
 #include "../attention.h"
+#include "tensor_core.cuh"
 
 namespace tabserve {
 namespace ops {
 namespace {
+
+using tensor_core::ldmatrix_x4;
+using tensor_core::ldmatrix_x4_trans;
+using tensor_core::mma;
+using tensor_core::pack_two;
+using tensor_core::unpack_two;
 
 constexpr int kD = 16;              // head dimension: the k of one m16n8k16 product
 constexpr int kWarps = 8;           // query tiles in flight per block
@@ -58,49 +65,6 @@ constexpr int64_t kStagingBytes = 48 * 1024;  // shared memory a launch gets wit
 constexpr float kLog2e = 1.4426950408889634f;
 
 __host__ __device__ __forceinline__ int64_t smaller(int64_t a, int64_t b) { return a < b ? a : b; }
-
-// Two floats rounded into the input dtype, packed as one 32-bit register (first in the low half).
-template <typename T>
-__device__ __forceinline__ uint32_t pack_two(float lo, float hi) {
-  if constexpr (std::is_same_v<T, __half>) {
-    const __half2 h = __floats2half2_rn(lo, hi);
-    return *reinterpret_cast<const uint32_t*>(&h);
-  } else {
-    const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
-    return *reinterpret_cast<const uint32_t*>(&h);
-  }
-}
-
-// d += a b: one m16n8k16 tensor-core product, fp32 accumulators.
-template <typename T>
-__device__ __forceinline__ void mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
-                                    uint32_t b1) {
-#define TABSERVE_MMA(TYPE)                                                                  \
-  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." TYPE "." TYPE                        \
-               ".f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"                \
-               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])                              \
-               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1))
-  if constexpr (std::is_same_v<T, __half>) {
-    TABSERVE_MMA("f16");
-  } else {
-    TABSERVE_MMA("bf16");
-  }
-#undef TABSERVE_MMA
-}
-
-__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* row) {
-  const auto address = static_cast<uint32_t>(__cvta_generic_to_shared(row));
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(address));
-}
-
-__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* row) {
-  const auto address = static_cast<uint32_t>(__cvta_generic_to_shared(row));
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(address));
-}
 
 // Element offset of half `half` (0: dims 0-7, 1: dims 8-15) of staged row `key`: the halves swap
 // on every other run of 4 rows, so 8 consecutive rows' same halves fill all 32 banks.
@@ -131,16 +95,6 @@ struct Params {
   const float* cos;       // nullptr, or RoPE tables [>= max(Lq, Lk), 16]: q and k are rotated
   const float* sin;
 };
-
-// Two packed input-dtype values as floats.
-template <typename T>
-__device__ __forceinline__ float2 unpack_two(uint32_t packed) {
-  if constexpr (std::is_same_v<T, __half>) {
-    return __half22float2(*reinterpret_cast<const __half2*>(&packed));
-  } else {
-    return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&packed));
-  }
-}
 
 // Rotate-half RoPE of dims d, d + 1 (d even) and their partners d + 8, d + 9 of a row at
 // `position`, in fp32 as the composite computes it (two products and a sum, each rounded: no

@@ -241,3 +241,62 @@ def _feed_forward(
 
 
 feed_forward_op = define_operator(_OPERATOR, _feed_forward)
+
+#: Route the shapes ``tabserve::feed_forward_resident`` serves (width 128, FFN width 256: the
+#: column and row stages) to that C++/CUDA operator, whose weights stay in shared memory for the
+#: whole launch; the benchmark's "resident op" method times it against the Triton kernel.
+RESIDENT_KERNEL = True
+#: Whether this build has the operator's CUDA kernel (read once: the package has loaded its
+#: library before any of its modules).
+_RESIDENT_BUILT = torch._C._dispatch_has_kernel_for_dispatch_key(
+    "tabserve::feed_forward_resident", "CUDA"
+)
+
+
+def resident_applies(
+    x: Tensor, update: Tensor | None, w1: Tensor, compute_dtype: torch.dtype
+) -> bool:
+    """Whether ``tabserve::feed_forward_resident``'s CUDA kernel serves these operands (shapes
+    and dtypes only: static under compile)."""
+    from tabserve.ops import RESIDENT_DIM, RESIDENT_HIDDEN
+
+    return (
+        RESIDENT_KERNEL
+        and x.device.type == "cuda"
+        and compute_dtype in (torch.float16, torch.bfloat16)
+        and x.shape[-1] == RESIDENT_DIM
+        and tuple(w1.shape) == (RESIDENT_HIDDEN, RESIDENT_DIM)
+        and x.dtype in (torch.float32, compute_dtype)
+        and (update is None or update.dtype == compute_dtype)
+        and _RESIDENT_BUILT
+    )
+
+
+def feed_forward(
+    x: Tensor,
+    update: Tensor | None,
+    norm_weight: Tensor,
+    norm_bias: Tensor | None,
+    w1: Tensor,
+    b1: Tensor,
+    w2: Tensor,
+    b2: Tensor,
+    eps: float,
+    compute_dtype: torch.dtype,
+) -> Tensor:
+    """The feed-forward half through the fastest operator that serves the operands: the
+    resident CUDA kernel (:func:`resident_applies`), else ``tabserve::feed_forward`` (Triton
+    kernel or composite). The casts to the operators' dtypes are ATen ops before the call, so
+    under Inductor's freezing they fold into constants once per compiled graph."""
+    args = (x, update, norm_weight, norm_bias, w1, b1, w2, b2, eps, compute_dtype)
+    if resident_applies(x, update, w1, compute_dtype):
+        return _resident(*args)
+    return feed_forward_op(*args)
+
+
+def _resident(x, update, norm_weight, norm_bias, w1, b1, w2, b2, eps, compute_dtype) -> Tensor:
+    bias = None if norm_bias is None else norm_bias.float()
+    return torch.ops.tabserve.feed_forward_resident(
+        x, update, norm_weight.float(), bias, matmul_operand(w1, compute_dtype),
+        b1.to(compute_dtype), matmul_operand(w2, compute_dtype), b2.to(compute_dtype), eps,
+    )  # fmt: skip

@@ -429,7 +429,7 @@ class AttentionBlock(nn.Module):
         dtype = _autocast_matmul_dtype(x) if self.fused_feed_forward else None
         if dtype is not None and fused_ffn.kernel_applies(x, update, self.linear1.weight, dtype):
             norm, linear1, linear2 = self.norm2, self.linear1, self.linear2
-            return fused_ffn.feed_forward_op(
+            return fused_ffn.feed_forward(
                 x, update, norm.weight, norm.bias, linear1.weight, linear1.bias,
                 linear2.weight, linear2.bias, norm.eps, dtype,
             )  # fmt: skip
