@@ -6,19 +6,24 @@
 // tokens. The general Triton kernel re-reads 128 KiB of weights from L2 per 64 tokens and, at 254
 // registers and 2 programs per SM, waited on those loads (Nsight Compute on the H200, 2026-11-30).
 //
-// A warp owns a tile of 16 tokens, the m of the m16n8k16 product, and keeps every step in
-// registers:
-//   1. s = x (+ update) is loaded straight into the A-fragment layout of linear1 (a lane holds
-//      32 of the 128 values of tokens g and g + 8); LayerNorm's sums take two shuffles among the
-//      4 lanes of a token; the normalised tile, rounded to T, is 8 A fragments (one per 16 dims);
-//   2. for each step of 64 hidden units: linear1's 16 x 64 accumulators (8 tiles of 8 units),
+// A warp owns a tile of 16 tokens, the m of the m16n8k16 product:
+//   1. s = x (+ update) of its 16 tokens is read with whole-row loads (one token row per warp
+//      instruction, 16 bytes per lane) into the warp's staging rows in shared memory, in fp32;
+//   2. LayerNorm reads the staged rows in linear1's A-fragment layout (a lane holds 32 of the
+//      128 values of tokens g and g + 8; the sums take two shuffles among a token's 4 lanes); the
+//      normalised tile, rounded to T, is 8 A fragments (one per 16 dims);
+//   3. for each step of 64 hidden units: linear1's 16 x 64 accumulators (8 tiles of 8 units),
 //      plus bias, rounded, GELU, rounded, packed: these are the A fragments of linear2 over the
 //      same 64 units, accumulated into the 16 x 128 output (16 tiles of 8 dims, fp32);
-//   3. out = s + round(acc + b2), s re-read (from L2: the tile was read a moment ago; holding it
-//      would cost 64 registers through both products), every load issued before the first store.
-// The weight rows sit in shared memory with their 16-byte chunks swizzled (chunk ^ row % 8), so
-// the ldmatrix loads of the B fragments (8 rows of one chunk column per matrix) meet no bank
-// conflict. The next tile of every warp is prefetched into L2 before the products start.
+//   4. out = s + round(acc + b2) in place in the staging rows, then whole-row stores.
+// The first version loaded and stored straight in the fragment layout: every warp instruction
+// then touched 8 rows' 32-byte pieces, 8 L1 wavefronts for 256 bytes, and the kernel ran at
+// 7.96 ms on the large row stream against the Triton kernel's 4.85 (H200, 2026-12-01).
+// The staging rows are padded to 136 floats so that the fragment reads (8 rows x 4 lanes x 8
+// bytes per half-warp) meet no bank conflict. The weight rows sit in shared memory with their
+// 16-byte chunks swizzled (chunk ^ row % 8), so the ldmatrix loads of the B fragments (8 rows of
+// one chunk column per matrix) meet none either. The next tile of every warp is prefetched into
+// L2 before the products start.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -54,6 +59,7 @@ constexpr int kDimSteps = kDim / 16;
 constexpr int kOutTiles = kDim / 8;
 constexpr int kW1Chunks = kDim / 8;     // 16-byte chunks per W1 row (128 dims)
 constexpr int kW2Chunks = kHidden / 8;  // per W2 row (256 hidden units)
+constexpr int kStagePitch = kDim + 8;   // floats per staging row (bank-conflict-free reads)
 constexpr float kSqrtHalf = 0.70710678118654752f;
 
 struct Params {
@@ -79,6 +85,7 @@ struct Resident {
   float b2[kDim];
   float gamma[kDim];
   float beta[kDim];
+  float stage[kWarps][kTile * kStagePitch];  // each warp's tile of s, then of the output
 };
 
 // Element offset of 16-byte chunk `chunk` of row `row` in a matrix of `chunks` chunks per row.
@@ -109,57 +116,84 @@ __device__ void stage_weights(const Params& p, Resident<T>& r) {
   }
 }
 
-// Two neighbouring elements of a row as floats (X: float, __half or __nv_bfloat16).
+// Four consecutive elements of a row as floats (X: float, __half or __nv_bfloat16); 16-byte
+// (float) or 8-byte (half) aligned.
 template <typename X>
-__device__ __forceinline__ float2 load_two(const X* at) {
+__device__ __forceinline__ float4 load_four(const X* at) {
   if constexpr (std::is_same_v<X, float>) {
-    return __ldg(reinterpret_cast<const float2*>(at));
+    return __ldg(reinterpret_cast<const float4*>(at));
   } else {
-    return unpack_two<X>(__ldg(reinterpret_cast<const unsigned int*>(at)));
+    const uint2 packed = __ldg(reinterpret_cast<const uint2*>(at));
+    const float2 lo = unpack_two<X>(packed.x), hi = unpack_two<X>(packed.y);
+    return make_float4(lo.x, lo.y, hi.x, hi.y);
   }
 }
 
 template <typename X>
-__device__ __forceinline__ void store_two(X* at, float2 v) {
+__device__ __forceinline__ void store_four(X* at, float4 v) {
   if constexpr (std::is_same_v<X, float>) {
-    *reinterpret_cast<float2*>(at) = v;
+    *reinterpret_cast<float4*>(at) = v;
   } else {
-    *reinterpret_cast<uint32_t*>(at) = pack_two<X>(v.x, v.y);
+    *reinterpret_cast<uint2*>(at) = make_uint2(pack_two<X>(v.x, v.y), pack_two<X>(v.z, v.w));
   }
 }
 
-// s = x (+ update) at `offset` (two elements), in fp32; rounded to T when x is T (ATen's sum).
+// Step 1: s = x (+ update) of the tile's tokens into the warp's staging rows, lane l holding
+// dims 4l..4l+3 of every row (rows past the end: zeros). The sum is rounded to T when x is T
+// (ATen's x + update), fp32 otherwise.
 template <typename T, typename X>
-__device__ __forceinline__ float2 residual(const Params& p, int64_t offset) {
-  float2 s = load_two(static_cast<const X*>(p.x) + offset);
+__device__ __forceinline__ void stage_tile(const Params& p, int64_t first, int lane,
+                                           float* stage) {
+  float4 s[kTile];
+#pragma unroll
+  for (int i = 0; i < kTile; ++i) {
+    const int64_t token = first + i;
+    s[i] = token < p.tokens ? load_four(static_cast<const X*>(p.x) + token * kDim + 4 * lane)
+                            : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  }
   if (p.update != nullptr) {
-    const float2 u = load_two(static_cast<const T*>(p.update) + offset);
-    s = {s.x + u.x, s.y + u.y};
-    if constexpr (std::is_same_v<X, T>) s = unpack_two<T>(pack_two<T>(s.x, s.y));
+#pragma unroll
+    for (int i = 0; i < kTile; ++i) {
+      const int64_t token = first + i;
+      if (token >= p.tokens) continue;
+      const float4 u = load_four(static_cast<const T*>(p.update) + token * kDim + 4 * lane);
+      float4 sum = make_float4(s[i].x + u.x, s[i].y + u.y, s[i].z + u.z, s[i].w + u.w);
+      if constexpr (std::is_same_v<X, T>) {
+        const float2 lo = unpack_two<T>(pack_two<T>(sum.x, sum.y));
+        const float2 hi = unpack_two<T>(pack_two<T>(sum.z, sum.w));
+        sum = make_float4(lo.x, lo.y, hi.x, hi.y);
+      }
+      s[i] = sum;
+    }
   }
-  return s;
+#pragma unroll
+  for (int i = 0; i < kTile; ++i) {
+    *reinterpret_cast<float4*>(stage + i * kStagePitch + 4 * lane) = s[i];
+  }
 }
 
-// Dims of element pair `pair` (0: 2t, 1: 2t + 8) of 16-dim step `k` for lane quad position t.
-__device__ __forceinline__ int fragment_dim(int k, int pair, int t) { return k * 16 + pair * 8 + 2 * t; }
+// Element offset in the staging rows of element pair `pair` (0: dims 2t, 2t + 1; 1: 2t + 8,
+// 2t + 9) of 16-dim step `k`, token row g (+ 8 for half 1): linear1's A-fragment positions.
+__device__ __forceinline__ int fragment_offset(int g, int half, int k, int pair, int t) {
+  return (g + 8 * half) * kStagePitch + k * 16 + pair * 8 + 2 * t;
+}
 
-// Step 1: s of tokens `row` (and row + 8) loaded into linear1's A-fragment layout, normalised
-// (fp32, biased variance, as ATen) and rounded to T. Rows past the end read as zeros.
-template <typename T, typename X>
-__device__ __forceinline__ void normalised_tile(const Params& p, const Resident<T>& r,
-                                                int64_t row, int t, uint32_t (&a)[kDimSteps][4]) {
+// Step 2: the staged tile normalised (fp32, biased variance, as ATen) and rounded to T, in
+// linear1's A-fragment layout.
+template <typename T>
+__device__ __forceinline__ void normalised_tile(const Resident<T>& r, const float* stage,
+                                                float eps, int g, int t,
+                                                uint32_t (&a)[kDimSteps][4]) {
   float v[2][kDimSteps][4];
   float sum[2] = {0.0f, 0.0f};
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
-    const int64_t token = row + 8 * half;
-    const bool inside = token < p.tokens;
 #pragma unroll
     for (int k = 0; k < kDimSteps; ++k) {
 #pragma unroll
       for (int pair = 0; pair < 2; ++pair) {
-        const float2 s = inside ? residual<T, X>(p, token * kDim + fragment_dim(k, pair, t))
-                                : make_float2(0.0f, 0.0f);
+        const float2 s =
+            *reinterpret_cast<const float2*>(stage + fragment_offset(g, half, k, pair, t));
         v[half][k][2 * pair] = s.x;
         v[half][k][2 * pair + 1] = s.y;
         sum[half] += s.x + s.y;
@@ -184,13 +218,13 @@ __device__ __forceinline__ void normalised_tile(const Params& p, const Resident<
     }
     squares += __shfl_xor_sync(0xffffffffu, squares, 1);
     squares += __shfl_xor_sync(0xffffffffu, squares, 2);
-    inv_std[half] = 1.0f / __fsqrt_rn(squares * (1.0f / kDim) + p.eps);
+    inv_std[half] = 1.0f / __fsqrt_rn(squares * (1.0f / kDim) + eps);
   }
 #pragma unroll
   for (int k = 0; k < kDimSteps; ++k) {
 #pragma unroll
     for (int pair = 0; pair < 2; ++pair) {
-      const int d = fragment_dim(k, pair, t);
+      const int d = k * 16 + pair * 8 + 2 * t;
       float n[2][2];
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
@@ -200,8 +234,8 @@ __device__ __forceinline__ void normalised_tile(const Params& p, const Resident<
           n[half][e] = c * r.gamma[d + e] + r.beta[d + e];
         }
       }
-      a[k][2 * pair] = pack_two<T>(n[0][0], n[0][1]);      // token row, dims d, d + 1
-      a[k][2 * pair + 1] = pack_two<T>(n[1][0], n[1][1]);  // token row + 8
+      a[k][2 * pair] = pack_two<T>(n[0][0], n[0][1]);      // token row g, dims d, d + 1
+      a[k][2 * pair + 1] = pack_two<T>(n[1][0], n[1][1]);  // token row g + 8
     }
   }
 }
@@ -209,7 +243,7 @@ __device__ __forceinline__ void normalised_tile(const Params& p, const Resident<
 // GELU (exact, erf) in fp32 in ATen's order of operations.
 __device__ __forceinline__ float gelu(float h) { return h * 0.5f * (1.0f + erff(h * kSqrtHalf)); }
 
-// Step 2, one step of kStep hidden units: linear1 (+ bias, rounded), GELU (rounded), and their
+// Step 3, one step of kStep hidden units: linear1 (+ bias, rounded), GELU (rounded), and their
 // contribution to linear2's accumulators.
 template <typename T>
 __device__ __forceinline__ void hidden_step(const Resident<T>& r, int step, int lane,
@@ -283,45 +317,46 @@ __global__ void __launch_bounds__(kThreads, 1) feed_forward_resident_kernel(Para
   __syncthreads();
 
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  float* stage = r.stage[threadIdx.x >> 5];
+  X* out = static_cast<X*>(p.out);
   const int64_t tiles = (p.tokens + kTile - 1) / kTile;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * kWarps;
   for (int64_t tile = blockIdx.x * int64_t{kWarps} + (threadIdx.x >> 5); tile < tiles;
        tile += stride) {
+    const int64_t first = tile * kTile;
+    stage_tile<T, X>(p, first, lane, stage);
     if (tile + stride < tiles) prefetch_tile<T, X>(p, tile + stride, lane);
-    const int64_t row = tile * kTile + g;
+    __syncwarp();
     uint32_t a[kDimSteps][4];
-    normalised_tile<T, X>(p, r, row, t, a);
+    normalised_tile<T>(r, stage, p.eps, g, t, a);
     float acc[kOutTiles][4];
 #pragma unroll
     for (int j = 0; j < kOutTiles; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
 #pragma unroll 1
     for (int step = 0; step < kHidden / kStep; ++step) hidden_step<T>(r, step, lane, a, acc);
-    // Step 3: out = s + round(y + b2). Every residual load is issued before the first store:
-    // the compiler cannot tell `out` from x, so a store between two loads would order them and
-    // make each wait a full L2 round trip.
-    X* out = static_cast<X*>(p.out);
-    float2 s[2][kOutTiles];
+    // Step 4: out = s + round(y + b2) over the staged s (each lane rewrites the elements it
+    // reads), then whole rows to memory.
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      const int64_t token = row + 8 * half;
-#pragma unroll
-      for (int j = 0; j < kOutTiles; ++j) {
-        s[half][j] = token < p.tokens ? residual<T, X>(p, token * kDim + j * 8 + 2 * t)
-                                      : make_float2(0.0f, 0.0f);
-      }
-    }
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int64_t token = row + 8 * half;
-      if (token >= p.tokens) continue;
 #pragma unroll
       for (int j = 0; j < kOutTiles; ++j) {
         const int d = j * 8 + 2 * t;
         const float2 y = unpack_two<T>(
             pack_two<T>(acc[j][2 * half] + r.b2[d], acc[j][2 * half + 1] + r.b2[d + 1]));
-        store_two(out + token * kDim + d, make_float2(s[half][j].x + y.x, s[half][j].y + y.y));
+        auto* at = reinterpret_cast<float2*>(stage + (g + 8 * half) * kStagePitch + d);
+        const float2 s = *at;
+        *at = make_float2(s.x + y.x, s.y + y.y);
       }
     }
+    __syncwarp();
+#pragma unroll
+    for (int i = 0; i < kTile; ++i) {
+      if (first + i < p.tokens) {
+        store_four(out + (first + i) * kDim + 4 * lane,
+                   *reinterpret_cast<const float4*>(stage + i * kStagePitch + 4 * lane));
+      }
+    }
+    __syncwarp();  // the staging rows are free for the next tile
   }
 #endif
 }
