@@ -8,7 +8,7 @@ initcheck's tracking), strided views are slices (no kernel), and the only kernel
 tabserve's: small_head_attention (plain, RoPE in the kernel, per-entry n, one-chunk and streamed
 keys, aligned and unaligned rows), qassmax_scale (the fused fp16 / bf16 kernel, head dims 16, 24
 and 64, query-MLP widths 40 to 100, runs of several tiles per block), rotary_embedding,
-feed_forward and norm_linear (Triton), table_checks (shared and global bitmaps). Each output is
+feed_forward and norm_linear (Triton), feed_forward_resident, table_checks (shared and global bitmaps). Each output is
 copied back and checked against the CPU kernel, so a run that reads garbage also fails here.
 Exit status 1 on a mismatch.
 
@@ -136,6 +136,29 @@ def feed_forward_cases(dtype) -> None:
         check(f"feed_forward {dtype} case {i}", got, want, 5e-2)
 
 
+def feed_forward_resident_cases(dtype) -> None:
+    """fp32 stream with the attention half's output; the half stream alone without a norm bias;
+    more tiles than one pass of the persistent grid (the staging rows reused across tiles)."""
+    for i, (tokens, x_dtype, update, norm_bias) in enumerate(
+        [(1000, torch.float32, True, True), (77, dtype, False, False), (20000, dtype, True, True)]
+    ):
+        x = host(tokens, 128, seed=50 + i, dtype=x_dtype)
+        args = [x, host(tokens, 128, seed=51, dtype=dtype) if update else None]
+        args += [1 + 0.1 * host(128, seed=52), 0.1 * host(128, seed=53) if norm_bias else None]
+        args += [
+            (host(256, 128, seed=54) / 128**0.5).to(dtype),
+            (0.1 * host(256, seed=55)).to(dtype),
+        ]
+        args += [
+            (host(128, 256, seed=56) / 256**0.5).to(dtype),
+            (0.1 * host(128, seed=57)).to(dtype),
+        ]
+        want = torch.ops.tabserve.feed_forward_resident(*args, 1e-5)
+        on_device = [None if a is None else a.to("cuda") for a in args]
+        got = torch.ops.tabserve.feed_forward_resident(*on_device, 1e-5)
+        check(f"feed_forward_resident {dtype} case {i}", got, want, 5e-2)
+
+
 def norm_linear_cases(dtype) -> None:
     for i, (tokens, dim, out_features) in enumerate([(1000, 128, 384), (77, 32, 64)]):
         x = host(tokens, dim, seed=40 + i)
@@ -169,6 +192,7 @@ def main() -> int:
         qassmax_cases(dtype)
         rotary_cases(dtype)
         feed_forward_cases(dtype)
+        feed_forward_resident_cases(dtype)
         norm_linear_cases(dtype)
     table_checks_cases()
     torch.cuda.synchronize()

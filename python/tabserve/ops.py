@@ -750,10 +750,9 @@ def _feed_forward_resident_fake(x, update, norm_weight, norm_bias, w1, b1, w2, b
     for name, (tensor, shape, dtype) in expected.items():
         if tensor is None:
             continue
-        torch._check(
-            tuple(tensor.shape) == shape and tensor.dtype == dtype,
-            lambda: f"{name} must be {dtype} {shape}, got {tensor.dtype} {tuple(tensor.shape)}",
-        )
+        got = f"{tensor.dtype} {tuple(tensor.shape)}"
+        message = f"{name} must be {dtype} {shape}, got {got}"
+        torch._check(tuple(tensor.shape) == shape and tensor.dtype == dtype, lambda: message)  # noqa: B023
     torch._check(eps >= 0.0 and eps != float("inf"), lambda: f"eps must be finite >= 0: {eps}")
     return x.new_empty(x.shape)  # contiguous, x's dtype
 

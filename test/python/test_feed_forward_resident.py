@@ -12,9 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from test_feed_forward import agreement, block
 from tabserve import ops
 from tabserve.kernels import feed_forward as ff
+from test_feed_forward import agreement, block
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -104,8 +104,10 @@ def test_cpu_kernel_is_the_block_under_autocast():
 
 
 def test_opcheck():
-    for args in (make_args((5, 3), torch.float16), make_args((4,), torch.bfloat16, torch.bfloat16,
-                                                                update=False, norm_bias=False)):
+    for args in (
+        make_args((5, 3), torch.float16),
+        make_args((4,), torch.bfloat16, torch.bfloat16, update=False, norm_bias=False),
+    ):
         torch.library.opcheck(torch.ops.tabserve.feed_forward_resident.default, tuple(args))
 
 
@@ -177,6 +179,9 @@ def test_dispatcher_routes_only_what_the_resident_kernel_serves(monkeypatch):
     assert not ff.resident_applies(x, x, w1, half)  # fp32 update: the Triton kernel
     assert not ff.resident_applies(x.half(), None, w1, torch.bfloat16)
     assert not ff.resident_applies(x, None, w1[:192], half)
+    long_stream = x[:1].expand(ff.RESIDENT_MAX_TOKENS, DIM)  # the Triton kernel's (no memory)
+    assert not ff.resident_applies(long_stream, None, w1, half)
+    assert ff.resident_applies(long_stream[1:], None, w1, half)
     monkeypatch.setattr(ff, "RESIDENT_KERNEL", False)
     assert not ff.resident_applies(x, None, w1, half)
 

@@ -244,8 +244,12 @@ feed_forward_op = define_operator(_OPERATOR, _feed_forward)
 
 #: Route the shapes ``tabserve::feed_forward_resident`` serves (width 128, FFN width 256: the
 #: column and row stages) to that C++/CUDA operator, whose weights stay in shared memory for the
-#: whole launch; the benchmark's "resident op" method times it against the Triton kernel.
+#: whole launch, for streams shorter than RESIDENT_MAX_TOKENS. On the H200 (2026-12-01,
+#: ``benchmarks/feed_forward.py``, "resident op" against "tabserve op") it took 0.078 ms on
+#: the small workload's row stream (55 k tokens) against the Triton kernel's 0.137-0.259 ms,
+#: and 4.92 / 4.82 ms on the large row / column streams (5.6 / 5.2 M tokens) against 4.84 / 4.55.
 RESIDENT_KERNEL = True
+RESIDENT_MAX_TOKENS = 1 << 20
 #: Whether this build has the operator's CUDA kernel (read once: the package has loaded its
 #: library before any of its modules).
 _RESIDENT_BUILT = torch._C._dispatch_has_kernel_for_dispatch_key(
@@ -263,6 +267,7 @@ def resident_applies(
     return (
         RESIDENT_KERNEL
         and x.device.type == "cuda"
+        and x.numel() < RESIDENT_MAX_TOKENS * x.shape[-1]
         and compute_dtype in (torch.float16, torch.bfloat16)
         and x.shape[-1] == RESIDENT_DIM
         and tuple(w1.shape) == (RESIDENT_HIDDEN, RESIDENT_DIM)
