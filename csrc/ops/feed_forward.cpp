@@ -8,8 +8,8 @@
 //
 // The column and row stages run this on ~5 M tokens per block. The CUDA kernel
 // (cuda/feed_forward.cu) keeps both weight matrices in shared memory for the whole launch and
-// runs every step of a 16-token tile in one warp's registers, so the tokens are read once (and
-// re-read from L2 for the residual) and written once; the general Triton operator
+// runs every step of a 16-token tile in one warp (staged once through shared memory), so the
+// tokens are read once and written once; the general Triton operator
 // (python/tabserve/kernels/feed_forward.py) re-reads the weights for every tile. This CPU kernel
 // computes the same contract in fp32 with the same roundings: the tests' reference.
 #include "feed_forward.h"

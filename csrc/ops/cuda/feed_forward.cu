@@ -3,8 +3,10 @@
 // Width 128 and FFN width 256 make both weight matrices 64 KiB each in half precision: a block
 // copies them into shared memory once and keeps them for the whole launch (one block per SM,
 // walking the token tiles with the grid's stride), so the only global traffic per tile is its
-// tokens. The general Triton kernel re-reads 128 KiB of weights from L2 per 64 tokens and, at 254
-// registers and 2 programs per SM, waited on those loads (Nsight Compute on the H200, 2026-11-30).
+// tokens. The general Triton kernel re-reads 128 KiB of weights from L2 per 64 tokens (254
+// registers, 2 programs per SM, latency-bound: Nsight Compute on the H200, 2026-11-30). Measured
+// (docs/ops.md): faster than it on short streams (the small workload: 0.078 against 0.14-0.26
+// ms), as fast on the large ones (4.92 against 4.84 ms), so the dispatcher sends it the former.
 //
 // A warp owns a tile of 16 tokens, the m of the m16n8k16 product:
 //   1. s = x (+ update) of its 16 tokens is read with whole-row loads (one token row per warp
