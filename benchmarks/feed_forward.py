@@ -5,7 +5,7 @@ Cases are the blocks' inputs of the driver's workloads: (tokens, 128) fp32 resid
 fp16 matmuls. Methods: the composite (add, LayerNorm, linear, GELU, linear, add as autocast runs
 them), the composite under torch.compile (Inductor fuses the pointwise parts around cuBLAS), the
 Triton operator, and on CUDA the resident operator (tabserve::feed_forward_resident: weights in
-shared memory, the path the models take at these shapes); with ``--sweep`` the
+shared memory, the path the models take for streams below 2^20 tokens); with ``--sweep`` the
 operator's tile configurations too (tokens per program, warps, pipeline stages), which is how
 the kernel's defaults were chosen. Every method's output is checked against the composite
 (max |difference| in fp16 roundings of the row's scale, reported) before timing.

@@ -643,9 +643,10 @@ def feed_forward(
     to it; both linears accumulate in fp32 and round their outputs, the exact (erf) GELU runs in
     fp32 and rounds its output; the residual sums are in the promoted dtypes (``x + update``
     as ATen adds them). On CUDA with fp16 / bf16 ``compute_dtype``, a width of 16, 32, 64 or 128
-    and a hidden width that is a multiple of 64, one Triton kernel reads each tile of tokens
-    once and writes it once (the hidden activations never reach memory); elsewhere (CPU, fp32,
-    other shapes) the ATen composite runs. The kernel's matmuls sum in another order than
+    and a hidden width that is a multiple of 64, one kernel reads each tile of tokens once and
+    writes it once (the hidden activations never reach memory): :func:`feed_forward_resident`
+    for width 128 / hidden 256 streams below 2^20 tokens, the Triton kernel otherwise; elsewhere
+    (CPU, fp32, other shapes) the ATen composite runs. The kernel's matmuls sum in another order than
     cuBLAS: results differ from the composite by rounding (bounds in docs/ops.md).
 
     Args:
@@ -750,10 +751,10 @@ def _feed_forward_resident_fake(x, update, norm_weight, norm_bias, w1, b1, w2, b
     for name, (tensor, shape, dtype) in expected.items():
         if tensor is None:
             continue
-        got = f"{tensor.dtype} {tuple(tensor.shape)}"
-        message = f"{name} must be {dtype} {shape}, got {got}"
-        torch._check(tuple(tensor.shape) == shape and tensor.dtype == dtype, lambda: message)  # noqa: B023
-    torch._check(eps >= 0.0 and eps != float("inf"), lambda: f"eps must be finite >= 0: {eps}")
+        message = f"{name} must be {dtype} {shape}, got {tensor.dtype} {tuple(tensor.shape)}"
+        fits = tuple(tensor.shape) == shape and tensor.dtype == dtype
+        torch._check(fits, lambda: message)  # noqa: B023 (called at once, inside the loop)
+    torch._check(eps >= 0.0 and eps != float("inf"), lambda: f"eps must be finite and >= 0: {eps}")
     return x.new_empty(x.shape)  # contiguous, x's dtype
 
 
