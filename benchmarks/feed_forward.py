@@ -32,8 +32,16 @@ from harness import (
 from tabserve.kernels import feed_forward as ff
 
 #: (name, tokens): small / large workloads' row stage (8 tables x rows x (features + 4 CLS))
-#: and the large workload's column stage (8 tables x 64 features x 10,240 rows).
-CASES = [("small row", 8 * 576 * 12), ("large row", 8 * 10240 * 68), ("large col", 8 * 64 * 10240)]
+#: and the large workload's column stage (8 tables x 64 features x 10,240 rows), one-shot and
+#: KV-cached (test rows only).
+CASES = [
+    ("small row", 8 * 576 * 12),
+    ("large row", 8 * 10240 * 68),
+    ("large col", 8 * 64 * 10240),
+    # KV-cached prediction of the large workload: the 2,048 test rows alone.
+    ("large kv row", 8 * 2048 * 68),
+    ("large kv col", 8 * 64 * 2048),
+]
 QUICK_CASES = [("tiny", 1000)]
 DIM, HIDDEN = 128, 256
 SWEEP = list(itertools.product((32, 64, 128), (4, 8), (1, 2, 3)))

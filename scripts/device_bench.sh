@@ -6,7 +6,7 @@
 #   bash scripts/device_bench.sh large            # one part per call is the safe plan
 #   bash scripts/device_bench.sh medium stream
 # Parts: small, large, compiled, medium, xlarge, stream, restart, soak, sanitize, profile, cudatests,
-# align, pytest, attention, ffn, norm, qassmax, checks, patch (PATCH_FILE: later parts run patched).
+# align, pytest, attention, ffn, norm, qassmax, checks, ncu, patch (PATCH_FILE: later parts run patched).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
@@ -67,11 +67,13 @@ for part in "$@"; do
       timeout "$(left $((LIMIT - 10)))" python3 benchmarks/small_head_attention.py --device cuda \
         ${ATTENTION_METHODS:+--methods "${attention_methods[@]}"} --budget 0.3 --json "$OUT/small-head-attention-cuda.json" >"$LOG/attention.log" 2>&1
       echo "attention rc=$?"; tail -25 "$LOG/attention.log" ;;
-    ffn)  # the fused feed-forward operators: their CUDA tests, then the benchmark (FFN_ARGS, default
-          # --sweep: the Triton kernel's tile sweep; FFN_ARGS= times the methods only)
-      timeout "$(left $((LIMIT - 60)))" python3 -m pytest -q -p no:cacheprovider -p no:logging -rfE \
-        test/python/test_feed_forward.py test/python/test_feed_forward_resident.py >"$LOG/ffn_pytest.log" 2>&1
-      echo "ffn pytest rc=$?"; grep -n -A8 "^E " "$LOG/ffn_pytest.log" | head -40; tail -3 "$LOG/ffn_pytest.log"
+    ffn)  # the fused feed-forward operators: their CUDA tests (FFN_TESTS=0 skips them), then the
+          # benchmark (FFN_ARGS, default --sweep: the Triton kernel's tiles; FFN_ARGS= methods only)
+      if [ "${FFN_TESTS:-1}" = 1 ]; then
+        timeout "$(left $((LIMIT - 60)))" python3 -m pytest -q -p no:cacheprovider -p no:logging -rfE \
+          test/python/test_feed_forward.py test/python/test_feed_forward_resident.py >"$LOG/ffn_pytest.log" 2>&1
+        echo "ffn pytest rc=$?"; grep -n -A8 "^E " "$LOG/ffn_pytest.log" | head -40; tail -3 "$LOG/ffn_pytest.log"
+      fi
       timeout "$(left $((LIMIT - 10)))" python3 benchmarks/feed_forward.py --device cuda ${FFN_ARGS---sweep} \
         --json "$OUT/feed-forward-cuda.json" >"$LOG/ffn_bench.log" 2>&1
       echo "ffn bench rc=$?"; tail -${FFN_TAIL:-70} "$LOG/ffn_bench.log" ;;
@@ -147,10 +149,32 @@ for part in "$@"; do
         ${SOAK_RECIPE:+--recipe "$SOAK_RECIPE"} --precision "${SOAK_PRECISION:-$([ -n "${SOAK_RECIPE:-}" ] && echo fp32 || echo fp16)}" --max-seconds "${SOAK_SECONDS:-$(left $((LIMIT - 60)))}" \
         --json "$OUT/soak-cuda.json" >"$LOG/soak.log" 2>&1
       echo "soak rc=$?"; tail -30 "$LOG/soak.log" ;;
+    ncu)  # Nsight Compute over scripts/ncu_probe.py (NCU_ARGS: the probe's arguments, NCU_KERNELS:
+          # a kernel-name regex); the details page and the stall-reason metrics come back as text
+      timeout "$(left $((LIMIT - 30)))" ncu --clock-control none --set full -k "regex:${NCU_KERNELS:-feed_forward}" \
+        --launch-skip ${NCU_SKIP:-2} -c ${NCU_COUNT:-2} -o "$LOG/probe" python3 scripts/ncu_probe.py ${NCU_ARGS:-} >"$LOG/ncu.log" 2>&1
+      echo "ncu rc=$?"; tail -5 "$LOG/ncu.log"
+      ncu --import "$LOG/probe.ncu-rep" --page details >"$OUT/ncu-details.txt" 2>&1
+      ncu --import "$LOG/probe.ncu-rep" --page raw --csv >"$LOG/ncu-raw.csv" 2>&1
+      python3 - "$LOG/ncu-raw.csv" >"$OUT/ncu-stalls.txt" <<'PY'
+import csv, sys
+rows = list(csv.reader(open(sys.argv[1])))
+head, units, data = rows[0], rows[1], rows[2:]
+keep = [i for i, h in enumerate(head) if "issue_stalled" in h and "ratio" in h
+        or h in ("Kernel Name", "gpu__time_duration.sum", "sm__inst_executed.sum",
+                 "smsp__inst_executed.avg.per_cycle_active", "sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active",
+                 "smsp__issue_active.avg.pct_of_peak_sustained_active", "launch__registers_per_thread")]
+for r in data:
+    print("----")
+    for i in keep:
+        print(f"{head[i]}: {r[i]} {units[i]}")
+PY
+      grep -n "Duration\|Registers Per\|Achieved Occupancy\|Issue Slots Busy\|Compute (SM) Throughput\|DRAM Throughput\|Warp Cycles Per Issued" "$OUT/ncu-details.txt" | head -40
+      grep -c . "$OUT/ncu-stalls.txt" ;;
     sanitize)
       SKIP_BUILD=1 STAGES=sanitize SAN_TOOLS="${SAN_TOOLS:-synccheck racecheck memcheck initcheck}" SAN_TIMEOUT=${SAN_TIMEOUT:-120} \
         DEADLINE=$(left $((LIMIT - 120))) OUT="$LOG/sanitize" bash scripts/device_check.sh 2>&1 | tail -8 ;;
-    *) echo "unknown part $part (small, large, compiled, medium, xlarge, stream, restart, soak, sanitize, profile, cudatests, align, pytest, attention, ffn, norm, qassmax, checks, patch)"; exit 2 ;;
+    *) echo "unknown part $part (small, large, compiled, medium, xlarge, stream, restart, soak, sanitize, profile, cudatests, align, pytest, attention, ffn, norm, qassmax, checks, patch, ncu)"; exit 2 ;;
   esac
 done
 tar czf "$OUT/logs.tgz" -C "$LOG" . 2>/dev/null

@@ -1,7 +1,9 @@
 """One call of each heavy kernel of the large workload, for Nsight Compute (stall reasons,
 occupancy, DRAM and L2 throughput): the head-dim-16 attention on the row stage (plain and with
 RoPE), on the column stage's rows over the inducing points, and the fused feed-forward on the
-row stage's stream. Each runs once unprofiled first (Triton compiles, caches warm).
+row stage's stream; with ``--feed-forward`` only the two feed-forward kernels on that stream
+(the Triton one and tabserve::feed_forward_resident). Each runs once first (Triton compiles,
+caches warm): skip those launches with ``--launch-skip``.
 
     ncu --clock-control none --set full -k regex:"one_chunk|streaming|_feed_forward" \
         -c 4 -o probe python3 scripts/ncu_probe.py
@@ -22,17 +24,32 @@ from tabserve.kernels import feed_forward as ff  # noqa: E402
 from tabserve.models.tabicl.layers import RotaryEmbedding  # noqa: E402
 
 
-def main() -> int:
-    calls = []
-    for name, batch, queries, keys, broadcast in attention_bench.CASES:
+def feed_forward_calls() -> list:
+    """The Triton feed-forward kernel and tabserve::feed_forward_resident on the large row
+    stream (the same inputs; the resident op with its weights cast once, as frozen graphs pass
+    them)."""
+    x, update, (nw, nb, w1, b1, w2, b2) = ffn_bench.inputs(8 * 10240 * 68, "cuda")
+    resident = ffn_bench.resident_op()
+    return [
+        lambda: ff.run_kernel(x, update, nw, nb, w1, b1, w2, b2, 1e-5, torch.float16),
+        lambda: resident(x, update, nw, nb, w1, b1, w2, b2, 1e-5, torch.float16),
+    ]
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    calls = feed_forward_calls() if "--feed-forward" in argv else []
+    for name, batch, queries, keys, broadcast in [] if calls else attention_bench.CASES:
         if name in ("row", "col-rows"):
             q, k, v = attention_bench.inputs(batch, queries, keys, broadcast, torch.float16, "cuda")
             calls.append(lambda q=q, k=k, v=v: ops.small_head_attention(q, k, v))
         if name == "row":
             tables = RotaryEmbedding(16, 100_000.0).cuda().tables(keys, "cuda", torch.float16)
-            calls.append(lambda q=q, k=k, v=v: ops.small_head_attention(q, k, v, rotary=tables))
-    x, update, (nw, nb, w1, b1, w2, b2) = ffn_bench.inputs(8 * 10240 * 68, "cuda")
-    calls.append(lambda: ff.run_kernel(x, update, nw, nb, w1, b1, w2, b2, 1e-5, torch.float16))
+            calls.append(
+                lambda q=q, k=k, v=v, t=tables: ops.small_head_attention(q, k, v, rotary=t)
+            )
+    if "--feed-forward" not in argv:
+        calls += feed_forward_calls()[:1]
     for call in calls:  # warm-up: Triton compiles, nothing is cold when the profiler runs
         call()
     torch.cuda.synchronize()
