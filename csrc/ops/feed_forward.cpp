@@ -25,7 +25,7 @@ void check_feed_forward_resident(const at::Tensor& x, const std::optional<at::Te
                                  const at::Tensor& norm_weight,
                                  const std::optional<at::Tensor>& norm_bias, const at::Tensor& w1,
                                  const at::Tensor& b1, const at::Tensor& w2, const at::Tensor& b2,
-                                 double eps) {
+                                 double eps, const std::optional<at::Tensor>& skip) {
   const auto compute = w1.scalar_type();
   TORCH_CHECK(compute == at::kHalf || compute == at::kBFloat16,
               "w1 must be float16 or bfloat16 (its dtype is the matmul dtype), got ", compute);
@@ -48,6 +48,20 @@ void check_feed_forward_resident(const at::Tensor& x, const std::optional<at::Te
   check("w2", w2, {kResidentDim, kResidentHidden}, compute);
   check("b2", b2, {kResidentDim}, compute);
   TORCH_CHECK(std::isfinite(eps) && eps >= 0.0, "eps must be finite and >= 0, got ", eps);
+  if (!skip.has_value()) return;
+  const int64_t dims = skip->dim();
+  TORCH_CHECK(skip->scalar_type() == at::kBool && dims < x.dim() &&
+                  skip->sizes() == x.sizes().slice(0, dims),
+              "skip must be a bool tensor of a leading part of x's shape ",
+              x.sizes().slice(0, x.dim() - 1), ", got ", skip->scalar_type(), " ", skip->sizes());
+  TORCH_CHECK(skip->device() == x.device(), "skip is on ", skip->device(), " but x is on ",
+              x.device());
+}
+
+at::Tensor skip_mask(const at::Tensor& skip, int64_t dims) {
+  std::vector<int64_t> shape(skip.sizes().begin(), skip.sizes().end());
+  shape.resize(static_cast<size_t>(dims), 1);
+  return skip.view(shape);
 }
 
 namespace {
@@ -57,8 +71,9 @@ at::Tensor feed_forward_resident_cpu(const at::Tensor& x, const std::optional<at
                                      const at::Tensor& norm_weight,
                                      const std::optional<at::Tensor>& norm_bias,
                                      const at::Tensor& w1, const at::Tensor& b1,
-                                     const at::Tensor& w2, const at::Tensor& b2, double eps) {
-  check_feed_forward_resident(x, update, norm_weight, norm_bias, w1, b1, w2, b2, eps);
+                                     const at::Tensor& w2, const at::Tensor& b2, double eps,
+                                     const std::optional<at::Tensor>& skip, double skip_value) {
+  check_feed_forward_resident(x, update, norm_weight, norm_bias, w1, b1, w2, b2, eps, skip);
   const auto compute = w1.scalar_type();
   const auto round = [&](const at::Tensor& t) { return t.to(compute).to(at::kFloat); };
   const at::Tensor s = update.has_value() ? x + *update : x;  // rounded to T when x is T
@@ -67,7 +82,9 @@ at::Tensor feed_forward_resident_cpu(const at::Tensor& x, const std::optional<at
   const at::Tensor hidden = round(at::linear(normed, w1.to(at::kFloat), b1.to(at::kFloat)));
   const at::Tensor activated = round(at::gelu(hidden));
   const at::Tensor y = round(at::linear(activated, w2.to(at::kFloat), b2.to(at::kFloat)));
-  return (s.to(at::kFloat) + y).to(x.scalar_type()).contiguous();
+  at::Tensor out = (s.to(at::kFloat) + y).to(x.scalar_type()).contiguous();
+  if (skip.has_value()) out.masked_fill_(skip_mask(*skip, x.dim()), skip_value);
+  return out;
 }
 
 }  // namespace
@@ -83,10 +100,13 @@ TORCH_LIBRARY_FRAGMENT(tabserve, m) {
   // when x is T; out = s + y in fp32, returned contiguous in x's dtype. CPU: these maths with
   // ATen's fp32 kernels. CUDA (sm80+): both weight matrices resident in shared memory, the
   // products on tensor cores (another summation order: results differ by rounding), no host
-  // synchronisation.
+  // synchronisation. skip (optional): bool over a leading part of x's shape; the tokens of each
+  // set it marks get skip_value in every output element (the column stage's sentinel rule, so
+  // that no separate masked fill reads and writes the stream again).
   m.def(
       "feed_forward_resident(Tensor x, Tensor? update, Tensor norm_weight, Tensor? norm_bias, "
-      "Tensor w1, Tensor b1, Tensor w2, Tensor b2, float eps) -> Tensor",
+      "Tensor w1, Tensor b1, Tensor w2, Tensor b2, float eps, Tensor? skip=None, "
+      "float skip_value=0.0) -> Tensor",
       {at::Tag::pt2_compliant_tag});
 }
 

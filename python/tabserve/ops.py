@@ -635,6 +635,8 @@ def feed_forward(
     eps: float = 1e-5,
     compute_dtype: torch.dtype = torch.float16,
     update: Tensor | None = None,
+    skip: Tensor | None = None,
+    skip_value: float = 0.0,
 ) -> Tensor:
     """``s + linear2(gelu(linear1(layer_norm(s))))`` with ``s = x (+ update)``, as
     ``torch.autocast`` to ``compute_dtype`` computes it, in one pass on CUDA.
@@ -658,6 +660,11 @@ def feed_forward(
         compute_dtype: the matmul dtype: float16, bfloat16 or float32 (fp32: the composite).
         update: optional tensor of x's shape added to x first (a pre-LN block's attention
             output: the sum is then never written).
+        skip: optional bool tensor over a leading part of x's shape (``x.shape[:skip.dim()]``,
+            fewer dimensions than x): every output element of a marked set is ``skip_value``
+            (the column stage's sentinel rule, written by the kernels' epilogue instead of a
+            separate masked fill over the stream).
+        skip_value: the value of skipped sets' outputs.
 
     Returns:
         [..., dim] tensor of the promoted dtype of x, update and ``compute_dtype``, contiguous.
@@ -670,7 +677,7 @@ def feed_forward(
     from tabserve.kernels import feed_forward as kernels
 
     args = (x, update, norm_weight, norm_bias, w1, b1, w2, b2, eps, compute_dtype)
-    return kernels.feed_forward(*args)
+    return kernels.feed_forward(*args, skip, skip_value)
 
 
 def norm_linear(
@@ -720,11 +727,13 @@ RESIDENT_DIM, RESIDENT_HIDDEN = 128, 256
 
 
 @torch.library.register_fake("tabserve::feed_forward_resident")
-def _feed_forward_resident_fake(x, update, norm_weight, norm_bias, w1, b1, w2, b2, eps):
+def _feed_forward_resident_fake(
+    x, update, norm_weight, norm_bias, w1, b1, w2, b2, eps, skip=None, skip_value=0.0
+):
     _same_device(
         "feed_forward_resident",
         x=x, update=update, norm_weight=norm_weight, norm_bias=norm_bias,
-        w1=w1, b1=b1, w2=w2, b2=b2,
+        w1=w1, b1=b1, w2=w2, b2=b2, skip=skip,
     )  # fmt: skip
     compute = w1.dtype
     torch._check(
@@ -755,6 +764,13 @@ def _feed_forward_resident_fake(x, update, norm_weight, norm_bias, w1, b1, w2, b
         fits = tuple(tensor.shape) == shape and tensor.dtype == dtype
         torch._check(fits, lambda: message)  # noqa: B023 (called at once, inside the loop)
     torch._check(eps >= 0.0 and eps != float("inf"), lambda: f"eps must be finite and >= 0: {eps}")
+    if skip is not None:
+        torch._check(
+            skip.dtype == torch.bool
+            and skip.dim() < x.dim()
+            and tuple(skip.shape) == tuple(x.shape[: skip.dim()]),
+            lambda: "skip must be a bool tensor of a leading part of x's shape",
+        )
     return x.new_empty(x.shape)  # contiguous, x's dtype
 
 
@@ -768,6 +784,8 @@ def feed_forward_resident(
     b2: Tensor,
     eps: float = 1e-5,
     update: Tensor | None = None,
+    skip: Tensor | None = None,
+    skip_value: float = 0.0,
 ) -> Tensor:
     """:func:`feed_forward` at width 128 and FFN width 256 (TabICLv2's column and row stages),
     with both weight matrices held in shared memory for the whole CUDA launch.
@@ -787,6 +805,7 @@ def feed_forward_resident(
         w2, b2: linear2's [128, 256] weight and [128] bias, T.
         eps: LayerNorm's epsilon (finite, >= 0).
         update: optional T tensor of x's shape added to x first (the attention half's output).
+        skip, skip_value: as :func:`feed_forward`.
 
     Returns:
         [..., 128] contiguous tensor of x's dtype. No host synchronisation (CUDA-graph safe).
@@ -796,5 +815,39 @@ def feed_forward_resident(
         than x, a negative or infinite eps, or (CUDA) a GPU older than sm80.
     """
     return torch.ops.tabserve.feed_forward_resident(
-        x, update, norm_weight, norm_bias, w1, b1, w2, b2, eps
+        x, update, norm_weight, norm_bias, w1, b1, w2, b2, eps, skip, skip_value
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# Sets made only of one value (csrc/ops/all_equal.cpp, csrc/ops/cuda/all_equal.cu)
+
+
+@torch.library.register_fake("tabserve::all_equal")
+def _all_equal_fake(x, value, dims):
+    torch._check(dims >= 1, lambda: f"dims must be >= 1, got {dims}")
+    torch._check(x.dim() >= dims, lambda: f"x must have at least dims = {dims} dimensions")
+    torch._check(x.is_floating_point(), lambda: f"x must be floating point, got {x.dtype}")
+    return x.new_empty(x.shape[: x.dim() - dims], dtype=torch.bool)
+
+
+def all_equal(x: Tensor, value: float, dims: int = 1) -> Tensor:
+    """Whether every value of each set equals ``value``: ``(x == value).flatten(-dims).all(-1)``
+    in one pass that leaves each set at its first other value (the column stage's sentinel
+    check: only all-sentinel sets, i.e. padded features, are read whole).
+
+    Args:
+        x: [..., set dims] floating tensor, any strides (a strided x is copied first); the last
+            ``dims`` dimensions form one set.
+        value: compared after rounding to x's dtype, as ``x == value`` does; NaN equals nothing.
+        dims: how many trailing dimensions one set spans (>= 1).
+
+    Returns:
+        bool tensor of shape ``x.shape[:-dims]`` on x's device (an empty set is all equal). No
+        host synchronisation.
+
+    Raises:
+        RuntimeError naming the argument: dims < 1, x with fewer than ``dims`` dimensions or not
+        floating point.
+    """
+    return torch.ops.tabserve.all_equal(x, value, dims)

@@ -116,6 +116,38 @@ def test_cpu_operator_is_the_block_under_autocast_bit_for_bit(ln_bias):
         assert torch.equal(ops.feed_forward(x, *block_args(b), torch.float32), b.feed_forward(x))
 
 
+def test_skipped_sets_are_the_skip_value_and_the_rest_unchanged():
+    args = make_inputs((4, 6, 9), 32, 64, torch.float32, True, torch.bfloat16)
+    skip = torch.tensor([[True, False, False, True, False, True]] * 4)
+    skip[2] = False
+    plain = ops.feed_forward(args[0], *args[2:], 1e-5, torch.bfloat16, update=args[1])
+    got = ops.feed_forward(
+        args[0], *args[2:], 1e-5, torch.bfloat16, update=args[1], skip=skip, skip_value=-100.0
+    )
+    assert bool((got[skip] == -100).all())
+    assert torch.equal(got[~skip], plain[~skip])
+    # A one-dimensional skip over the leading dimension only.
+    first = torch.tensor([False, True, False, False])
+    got = ops.feed_forward(args[0], *args[2:], 1e-5, torch.bfloat16, update=args[1], skip=first)
+    assert bool((got[1] == 0).all()) and torch.equal(got[0], plain[0])
+
+
+@pytest.mark.parametrize(
+    "skip,message",
+    [
+        (torch.zeros(4, 6, dtype=torch.uint8), "skip must be a bool tensor"),
+        (torch.zeros(6, dtype=torch.bool), "skip must be a bool tensor"),
+        (torch.zeros(4, 6, 9, 32, dtype=torch.bool), "skip must be a bool tensor"),
+        (torch.zeros(4, 6, dtype=torch.bool, device="meta"), "skip is on meta"),
+    ],
+    ids=["dtype", "not leading", "all of x", "device"],
+)
+def test_bad_skip_is_refused(skip, message):
+    args = make_inputs((4, 6, 9), 32, 64, torch.float32, True, None)
+    with pytest.raises(ValueError, match=message):
+        ops.feed_forward(args[0], *args[2:], 1e-5, torch.bfloat16, skip=skip)
+
+
 def test_composite_is_float64_maths_within_bf16_rounding():
     x, _, nw, nb, w1, b1, w2, b2 = make_inputs((40,), 64, 128, torch.float32, True)
     got = ops.feed_forward(x, nw, nb, w1, b1, w2, b2, 1e-5, torch.bfloat16)
@@ -132,8 +164,8 @@ def test_kernel_under_the_interpreter_agrees_with_the_composite():
     """Runs the Triton program on CPU tensors (``TRITON_INTERPRET=1`` must be set before Triton
     compiles it, hence a child process) for every case; the checks run here."""
     results = interpreter_child("import test_feed_forward as t; t.interpreter_cases()")
-    assert len(results) == len(KERNEL_CASES) + len(OTHER_STEPS)
-    cases = KERNEL_CASES + [KERNEL_CASES[0]] * len(OTHER_STEPS)
+    assert len(results) == len(KERNEL_CASES) + len(OTHER_STEPS) + 1
+    cases = KERNEL_CASES + [KERNEL_CASES[0]] * (len(OTHER_STEPS) + 1)
     for case, (equal, worst, dtype, shape) in zip(cases, results):
         _, leading, dim, _, x_dtype, _, update = case
         assert shape == [*leading, dim]
@@ -159,6 +191,14 @@ def interpreter_cases() -> None:
         with ff.hidden_step_override(step):
             got = ff.run_kernel(*args, 1e-5, torch.float16)
         out.append([*agreement(got, want, stream(args)), str(got.dtype), list(got.shape)])
+    # Skipped sets (the first case's 3 sets of 100 tokens): the kernel writes the skip value.
+    skip = torch.tensor([True, False, True])
+    got = ff.run_kernel(*args, 1e-5, torch.float16, skip, -100.0)
+    want = ff.feed_forward_composite(*args, 1e-5, torch.float16, skip, -100.0)
+    assert bool((got[skip] == -100).all()) and torch.equal(
+        got[1], ff.run_kernel(*args, 1e-5, torch.float16)[1]
+    )
+    out.append([*agreement(got, want, stream(args)), str(got.dtype), list(got.shape)])
     print(json.dumps(out))
 
 
@@ -197,7 +237,7 @@ def test_block_takes_the_operator_in_one_compiled_graph(monkeypatch):
     calls = []
 
     def op(*args):
-        calls.append(args[-1])
+        calls.append(args[9])  # the compute dtype
         return ff.feed_forward_op(*args)
 
     shim = SimpleNamespace(kernel_applies=lambda *a: True, feed_forward=op)
@@ -216,6 +256,10 @@ def test_block_takes_the_operator_in_one_compiled_graph(monkeypatch):
 def test_opcheck():
     args = make_inputs((5, 7), 16, 64, torch.float32, True, torch.bfloat16)
     torch.library.opcheck(torch.ops.tabserve.feed_forward.default, (*args, 1e-5, torch.bfloat16))
+    skip = torch.tensor([True, False, False, True, False])
+    torch.library.opcheck(
+        torch.ops.tabserve.feed_forward.default, (*args, 1e-5, torch.bfloat16, skip, -100.0)
+    )
     x16, *params = make_inputs((9,), 16, 64, torch.bfloat16, False)
     torch.library.opcheck(
         torch.ops.tabserve.feed_forward.default, (x16, *params, 0.0, torch.bfloat16)
@@ -281,6 +325,17 @@ def test_cuda_kernel_agrees_with_the_composite(case, compute):
         assert equal >= 0.9 and worst <= 16.0, (equal, worst)
     else:
         assert_agrees(got, want, stream(args), str(case))
+
+
+@requires_cuda
+@requires_triton
+def test_cuda_kernel_writes_the_skip_value_of_skipped_sets():
+    # Sets of 700 tokens (tiles of 64 straddle them), fp32 stream with an fp16 update.
+    args = make_inputs((6, 700), 128, 256, torch.float32, True, torch.float16, device="cuda")
+    skip = torch.tensor([True, False, True, True, False, False], device="cuda")
+    got = torch.ops.tabserve.feed_forward(*args, 1e-5, torch.float16, skip, -100.0)
+    plain = torch.ops.tabserve.feed_forward(*args, 1e-5, torch.float16)
+    assert bool((got[skip] == -100).all()) and torch.equal(got[~skip], plain[~skip])
 
 
 @requires_cuda

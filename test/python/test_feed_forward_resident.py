@@ -103,12 +103,24 @@ def test_cpu_kernel_is_the_block_under_autocast():
     assert equal >= 0.97 and worst <= 16.0, (equal, worst)
 
 
+def test_skipped_sets_get_the_skip_value():
+    args = make_args((3, 4, 5), torch.float16)
+    skip = torch.tensor([[False, True, False, True]] * 3)
+    skip[1, 1] = False
+    plain = torch.ops.tabserve.feed_forward_resident(*args)
+    got = torch.ops.tabserve.feed_forward_resident(*args, skip, -100.0)
+    assert bool((got[skip] == -100).all()) and torch.equal(got[~skip], plain[~skip])
+
+
 def test_opcheck():
     for args in (
         make_args((5, 3), torch.float16),
         make_args((4,), torch.bfloat16, torch.bfloat16, update=False, norm_bias=False),
     ):
         torch.library.opcheck(torch.ops.tabserve.feed_forward_resident.default, tuple(args))
+    skip = torch.tensor([True, False, False, True, False])
+    args = (*make_args((5, 3), torch.float16), skip, -100.0)
+    torch.library.opcheck(torch.ops.tabserve.feed_forward_resident.default, args)
 
 
 def test_compiles_in_one_graph():
@@ -142,6 +154,9 @@ BAD_INPUTS = [
     ("b2 dtype", lambda a: bad(a, b2=a[7].float()), "b2 must be Half"),
     ("eps negative", lambda a: bad(a, eps=-1.0), "eps must be finite and >= 0"),
     ("eps inf", lambda a: bad(a, eps=float("inf")), "eps must be finite and >= 0"),
+    ("skip dtype", lambda a: [*a, torch.zeros(4, dtype=torch.uint8)], "skip must be a bool"),
+    ("skip shape", lambda a: [*a, torch.zeros(5, dtype=torch.bool)], "skip must be a bool"),
+    ("skip of all", lambda a: [*a, torch.zeros(4, 5, 128, dtype=torch.bool)], "skip must be"),
 ]
 
 
@@ -212,6 +227,15 @@ def test_cuda_kernel_agrees_with_the_cpu_kernel(case, compute):
     want = torch.ops.tabserve.feed_forward_resident(*args)
     equal, worst = agreement(got, want, stream(args))
     assert equal >= 0.9 and worst <= (2.0 if compute == torch.float16 else 16.0), (equal, worst)
+
+
+@requires_cuda
+def test_cuda_skipped_sets_get_the_skip_value():
+    args = make_args((6, 700), torch.float16, seed=3)  # sets of 700 tokens: tiles straddle them
+    skip = torch.tensor([True, False, True, True, False, False])
+    got = torch.ops.tabserve.feed_forward_resident(*to(args, "cuda"), skip.cuda(), -100.0).cpu()
+    plain = torch.ops.tabserve.feed_forward_resident(*to(args, "cuda")).cpu()
+    assert bool((got[skip] == -100).all()) and torch.equal(got[~skip], plain[~skip])
 
 
 @requires_cuda

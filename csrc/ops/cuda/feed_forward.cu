@@ -76,6 +76,9 @@ struct Params {
   const void* b2;
   int64_t tokens;
   float eps;
+  const bool* skip;    // nullptr: none; else one flag per run of set_tokens tokens
+  int64_t set_tokens;
+  float skip_value;
 };
 
 // Shared memory of a block: both weight matrices (swizzled) and the vectors as floats.
@@ -353,9 +356,13 @@ __global__ void __launch_bounds__(kThreads, 1) feed_forward_resident_kernel(Para
     __syncwarp();
 #pragma unroll
     for (int i = 0; i < kTile; ++i) {
-      if (first + i < p.tokens) {
-        store_four(out + (first + i) * kDim + 4 * lane,
-                   *reinterpret_cast<const float4*>(stage + i * kStagePitch + 4 * lane));
+      const int64_t token = first + i;
+      if (token < p.tokens) {
+        float4 v = *reinterpret_cast<const float4*>(stage + i * kStagePitch + 4 * lane);
+        if (p.skip != nullptr && p.skip[token / p.set_tokens]) {
+          v = make_float4(p.skip_value, p.skip_value, p.skip_value, p.skip_value);
+        }
+        store_four(out + token * kDim + 4 * lane, v);
       }
     }
     __syncwarp();  // the staging rows are free for the next tile
@@ -374,8 +381,11 @@ at::Tensor feed_forward_resident_cuda(const at::Tensor& x_in,
                                       const at::Tensor& norm_weight,
                                       const std::optional<at::Tensor>& norm_bias,
                                       const at::Tensor& w1_in, const at::Tensor& b1,
-                                      const at::Tensor& w2_in, const at::Tensor& b2, double eps) {
-  check_feed_forward_resident(x_in, update_in, norm_weight, norm_bias, w1_in, b1, w2_in, b2, eps);
+                                      const at::Tensor& w2_in, const at::Tensor& b2, double eps,
+                                      const std::optional<at::Tensor>& skip_in,
+                                      double skip_value) {
+  check_feed_forward_resident(x_in, update_in, norm_weight, norm_bias, w1_in, b1, w2_in, b2, eps,
+                              skip_in);
   const c10::cuda::CUDAGuard guard(x_in.device());
   const int device = x_in.get_device();
   int major = 0, sms = 0;
@@ -404,6 +414,13 @@ at::Tensor feed_forward_resident_cuda(const at::Tensor& x_in,
   p.b2 = b2c.const_data_ptr();
   p.tokens = tokens;
   p.eps = static_cast<float>(eps);
+  at::Tensor skip;
+  if (skip_in.has_value() && skip_in->numel() > 0) {
+    skip = skip_in->contiguous();
+    p.skip = skip.const_data_ptr<bool>();
+    p.set_tokens = tokens / skip.numel();
+    p.skip_value = static_cast<float>(skip_value);
+  }
 
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
   const int64_t warp_tiles = (tokens + kTile - 1) / kTile;

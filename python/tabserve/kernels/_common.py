@@ -97,6 +97,27 @@ def check_arguments(
         raise ValueError(f"{op}: eps must be finite and >= 0, got {eps}")
 
 
+def check_skip(op: str, x: Tensor, skip: Tensor | None) -> None:
+    """``skip`` (optional): bool over a leading part of x's shape (x.shape[:skip.dim()], fewer
+    dimensions than x), on x's device: the sets of tokens whose outputs are the skip value."""
+    if skip is None:
+        return
+    if skip.dtype != torch.bool or skip.dim() >= x.dim() or skip.shape != x.shape[: skip.dim()]:
+        raise ValueError(
+            f"{op}: skip must be a bool tensor of a leading part of x's shape "
+            f"{tuple(x.shape[:-1])}, got {skip.dtype} {tuple(skip.shape)}"
+        )
+    if skip.device != x.device:
+        raise ValueError(f"{op}: skip is on {skip.device} but x is on {x.device}")
+
+
+def apply_skip(out: Tensor, skip: Tensor | None, skip_value: float) -> Tensor:
+    """``out`` with the sets ``skip`` marks filled with ``skip_value`` (the composites' rule)."""
+    if skip is None:
+        return out
+    return out.masked_fill(skip.view(*skip.shape, *([1] * (out.dim() - skip.dim()))), skip_value)
+
+
 if triton is not None:
 
     @triton.jit

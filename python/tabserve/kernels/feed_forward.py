@@ -29,7 +29,9 @@ from torch import Tensor
 
 from ._common import (
     STREAM_DTYPES,
+    apply_skip,
     check_arguments,
+    check_skip,
     define_operator,
     kernel_takes,
     matmul_operand,
@@ -66,7 +68,7 @@ def hidden_step_override(step: int):
 _OPERATOR = "tabserve::feed_forward"
 
 
-def _check(x, update, norm_weight, norm_bias, w1, b1, w2, b2, eps, compute_dtype) -> None:
+def _check(x, update, norm_weight, norm_bias, w1, b1, w2, b2, eps, compute_dtype, skip=None):
     dim = x.shape[-1] if x.dim() else 0  # (a 0-d x is refused by check_arguments)
     hidden = w1.shape[0] if w1.dim() == 2 else 0
     expected = {
@@ -78,19 +80,22 @@ def _check(x, update, norm_weight, norm_bias, w1, b1, w2, b2, eps, compute_dtype
         "update": (update, tuple(x.shape)),
     }
     check_arguments(_OPERATOR, x, ("w1", w1), expected, eps, compute_dtype)
+    check_skip(_OPERATOR, x, skip)
 
 
 def feed_forward_composite(
-    x, update, norm_weight, norm_bias, w1, b1, w2, b2, eps, compute_dtype
+    x, update, norm_weight, norm_bias, w1, b1, w2, b2, eps, compute_dtype, skip=None, skip_value=0.0
 ) -> Tensor:
-    """The operator as ATen ops: what autocast makes of the module (the kernels' reference)."""
+    """The operator as ATen ops: what autocast makes of the module (the kernels' reference);
+    the sets ``skip`` marks are then filled with ``skip_value``."""
     dim = x.shape[-1]
     if update is not None:
         x = x + update
     bias = None if norm_bias is None else norm_bias.float()
     normed = F.layer_norm(x.float(), (dim,), norm_weight.float(), bias, eps).to(compute_dtype)
     hidden = F.gelu(F.linear(normed, w1.to(compute_dtype), b1.to(compute_dtype)))
-    return x + F.linear(hidden, w2.to(compute_dtype), b2.to(compute_dtype))
+    out = x + F.linear(hidden, w2.to(compute_dtype), b2.to(compute_dtype))
+    return apply_skip(out, skip, skip_value)
 
 
 def kernel_applies(
@@ -132,7 +137,9 @@ if triton is not None:
         b1_ptr,
         w2_ptr,
         b2_ptr,
+        skip_ptr,
         tokens,
+        set_tokens,
         EPS: tl.constexpr,  # a runtime float would reach the kernel as fp64 through Inductor
         DIM: tl.constexpr,
         HIDDEN: tl.constexpr,
@@ -142,6 +149,8 @@ if triton is not None:
         HAS_UPDATE: tl.constexpr,
         SUM_ROUND: tl.constexpr,
         BF16: tl.constexpr,
+        HAS_SKIP: tl.constexpr,
+        SKIP_VALUE: tl.constexpr,
     ):
         # Dtypes travel as a flag and as the output pointer's type: torch.compile does not take
         # Triton dtypes as kernel arguments (triton-lang/triton#4072).
@@ -170,12 +179,18 @@ if triton is not None:
         # The residual is read again rather than held: a tile of it in registers through both
         # matmuls would spill; the second read hits L2.
         out = _residual(x_ptr, update_ptr, offsets, in_range, HAS_UPDATE, SUM_ROUND) + y
+        if HAS_SKIP:  # tokens of a skipped set (set_tokens tokens each) get the skip value
+            skipped = tl.load(skip_ptr + rows // set_tokens, mask=rows < tokens, other=0) != 0
+            out = tl.where(skipped[:, None], SKIP_VALUE, out)
         tl.store(out_ptr + offsets, out.to(out_ptr.dtype.element_ty), mask=in_range)
 
     #: SUM_ROUND codes of the residual sum's dtype.
     _SUM_ROUND = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
-    def _launch(x, update, norm_weight, norm_bias, w1, b1, w2, b2, eps, compute_dtype, launcher):
+    def _launch(
+        x, update, norm_weight, norm_bias, w1, b1, w2, b2, eps, compute_dtype, launcher,
+        skip=None, skip_value=0.0,
+    ):  # fmt: skip
         dim, hidden = x.shape[-1], w1.shape[0]
         tokens = x.numel() // dim
         sum_dtype = x.dtype if update is None else torch.promote_types(x.dtype, update.dtype)
@@ -196,7 +211,9 @@ if triton is not None:
             b1.contiguous(),
             matmul_operand(w2, compute_dtype),
             b2.contiguous(),
+            x if skip is None else skip.contiguous().view(torch.uint8),
             tokens,
+            1 if skip is None else max(1, tokens // max(1, skip.numel())),
             EPS=eps,
             DIM=dim,
             HIDDEN=hidden,
@@ -206,17 +223,22 @@ if triton is not None:
             HAS_UPDATE=update is not None,
             SUM_ROUND=_SUM_ROUND[sum_dtype],
             BF16=compute_dtype == torch.bfloat16,
+            HAS_SKIP=skip is not None,
+            SKIP_VALUE=float(skip_value),
             num_warps=num_warps,
             num_stages=num_stages,
         )
         return out
 
-    def run_kernel(x, update, norm_weight, norm_bias, w1, b1, w2, b2, eps, compute_dtype):
+    def run_kernel(
+        x, update, norm_weight, norm_bias, w1, b1, w2, b2, eps, compute_dtype,
+        skip=None, skip_value=0.0,
+    ):  # fmt: skip
         """The Triton kernel called directly (tests run it on CPU tensors under
         ``TRITON_INTERPRET=1``); no checks beyond :func:`_check`."""
         args = (x, update, norm_weight, norm_bias, w1, b1, w2, b2, eps, compute_dtype)
-        _check(*args)
-        return _launch(*args, lambda k: k)
+        _check(*args, skip)
+        return _launch(*args, lambda k: k, skip, skip_value)
 
 
 def _feed_forward(
@@ -230,14 +252,16 @@ def _feed_forward(
     b2: Tensor,
     eps: float,
     compute_dtype: torch.dtype,
+    skip: Tensor | None = None,
+    skip_value: float = 0.0,
 ) -> Tensor:
     args = (x, update, norm_weight, norm_bias, w1, b1, w2, b2, eps, compute_dtype)
-    _check(*args)
+    _check(*args, skip)
     if not kernel_applies(x, update, w1, compute_dtype):
-        return feed_forward_composite(*args)
+        return feed_forward_composite(*args, skip, skip_value)
     from torch.library import wrap_triton
 
-    return _launch(*args, wrap_triton)
+    return _launch(*args, wrap_triton, skip, skip_value)
 
 
 feed_forward_op = define_operator(_OPERATOR, _feed_forward)
@@ -288,20 +312,26 @@ def feed_forward(
     b2: Tensor,
     eps: float,
     compute_dtype: torch.dtype,
+    skip: Tensor | None = None,
+    skip_value: float = 0.0,
 ) -> Tensor:
     """The feed-forward half through the fastest operator that serves the operands: the
     resident CUDA kernel (:func:`resident_applies`), else ``tabserve::feed_forward`` (Triton
     kernel or composite). The casts to the operators' dtypes are ATen ops before the call, so
-    under Inductor's freezing they fold into constants once per compiled graph."""
+    under Inductor's freezing they fold into constants once per compiled graph. ``skip``: see
+    :func:`tabserve.ops.feed_forward`."""
     args = (x, update, norm_weight, norm_bias, w1, b1, w2, b2, eps, compute_dtype)
     if resident_applies(x, update, w1, compute_dtype):
-        return _resident(*args)
-    return feed_forward_op(*args)
+        return _resident(*args, skip, skip_value)
+    return feed_forward_op(*args, skip, skip_value)
 
 
-def _resident(x, update, norm_weight, norm_bias, w1, b1, w2, b2, eps, compute_dtype) -> Tensor:
+def _resident(
+    x, update, norm_weight, norm_bias, w1, b1, w2, b2, eps, compute_dtype, skip, skip_value
+) -> Tensor:
     bias = None if norm_bias is None else norm_bias.float()
     return torch.ops.tabserve.feed_forward_resident(
         x, update, norm_weight.float(), bias, matmul_operand(w1, compute_dtype),
         b1.to(compute_dtype), matmul_operand(w2, compute_dtype), b2.to(compute_dtype), eps,
+        skip, skip_value,
     )  # fmt: skip
