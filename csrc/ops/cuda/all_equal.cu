@@ -32,16 +32,19 @@ __global__ void __launch_bounds__(kThreads)
   const auto sentinel = static_cast<compare_t>(sentinel_value);
   for (int64_t s = blockIdx.x; s < sets; s += gridDim.x) {
     const scalar_t* set = x + s * size;
-    bool other = false;
+    bool other = false, block_other = false;
     for (int64_t start = 0; start < size; start += int64_t{kThreads} * kPerThread) {
 #pragma unroll
       for (int i = 0; i < kPerThread; ++i) {
         const int64_t index = start + int64_t{i} * kThreads + threadIdx.x;
         if (index < size) other |= static_cast<compare_t>(set[index]) != sentinel;
       }
-      if (__syncthreads_or(other)) break;  // the same decision in every thread
+      // The block's verdict, the same in every thread (thread 0's own flag is not: the first
+      // GPU run wrote it and called sets with one late other value all equal).
+      block_other = __syncthreads_or(other);
+      if (block_other) break;
     }
-    if (threadIdx.x == 0) out[s] = !other;
+    if (threadIdx.x == 0) out[s] = !block_other;
   }
 }
 
