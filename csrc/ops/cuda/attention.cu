@@ -527,12 +527,8 @@ at::Tensor small_head_attention_cuda(const at::Tensor& q_in, const at::Tensor& k
               "small_head_attention on CUDA takes float16 or bfloat16 q, k and v (tensor cores), "
               "got ", q_in.scalar_type(), "; fp32 attention runs through SDPA");
   const c10::cuda::CUDAGuard guard(q_in.device());
-  int major = 0, minor = 0;
-  const int device = q_in.get_device();
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
-  TORCH_CHECK(major >= 8, "small_head_attention needs a GPU of compute capability 8.0 or newer ",
-              "(bf16 / fp16 tensor-core tiles), got ", major, ".", minor);
+  const int multiprocessors =
+      tensor_core::tensor_core_multiprocessors("small_head_attention", q_in.get_device());
   at::Tensor out = small_head_attention_output(q_in);
   if (out.numel() == 0) return out;
   const auto unit_last = [](const at::Tensor& t) { return t.stride(3) == 1 ? t : t.contiguous(); };
@@ -603,11 +599,11 @@ at::Tensor small_head_attention_cuda(const at::Tensor& q_in, const at::Tensor& k
         C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                             static_cast<int>(shared)));
       }
-      int blocks_per_sm = 0, sms = 0;
+      int blocks_per_sm = 0;
       C10_CUDA_CHECK(
           cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks_per_sm, kernel, kThreads, shared));
-      C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-      grid = std::min<int64_t>(grid, static_cast<int64_t>(std::max(blocks_per_sm, 1)) * sms);
+      grid = std::min<int64_t>(
+          grid, static_cast<int64_t>(std::max(blocks_per_sm, 1)) * multiprocessors);
     }
     kernel<<<static_cast<unsigned int>(grid), kThreads, shared, stream>>>(params);
   };

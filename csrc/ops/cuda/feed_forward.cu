@@ -387,11 +387,8 @@ at::Tensor feed_forward_resident_cuda(const at::Tensor& x_in,
   check_feed_forward_resident(x_in, update_in, norm_weight, norm_bias, w1_in, b1, w2_in, b2, eps,
                               skip_in);
   const c10::cuda::CUDAGuard guard(x_in.device());
-  const int device = x_in.get_device();
-  int major = 0, sms = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
-  TORCH_CHECK(major >= 8, "feed_forward_resident needs a GPU of compute capability 8.0 or newer ",
-              "(fp16 / bf16 tensor-core tiles), got major version ", major);
+  const int multiprocessors =
+      tensor_core::tensor_core_multiprocessors("feed_forward_resident", x_in.get_device());
   const at::Tensor x = contiguous_aligned(x_in);
   at::Tensor out = at::empty(x.sizes(), x.options());
   const int64_t tokens = x.numel() / kDim;
@@ -422,10 +419,9 @@ at::Tensor feed_forward_resident_cuda(const at::Tensor& x_in,
     p.skip_value = static_cast<float>(skip_value);
   }
 
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
   const int64_t warp_tiles = (tokens + kTile - 1) / kTile;
   const auto grid = static_cast<unsigned int>(
-      std::min<int64_t>(sms, (warp_tiles + kWarps - 1) / kWarps));
+      std::min<int64_t>(multiprocessors, (warp_tiles + kWarps - 1) / kWarps));
   const auto stream = c10::cuda::getCurrentCUDAStream();
   const auto launch = [&](auto compute, auto stream_element) {
     using T = decltype(compute);

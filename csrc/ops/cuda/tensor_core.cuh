@@ -1,6 +1,7 @@
 // Warp-level tensor-core building blocks shared by the CUDA kernels that multiply on tensor cores
 // (attention.cu, feed_forward.cu): the m16n8k16 product, ldmatrix loads from shared memory and
-// packing of two floats into one register of the input dtype (fp16 or bf16).
+// packing of two floats into one register of the input dtype (fp16 or bf16); and on the host,
+// the check that a GPU has those tiles.
 //
 // Fragment layout of m16n8k16 (PTX ISA, "Matrix Fragments for mma.m16n8k16"), lane = 4 g + t:
 //   A (16 x 16, row-major): a0 = A[g][2t, 2t+1], a1 = A[g+8][2t, 2t+1], a2 = A[g][2t+8, 2t+9],
@@ -11,6 +12,8 @@
 // fragment of the next product over those 16 columns (FlashAttention-2's trick).
 #pragma once
 
+#include <c10/cuda/CUDAException.h>
+#include <c10/util/Exception.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -20,6 +23,18 @@
 namespace tabserve {
 namespace ops {
 namespace tensor_core {
+
+// Checks that `device` has the fp16 / bf16 tensor-core tiles these kernels use (sm80 or newer),
+// naming `op` in the error; returns its number of multiprocessors (for grids of resident blocks).
+inline int tensor_core_multiprocessors(const char* op, int device) {
+  int major = 0, minor = 0, sms = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
+  TORCH_CHECK(major >= 8, op, " needs a GPU of compute capability 8.0 or newer ",
+              "(bf16 / fp16 tensor-core tiles), got ", major, ".", minor);
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  return sms;
+}
 
 // Two floats rounded into T (round to nearest even), packed as one register (first in the low
 // half).

@@ -27,6 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from tabserve.ops import RESIDENT_DIM, RESIDENT_HIDDEN
+
 from ._common import (
     STREAM_DTYPES,
     apply_skip,
@@ -286,8 +288,6 @@ def resident_applies(
 ) -> bool:
     """Whether ``tabserve::feed_forward_resident``'s CUDA kernel serves these operands (shapes
     and dtypes only: static under compile)."""
-    from tabserve.ops import RESIDENT_DIM, RESIDENT_HIDDEN
-
     return (
         RESIDENT_KERNEL
         and x.device.type == "cuda"
