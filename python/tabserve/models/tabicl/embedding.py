@@ -51,10 +51,13 @@ class InducedSetBlock(nn.Module):
         return self.multihead_attn2.key_value(hidden)
 
     def forward(self, cells: Tensor, summary: KeyValue) -> Tensor:
-        """Cells ``(..., T, E)`` attend to the induced tokens; sets made only of the sentinel stay."""
-        out = self.multihead_attn2(cells, cached_kv=summary)
-        skipped = (cells == SKIP_VALUE).flatten(-2).all(dim=-1)[..., None, None]
-        return out.masked_fill_(skipped, SKIP_VALUE)  # one pass, no tensor of sentinels
+        """Cells ``(..., T, E)`` attend to the induced tokens; sets made only of the sentinel stay.
+
+        The check reads each set only up to its first other value (``tabserve::all_equal``:
+        as ``(cells == SKIP_VALUE).flatten(-2).all(-1)`` it read all of the cells before every
+        block), and the fused feed-forward writes the sentinels itself (no masked fill pass)."""
+        skipped = torch.ops.tabserve.all_equal(cells, SKIP_VALUE, 2)
+        return self.multihead_attn2(cells, cached_kv=summary, skip=skipped)
 
 
 class SetTransformer(nn.Module):

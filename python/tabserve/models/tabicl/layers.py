@@ -395,13 +395,15 @@ class AttentionBlock(nn.Module):
         rope: RotaryEmbedding | None = None,
         return_kv: bool = False,
         n_keys: Tensor | None = None,
+        skip: Tensor | None = None,
     ):
         """Attend from raw query tokens ``q (..., Lq, E)``.
 
         Keys/values come from ``cached_kv`` if given, else from ``kv`` (raw tokens), else from the
         first ``kv_rows`` tokens of ``q`` (all of them if None: self-attention). With
         ``return_kv`` also returns the K/V pair used. ``n_keys``: padded keys, see
-        :meth:`Attention.forward`.
+        :meth:`Attention.forward`. ``skip``: bool over ``q``'s leading dims (without Lq, E):
+        the outputs of each marked set are ``SKIP_VALUE`` (see :meth:`feed_forward`).
         """
         norm = self._projection_norm(q)  # fused: the projections normalise q themselves
         q_in = q if norm is not None else self.norm1(q)
@@ -418,12 +420,16 @@ class AttentionBlock(nn.Module):
             keys_rotated = return_kv or not self.attn.rotates_keys_itself(rope)
             keys_values = self.key_value(kv, rope if keys_rotated else None)
         update = self.attn(q_in, keys_values, rope, n_keys, norm, keys_rotated=keys_rotated)
-        x = self.feed_forward(q, update)
+        x = self.feed_forward(q, update, skip)
         return (x, keys_values) if return_kv else x
 
-    def feed_forward(self, x: Tensor, update: Tensor | None = None) -> Tensor:
+    def feed_forward(
+        self, x: Tensor, update: Tensor | None = None, skip: Tensor | None = None
+    ) -> Tensor:
         """``s + FFN(LN2(s))`` with ``s = x (+ update)``; with :attr:`fused_feed_forward` in one
-        pass of the fused operator (same roundings as autocast), else as the modules."""
+        pass of the fused operator (same roundings as autocast), else as the modules. ``skip``
+        (bool over x's leading dims, without the token and embedding dims): the outputs of each
+        marked set are ``SKIP_VALUE``, written by the fused operator itself."""
         if update is not None and update.shape != x.shape:  # broadcast queries (inducing points)
             x, update = x + update, None
         dtype = _autocast_matmul_dtype(x) if self.fused_feed_forward else None
@@ -431,11 +437,14 @@ class AttentionBlock(nn.Module):
             norm, linear1, linear2 = self.norm2, self.linear1, self.linear2
             return fused_ffn.feed_forward(
                 x, update, norm.weight, norm.bias, linear1.weight, linear1.bias,
-                linear2.weight, linear2.bias, norm.eps, dtype,
+                linear2.weight, linear2.bias, norm.eps, dtype, skip, SKIP_VALUE,
             )  # fmt: skip
         if update is not None:
             x = x + update
-        return x + self.linear2(F.gelu(self.linear1(self.norm2(x))))
+        out = x + self.linear2(F.gelu(self.linear1(self.norm2(x))))
+        if skip is None:
+            return out
+        return out.masked_fill_(skip[..., None, None], SKIP_VALUE)  # one pass, in place
 
 
 def _autocast_matmul_dtype(x: Tensor) -> torch.dtype | None:
