@@ -373,6 +373,34 @@ def test_cuda_compiled_and_captured_equal_eager():
         assert_agrees(eager, b.feed_forward(x, u), x.double() + u.double(), "fused vs modules")
 
 
+@requires_cuda
+@requires_triton
+@pytest.mark.parametrize("resident", [True, False], ids=["resident", "triton"])
+def test_cuda_compiled_skip_from_all_equal_equals_eager(resident, monkeypatch):
+    """The induced-set block's pattern under Inductor: ``all_equal``'s flags (a bool tensor
+    made in the graph) into either kernel's skip epilogue. The first H200 run of this wiring
+    failed to lower (the Triton launch viewed the flags as uint8, 2026-12-01)."""
+    monkeypatch.setattr(ff, "RESIDENT_KERNEL", resident)
+    b = block().cuda()
+    b.fused_feed_forward = True
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(4, 300, 128, generator=g).cuda()
+    x[1] = x[3] = -100.0  # two sets made only of the sentinel
+    u = torch.randn(4, 300, 128, generator=g).cuda().half()
+
+    def forward(x, u):
+        return b.feed_forward(x, u, torch.ops.tabserve.all_equal(x, -100.0, 2))
+
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.float16):
+        eager = forward(x, u)
+        torch._dynamo.reset()
+        compiled = torch.compile(forward, fullgraph=True)(x, u)
+        plain = b.feed_forward(x, u)
+    assert torch.equal(compiled, eager)
+    assert bool((eager[[1, 3]] == -100).all())
+    assert torch.equal(eager[[0, 2]], plain[[0, 2]])
+
+
 def fused_and_plain(
     task: str, set_flags, kernel_module, launcher: str = "_launch"
 ) -> tuple[torch.Tensor, torch.Tensor]:

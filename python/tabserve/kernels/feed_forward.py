@@ -213,7 +213,8 @@ if triton is not None:
             b1.contiguous(),
             matmul_operand(w2, compute_dtype),
             b2.contiguous(),
-            x if skip is None else skip.contiguous().view(torch.uint8),
+            x if skip is None else skip.contiguous(),  # bool: Triton's *i1 (no dtype view,
+            # which Inductor cannot lower for bool)
             tokens,
             1 if skip is None else max(1, tokens // max(1, skip.numel())),
             EPS=eps,
