@@ -1,7 +1,7 @@
 """Where the time of one TabICLv2 call goes, per stage and per kernel, for driver cells.
 
 For each cell (names as in ``python -m tabserve.bench --list``) on one workload: the warm wall time
-of a one-shot call, the GPU time of each stage (column embedding, row interaction, in-context
+of a one-shot call (``--phase kv``: of a KV-cached prediction), the GPU time of each stage (column embedding, row interaction, in-context
 learning; CUDA events around the stage modules' methods, so the reference and tabserve split the
 same way), the share of the wall time the GPU is busy, the GPU time per kernel family
 (attention kernels, GEMMs, Inductor's fused kernels, ...: the split that compiled and captured
@@ -162,8 +162,25 @@ def timeline(events) -> dict:
     }
 
 
+def profiled_call(engine, workload, X, y, phase: str):
+    """The call a profile times: the one-shot call (fit + predict), or with ``phase="kv"`` the
+    KV-cached prediction of the test rows from a cache built once on the train rows."""
+    if phase == "one_shot":
+        return functools.partial(engine.one_shot, X, y)
+    if not workload.cacheable:
+        raise ValueError(f"--phase kv: the KV cache does not serve workload {workload.name}")
+    cache = engine.build_cache(X[:, : workload.n_train], y)
+    return functools.partial(engine.predict_cached, X[:, workload.n_train :].contiguous(), cache)
+
+
 def profile_cell(
-    name: str, workload, checkpoint: Path, device: torch.device, repeats: int, trace=None
+    name: str,
+    workload,
+    checkpoint: Path,
+    device: torch.device,
+    repeats: int,
+    trace=None,
+    phase: str = "one_shot",
 ):
     cell = cell_by_name(name)
     reason = skip_reason(cell, device.type)
@@ -171,9 +188,9 @@ def profile_cell(
         return {"cell": name, "workload": workload.name, "skipped": reason}, ""
     engine = make_engine(cell, workload, checkpoint, device)
     X, y = model_tables(workload, seed=1, device=device)
+    call = profiled_call(engine, workload, X, y, phase)
     for _ in range(3):  # warm-up: compile, capture, cuDNN plans
-        engine.one_shot(X, y)
-    call = functools.partial(engine.one_shot, X, y)
+        call()
     walls = [time_once(call, device)[0] for _ in range(repeats)]
     # Stage split (only where the stage modules run eagerly: compiled or captured cells hide it).
     model = getattr(engine, "model", None)
@@ -190,12 +207,12 @@ def profile_cell(
     )
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=activities) as prof:
-        engine.one_shot(X, y)
+        call()
         synchronize(device)
     events = prof.key_averages()
     if trace is not None:  # the whole call as a Chrome / Perfetto trace
         trace.mkdir(parents=True, exist_ok=True)
-        raw = trace / f"trace_{workload.name}_{name}.json"
+        raw = trace / f"trace_{workload.name}_{name}{'_kv' if phase == 'kv' else ''}.json"
         prof.export_chrome_trace(str(raw))
         with raw.open("rb") as src, gzip.open(f"{raw}.gz", "wb") as dst:
             shutil.copyfileobj(src, dst)
@@ -206,6 +223,7 @@ def profile_cell(
     result = {
         "cell": name,
         "workload": workload.name,
+        "phase": phase,
         "wall_ms_median": round(wall, 3),
         "wall_ms_all": [round(w, 3) for w in walls],
         "stage_gpu_ms": stage_ms,
@@ -244,6 +262,12 @@ def main(argv=None) -> int:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--workload", default="large")
     parser.add_argument("--cells", nargs="+", default=["c1-ref-fp16", "c5-fp16"])
+    parser.add_argument(
+        "--phase",
+        choices=("one_shot", "kv"),
+        default="one_shot",
+        help="the call profiled: one-shot (fit + predict) or the KV-cached prediction",
+    )
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--checkpoint", type=Path, help="default: random v2 weights (seed 0)")
     parser.add_argument("--model-size", choices=("full", "tiny"), default="full")
@@ -263,7 +287,7 @@ def main(argv=None) -> int:
         for name in args.cells:
             try:
                 summary, text = profile_cell(
-                    name, workload, checkpoint, device, args.repeats, args.trace
+                    name, workload, checkpoint, device, args.repeats, args.trace, args.phase
                 )
             except Exception as error:  # noqa: BLE001  (one failing cell must not hide the others)
                 summary, text = {"cell": name, "error": f"{type(error).__name__}: {error}"}, ""

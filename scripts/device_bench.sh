@@ -117,14 +117,16 @@ for part in "$@"; do
       tail -3 "$LOG/pytest.log" ;;
     profile)  # where the time goes (benchmarks/profile_tabiclv2.py): PROFILE_WORKLOADS, and
       # PROFILE_CELLS_LARGE / PROFILE_CELLS_SMALL / ... per workload (else PROFILE_CELLS);
-      # PROFILE_TRACE=1: each profiled call as a Perfetto trace too (trace_*.json.gz)
+      # PROFILE_TRACE=1: each profiled call as a Perfetto trace too (trace_*.json.gz);
+      # PROFILE_PHASE=kv: the KV-cached prediction instead of the one-shot call (profile_W_kv.json)
       for w in ${PROFILE_WORKLOADS:-large small}; do
+        phase=${PROFILE_PHASE:-one_shot}; tag=$w${PROFILE_PHASE:+_$PROFILE_PHASE}
         cells_var=PROFILE_CELLS_${w^^}; cells_var=${cells_var//-/_}
         cells=${!cells_var:-${PROFILE_CELLS:-c1-ref-fp16 c5-fp16 c7-fp16-flash c18-fp16-buckets-cudagraphs}}
         timeout "$(left $((LIMIT - 60)))" python3 benchmarks/profile_tabiclv2.py --device cuda \
-          --workload $w --cells $cells ${PROFILE_TRACE:+--trace "$OUT"} \
-          --out "$LOG/profile_$w.txt" --json "$OUT/profile_$w.json" 2>"$LOG/profile_$w.err"
-        echo "profile $w rc=$?"; cat "$OUT/profile_$w.json" 2>/dev/null | tr -d '\n ' | cut -c1-1500; echo
+          --workload $w --phase $phase --cells $cells ${PROFILE_TRACE:+--trace "$OUT"} \
+          --out "$LOG/profile_$tag.txt" --json "$OUT/profile_$tag.json" 2>"$LOG/profile_$tag.err"
+        echo "profile $tag rc=$?"; cat "$OUT/profile_$tag.json" 2>/dev/null | tr -d '\n ' | cut -c1-1500; echo
       done ;;
     cudatests)  # the CUDA tests of the model, padding, serving and RoPE, then the RoPE benchmark
       timeout "${CUDATESTS_TIMEOUT:-$(left $((LIMIT - 30)))}" python3 -m pytest -q -p no:cacheprovider -p no:logging -rfE \

@@ -663,6 +663,31 @@ def test_profiler_splits_eager_time_by_stage_and_writes_tables(tmp_path):
     assert any(str(n).startswith("aten::") for n in names)
 
 
+def test_profiler_profiles_the_kv_cached_prediction(tmp_path, monkeypatch):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    import profile_tabiclv2
+    from tabserve.bench import engines
+
+    calls = []  # which engine methods the profiled and timed calls went through
+    for method in ("one_shot", "build_cache", "predict_cached"):
+        original = getattr(engines.TabserveEngine, method)
+        monkeypatch.setattr(
+            engines.TabserveEngine,
+            method,
+            lambda self, *a, _m=method, _f=original: calls.append(_m) or _f(self, *a),
+        )
+    js = tmp_path / "profile.json"
+    argv = ["--device", "cpu", "--workload", "small-quick", "--model-size", "tiny", "--repeats", "2"]
+    argv += ["--cells", "c2-fp32", "--phase", "kv", "--out", str(tmp_path / "p.txt")]
+    assert profile_tabiclv2.main(argv + ["--json", str(js)]) == 0
+    (summary,) = json.loads(js.read_text())
+    assert summary["phase"] == "kv" and len(summary["wall_ms_all"]) == 2
+    # One cache build, then only cached predictions: 3 warm-up, 2 timed, 2 stage-timed, 1 profiled.
+    assert calls == ["build_cache"] + ["predict_cached"] * 8
+    with pytest.raises(SystemExit):
+        profile_tabiclv2.main(argv[:-4] + ["--phase", "nope"])
+
+
 def test_skipped_phases_are_reported_not_measured(tmp_path):
     out = tmp_path / "bench.json"
     argv = ["--device", "cpu", "--quick", "--model-size", "tiny", "--workloads", "small-quick"]
