@@ -159,6 +159,11 @@ def test_padded_path_refuses_what_the_model_refuses():
         served(X, y + 1)
     with pytest.raises(ValueError, match="does not match the cache"):
         served.forward_with_cache(X[:, 4:, :2], served.build_cache(X[:, :4], y))
+    # A padded cache's prediction reads X_test's finiteness after its replays: still refused.
+    X_test = X[:, 4:].clone()
+    X_test[0, 1, 0] = torch.inf
+    with pytest.raises(ValueError, match="X_test contains NaN or infinite values"):
+        served.forward_with_cache(X_test, served.build_cache(X[:, :4], y))
 
 
 def test_counts_reach_the_model_as_tensors(monkeypatch):
@@ -222,6 +227,50 @@ def test_recipes_are_valid_and_named():
         ServedTabICL(our_model("clf", "tiny"), "fp16-buckets-cudagraphs")
     model = our_model("clf", "tiny")
     assert serve(model, None) is model and serve(model, "fp32-eager") is model
+
+
+def _tf32_flags() -> tuple:
+    cudnn = torch.backends.cudnn
+    matmul = torch.backends.cuda.matmul.fp32_precision
+    return matmul, cudnn.fp32_precision, cudnn.conv.fp32_precision, cudnn.rnn.fp32_precision
+
+
+def test_precision_flags_nest_and_restore_across_threads():
+    """The TF32 flags are process-wide: contexts of one thread nest as a stack, and threads that
+    enter and leave in any order leave the process's own flags behind (each context restoring
+    what it saw left the last thread's mode set, which torch.export refused as a mix of APIs)."""
+    before = _tf32_flags()
+    with recipes.precision_flags("tf32"):
+        assert torch.backends.cuda.matmul.fp32_precision == "tf32"
+        with recipes.precision_flags("fp32"):
+            assert _tf32_flags()[:2] == ("ieee", "ieee")
+        assert _tf32_flags()[:2] == ("tf32", "tf32")
+    assert _tf32_flags() == before
+    # Thread A enters, thread B enters, A leaves first, then B: the order that leaked.
+    a_in, b_in, a_out = threading.Event(), threading.Event(), threading.Event()
+    seen = {}
+
+    def thread_a():
+        with recipes.precision_flags("fp32"):
+            a_in.set()
+            b_in.wait(5)
+        a_out.set()
+
+    def thread_b():
+        a_in.wait(5)
+        with recipes.precision_flags("fp32"):
+            b_in.set()
+            a_out.wait(5)
+            seen["inside"] = _tf32_flags()[:2]  # A left: B's mode still holds
+
+    threads = [threading.Thread(target=f) for f in (thread_a, thread_b)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert seen["inside"] == ("ieee", "ieee")
+    assert _tf32_flags() == before
+    torch._C._get_cudnn_allow_tf32()  # what torch.export reads: no mix of APIs left
 
 
 def test_recipe_from_benchmark_cell():

@@ -201,17 +201,53 @@ def autocast_dtype(precision: str):
     return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
 
 
-@contextlib.contextmanager
-def precision_flags(precision: str):
-    """TF32 on for ``tf32``, off (IEEE fp32) for every other precision; restored on exit."""
-    mode = "tf32" if precision == "tf32" else "ieee"
-    matmul, cudnn = torch.backends.cuda.matmul, torch.backends.cudnn
-    saved = (matmul.fp32_precision, cudnn.fp32_precision)
-    matmul.fp32_precision = cudnn.fp32_precision = mode
-    try:
-        yield
-    finally:
-        matmul.fp32_precision, cudnn.fp32_precision = saved
+class _PrecisionFlags:
+    """``with precision_flags(precision):`` TF32 on for ``tf32``, off (IEEE fp32) for every
+    other precision, for matmuls and cuDNN.
+
+    The flags are process-wide, and serving threads enter their contexts concurrently: each
+    entry is kept in a list, the flags follow the latest entry still inside, and the first
+    entry saves what the process had, which the last one out restores. (Each context saving
+    and restoring the flags on its own left the process in the other threads' mode, a state
+    torch.export then refused as a mix of TF32 APIs: test_padded_inference's two-thread test
+    followed by the AOT bucket tests, 2026-12-01.) Entries of one thread nest as a stack;
+    threads inside in different modes get the latest one's mode."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._inside: list[tuple[object, str]] = []  # (entry, mode), oldest first
+        self._saved: tuple[str, str] | None = None
+
+    @staticmethod
+    def _apply(matmul_mode: str, cudnn_mode: str) -> None:
+        torch.backends.cuda.matmul.fp32_precision = matmul_mode
+        torch.backends.cudnn.fp32_precision = cudnn_mode
+
+    @contextlib.contextmanager
+    def __call__(self, precision: str):
+        mode = "tf32" if precision == "tf32" else "ieee"
+        entry = object()
+        with self._lock:
+            if not self._inside:
+                self._saved = (
+                    torch.backends.cuda.matmul.fp32_precision,
+                    torch.backends.cudnn.fp32_precision,
+                )
+            self._inside.append((entry, mode))
+            self._apply(mode, mode)
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._inside = [(e, m) for e, m in self._inside if e is not entry]
+                if self._inside:
+                    latest = self._inside[-1][1]
+                    self._apply(latest, latest)
+                else:
+                    self._apply(*self._saved)
+
+
+precision_flags = _PrecisionFlags()
 
 
 @contextlib.contextmanager
