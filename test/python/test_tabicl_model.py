@@ -262,6 +262,40 @@ def test_bad_cache_use_raises():
         our_model("reg", "tiny").predict_stats(*random_table(2, 1, 10, 2, 3), output_type="mode")
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_cached_predict_reads_the_finiteness_of_x_test_after_the_model(bad, compiled, monkeypatch):
+    """X_test with NaN / inf still raises, and its check is read only once the prediction's
+    work is issued (no device wait between the check and the model); a clean X_test reads it
+    too and predicts as before."""
+    import copy
+
+    model = copy.deepcopy(our_model("clf", "tiny"))  # our_model is cached
+    X, y = random_table(2, 1, 30, 4, 5, 3)
+    cache = model.build_cache(X[:, :30], y)
+    expected = model.forward_with_cache(X[:, 30:], cache)
+    order = []
+    learner = model.icl_predictor.forward_cached
+    monkeypatch.setattr(
+        model.icl_predictor, "forward_cached", lambda *a: order.append("icl") or learner(*a)
+    )
+    check = model._raise_unless_all_finite
+    monkeypatch.setattr(
+        model, "_raise_unless_all_finite", lambda *a: order.append("check") or check(*a)
+    )
+    predict = model.forward_with_cache
+    if compiled:
+        torch._dynamo.reset()
+        predict = torch.compile(model.forward_with_cache, backend="aot_eager")
+    X_test = X[:, 30:].clone()
+    X_test[0, 2, 3] = bad
+    with pytest.raises(ValueError, match="X_test contains NaN or infinite values"):
+        predict(X_test, cache)
+    assert torch.equal(predict(X[:, 30:], cache), expected)
+    if not compiled:  # (under Dynamo the patched methods are traced, not called in order)
+        assert order == ["icl", "check", "icl", "check"]
+
+
 def expected_label_error(y):
     """The label contract, from Python sets: None when y_train is valid, else the message's start."""
     rows = y.tolist()

@@ -386,7 +386,7 @@ class ServedTabICL:
                 return self._unpadded_forward_cached(
                     X_test, cache, return_logits, softmax_temperature
                 )
-        X_test = model._check_table(X_test, "X_test")
+        X_test, finite = model._check_table_later(X_test, "X_test")  # read after the replays
         if X_test.shape[0] != cache.batch_size or X_test.shape[2] != cache.n_features:
             raise ValueError(
                 f"X_test {tuple(X_test.shape)} does not match the cache ({cache.batch_size} "
@@ -411,9 +411,11 @@ class ServedTabICL:
                     (cache.col, cache.icl, cache.n_train_t, cache.n_features_t),
                 )
                 outputs.append(raw[:, : chunk.stop - chunk.start])
-        return self._finish(
+        out = self._finish(
             torch.cat(outputs, 1), cache.num_classes, return_logits, softmax_temperature
         )
+        model._raise_unless_all_finite(finite, "X_test")
+        return out
 
     @torch.no_grad()
     def predict_stats_with_cache(self, X_test, cache, output_type="mean", alphas=None):
