@@ -6,7 +6,8 @@
 #   bash scripts/device_bench.sh large            # one part per call is the safe plan
 #   bash scripts/device_bench.sh medium stream
 # Parts: small, large, compiled, medium, xlarge, stream, restart, soak, sanitize, profile, cudatests,
-# align, pytest, attention, ffn, norm, qassmax, checks, ncu, patch (PATCH_FILE: later parts run patched).
+# align, pytest, attention, ffn, norm, qassmax, checks, allequal, ncu, patch (PATCH_FILE: later
+# parts run patched).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
@@ -100,6 +101,10 @@ for part in "$@"; do
       timeout "$(left $((LIMIT - 10)))" python3 benchmarks/table_checks.py --device cuda \
         --json "$OUT/table-checks-cuda.json" >"$LOG/checks_bench.log" 2>&1
       echo "checks bench rc=$?"; tail -12 "$LOG/checks_bench.log" ;;
+    allequal)  # the all_equal operator against the ATen check it replaced (tests: pytest part)
+      timeout "$(left $((LIMIT - 10)))" python3 benchmarks/all_equal.py --device cuda \
+        --json "$OUT/all-equal-cuda.json" >"$LOG/all_equal.log" 2>&1
+      echo "all_equal bench rc=$?"; tail -12 "$LOG/all_equal.log" ;;
     patch)  # apply PATCH_FILE (git diff output, e.g. `git diff main BRANCH > x.patch`, shipped as
       # an untracked file) to this copy; later parts run with it (one call measures both trees).
       # C++ / CUDA changes are rebuilt; Python-only ones need no build.
@@ -178,7 +183,7 @@ PY
     sanitize)
       SKIP_BUILD=1 STAGES=sanitize SAN_TOOLS="${SAN_TOOLS:-synccheck racecheck memcheck initcheck}" SAN_TIMEOUT=${SAN_TIMEOUT:-120} \
         DEADLINE=$(left $((LIMIT - 120))) OUT="$LOG/sanitize" bash scripts/device_check.sh 2>&1 | tail -8 ;;
-    *) echo "unknown part $part (small, large, compiled, medium, xlarge, stream, restart, soak, sanitize, profile, cudatests, align, pytest, attention, ffn, norm, qassmax, checks, patch, ncu)"; exit 2 ;;
+    *) echo "unknown part $part (small, large, compiled, medium, xlarge, stream, restart, soak, sanitize, profile, cudatests, align, pytest, attention, ffn, norm, qassmax, checks, allequal, patch, ncu)"; exit 2 ;;
   esac
 done
 tar czf "$OUT/logs.tgz" -C "$LOG" . 2>/dev/null

@@ -104,7 +104,8 @@ if stage sanitize; then
     [ -n "${SAN_KERNEL:-}" ] && [ $tool = initcheck ] && extra+=(--check-api-memory-access no)
     # SAN_SCRIPT: a script of our kernels alone (scripts/sanitize_kernels.py) instead of tests.
     target=(python3 -m pytest -q -p no:cacheprovider -p no:logging -k "$select" "${SAN_TESTS[@]}")
-    [ -n "${SAN_SCRIPT:-}" ] && target=(python3 "$SAN_SCRIPT")
+    # SAN_SCRIPT_ARGS: its arguments (e.g. "--only all_equal": some operators' cases alone).
+    [ -n "${SAN_SCRIPT:-}" ] && target=(python3 "$SAN_SCRIPT" ${SAN_SCRIPT_ARGS:-})
     env "${nocache[@]}" timeout "${SAN_TIMEOUT:-90}" "$CS" --tool $tool "${extra[@]}" --error-exitcode 1 --target-processes all \
       "${target[@]}" >"$OUT/sanitize_$tool.log" 2>&1
     echo "-- $tool rc=$? $(grep -E 'passed|failed|mismatches' "$OUT/sanitize_$tool.log" | tail -1) $(grep -m1 'ERROR SUMMARY' "$OUT/sanitize_$tool.log")"

@@ -8,7 +8,8 @@ initcheck's tracking), strided views are slices (no kernel), and the only kernel
 tabserve's: small_head_attention (plain, RoPE in the kernel, per-entry n, one-chunk and streamed
 keys, aligned and unaligned rows), qassmax_scale (the fused fp16 / bf16 kernel, head dims 16, 24
 and 64, query-MLP widths 40 to 100, runs of several tiles per block), rotary_embedding,
-feed_forward and norm_linear (Triton), feed_forward_resident, table_checks (shared and global bitmaps). Each output is
+feed_forward and norm_linear (Triton), feed_forward_resident (with skipped sets), table_checks
+(shared and global bitmaps), all_equal. ``--only`` picks operators. Each output is
 copied back and checked against the CPU kernel, so a run that reads garbage also fails here.
 Exit status 1 on a mismatch.
 
@@ -17,6 +18,7 @@ Exit status 1 on a mismatch.
 
 from __future__ import annotations
 
+import argparse
 import sys
 
 import torch
@@ -157,6 +159,39 @@ def feed_forward_resident_cases(dtype) -> None:
         on_device = [None if a is None else a.to("cuda") for a in args]
         got = torch.ops.tabserve.feed_forward_resident(*on_device, 1e-5)
         check(f"feed_forward_resident {dtype} case {i}", got, want, 5e-2)
+        # Skipped sets (runs of tokens // 10, every third one) written by the epilogue.
+        skip = torch.arange(10) % 3 == 0
+        x_sets = x[: tokens // 10 * 10]
+        set_args = [x_sets.unflatten(0, (10, -1))] + [
+            a[: tokens // 10 * 10].unflatten(0, (10, -1)) if a is not None and j == 0 else a
+            for j, a in enumerate(args[1:])
+        ]
+        want = torch.ops.tabserve.feed_forward_resident(*set_args, 1e-5, skip, -100.0)
+        on_device = [None if a is None else a.to("cuda") for a in set_args]
+        got = torch.ops.tabserve.feed_forward_resident(*on_device, 1e-5, skip.to("cuda"), -100.0)
+        check(f"feed_forward_resident {dtype} case {i} with skipped sets", got, want, 5e-2)
+
+
+def all_equal_cases() -> None:
+    """Sets of every kind of verdict: all the value, the other value at varied places, at a
+    stride boundary (4,096) of a long set; fp32 and fp16; few sets, and more sets than one pass
+    of the grid's blocks."""
+    for i, (sets, rows, dim, dtype) in enumerate(
+        [
+            (7, 50, 128, torch.float32),
+            (5, 4096 // 128 + 3, 128, torch.float16),
+            (3000, 4, 8, torch.float32),
+        ]
+    ):
+        x = torch.full((sets, rows, dim), -100.0, dtype=dtype)
+        flat = x.view(sets, -1)
+        size = flat.shape[1]
+        for s in range(1, sets, 2):  # every other set gets one other value, at varied places
+            flat[s, (s * 977) % size] = 1.0
+        if size > 4096:
+            flat[2 % sets, 4096] = 0.5
+        want = ops.all_equal(x, -100.0, 2)
+        check(f"all_equal case {i}", ops.all_equal(x.to("cuda"), -100.0, 2), want, 0.0)
 
 
 def norm_linear_cases(dtype) -> None:
@@ -183,18 +218,35 @@ def table_checks_cases() -> None:
         check(f"table_checks case {i}", got, want, 0.0)
 
 
-def main() -> int:
+#: Each operator's cases, per matmul dtype (None: the operator's cases take no dtype).
+GROUPS = {
+    "small_head_attention": small_head_cases,
+    "qassmax_scale": qassmax_cases,
+    "rotary_embedding": rotary_cases,
+    "feed_forward": feed_forward_cases,
+    "feed_forward_resident": feed_forward_resident_cases,
+    "norm_linear": norm_linear_cases,
+    "table_checks": None,
+    "all_equal": None,
+}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", nargs="+", choices=sorted(GROUPS), help="these operators only")
+    args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("no CUDA device")
         return 2
+    chosen = args.only or list(GROUPS)
     for dtype in (torch.float16, torch.bfloat16):
-        small_head_cases(dtype)
-        qassmax_cases(dtype)
-        rotary_cases(dtype)
-        feed_forward_cases(dtype)
-        feed_forward_resident_cases(dtype)
-        norm_linear_cases(dtype)
-    table_checks_cases()
+        for name in chosen:
+            if GROUPS[name] is not None:
+                GROUPS[name](dtype)
+    if "table_checks" in chosen:
+        table_checks_cases()
+    if "all_equal" in chosen:
+        all_equal_cases()
     torch.cuda.synchronize()
     print(f"{len(FAILURES)} mismatches" + (f": {FAILURES}" if FAILURES else ""))
     return 1 if FAILURES else 0
