@@ -58,6 +58,7 @@ def test_every_tabserve_cell_is_a_recipe_with_its_fused_operators():
             cell.freeze,
         ), cell.name
         assert recipe.cuda_graphs == cell.cuda_graphs and recipe.attention == cell.attention
+        assert recipe.kv_graphs == cell.kv_graphs, cell.name
     assert cell_by_name("c36-fp16-compile-head16-row-fused").fused_norm_linear
     assert cell_by_name("c39-fp16-buckets-compile-cudagraphs-head16-row-fused-frozen").freeze
     with pytest.raises(ValueError, match="freeze is Inductor's freezing of compiled graphs"):

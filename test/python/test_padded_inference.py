@@ -20,6 +20,7 @@ import torch
 from tabicl_helpers import our_model, random_table, reference_checkpoint
 from tabserve.buckets import BucketGrid
 from tabserve.models.tabicl import recipes
+from tabserve.models.tabicl.model import TabICLv2Cache
 from tabserve.models.tabicl.serving import PaddedCache, ServedTabICL, serve
 from torch.utils._pytree import tree_leaves
 
@@ -393,8 +394,10 @@ def _cuda_model(task: str):
         recipes.RECIPES["fp32-buckets"],
         recipes.RECIPES["fp32-buckets-cudagraphs"],
         recipes.RECIPES["fp32-buckets-compile"].replace(cuda_graphs=True),
+        recipes.RECIPES["fp32-eager"].replace(kv_graphs=True),
+        recipes.RECIPES["fp16-compile"].replace(precision="fp32", kv_graphs=True),
     ],
-    ids=["eager", "cudagraphs", "compile-cudagraphs"],
+    ids=["eager", "cudagraphs", "compile-cudagraphs", "kv-graphs", "compile-kv-graphs"],
 )
 def test_cuda_padded_equals_unpadded(recipe):
     """fp32 on the GPU (TF32 off): padded (eager, replayed CUDA graphs, replayed compiled
@@ -420,6 +423,8 @@ def test_cuda_padded_equals_unpadded(recipe):
         # One-shot buckets (16, 8, 6) twice, (16, 4, 6), (4, 1, 1); cache builds on (16, 6) and
         # (4, 1); one cached-predict graph per cache (the flipped rows replay it).
         assert len(served._graphs) == 3 + 2 and served.captures == 3 + 2 + 4
+    if recipe.kv_graphs:  # one cached-predict graph per (unpadded) cache; nothing else captured
+        assert not served._graphs and served.captures == len(served._cached_graphs) == 4
 
 
 def test_stage_attention_choice_reaches_padded_attention():
@@ -468,6 +473,61 @@ def test_unpadded_compile_recipe_runs():
     served = ServedTabICL(copy.deepcopy(our_model("clf", "tiny")), recipe)
     X, y = random_table(8, 2, 10, 3, 4, 3)
     _assert_same(our_model("clf", "tiny")(X, y), served(X, y), True)
+
+
+@pytest.mark.parametrize("task", ["clf", "reg"])
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_kv_graphs_replay_unpadded_caches_per_test_bucket(monkeypatch, compiled, task):
+    """kv_graphs (CPU stand-in for the graphs): a plain cache's prediction with its test rows
+    padded onto the grid's test buckets (split past 16) equals the model's, train rows and
+    features unpadded; one graph per (cache, test bucket), replayed for every later call of
+    the same sizes; X_test with NaN still raises."""
+    from tabserve.models.tabicl import serving
+
+    monkeypatch.setattr(serving, "_BucketGraph", _ReplayOnCPU)
+    torch._dynamo.reset()
+    model = our_model(task, "tiny")
+    recipe = recipes.RECIPES["fp32-eager"].replace(
+        compile="default" if compiled else "none", compile_backend="eager"
+    )
+    served = ServedTabICL(copy.deepcopy(model), recipe, GRID)
+    served.recipe = served.recipe.replace(kv_graphs=True)  # (CUDA-only: the stand-in replays)
+    served._raw_forward_cached = served._kv_graph_core()
+    classes = 0 if task == "reg" else 3
+    X, y = random_table(11, 2, 70, 40, 13, classes)  # 70 train rows and 13 features: past GRID
+    cache = served.build_cache(X[:, :70], y)
+    assert type(cache) is TabICLv2Cache  # unpadded
+    reference = model.build_cache(X[:, :70], y)
+    for n_test in (5, 1, 16, 40, 5):  # buckets 8, 1, 16, then 16 + 16 + 8, then 8 again
+        rows = X[:, 70 : 70 + n_test]
+        got = served.forward_with_cache(rows, cache)
+        _assert_same(model.forward_with_cache(rows, reference), got, task == "clf")
+    assert served.captures == 3 and len(served._cached_graphs) == 3  # 8, 1, 16 rows
+    flipped = X[:, 70:75].flip(1)  # same bucket, other rows: a replay, not a capture
+    _assert_same(
+        model.forward_with_cache(flipped, reference),
+        served.forward_with_cache(flipped, cache),
+        task == "clf",
+    )
+    assert served.captures == 3
+    bad = X[:, 70:75].clone()
+    bad[1, 2, 3] = float("nan")
+    with pytest.raises(ValueError, match="X_test contains NaN or infinite values"):
+        served.forward_with_cache(bad, cache)
+    assert served.forward_with_cache(X[:, 70:70], cache).shape[1] == 0
+
+
+def test_kv_graphs_recipe_rules():
+    with pytest.raises(ValueError, match="kv_graphs are the unpadded cache's graphs"):
+        recipes.RECIPES["fp32-buckets"].replace(kv_graphs=True)
+    recipe = recipes.RECIPES["fp16-compile-head16-fused-frozen-kvgraphs"]
+    assert recipe.kv_graphs and recipe.graphs and not recipe.cuda_graphs and not recipe.buckets
+    with pytest.raises(ValueError, match="captures CUDA graphs; the model is on cpu"):
+        ServedTabICL(copy.deepcopy(our_model("clf", "tiny")), recipe, GRID)
+    cell = recipes.recipe_from_cell(
+        {"precision": "fp16", "compile": "default", "kv_graphs": True}, name="c42"
+    )
+    assert cell.kv_graphs and not cell.buckets
 
 
 class _SlowReplayOnCPU(_ReplayOnCPU):

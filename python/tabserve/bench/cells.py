@@ -52,6 +52,8 @@ class Cell:
         buckets: name of a bucket grid (padded shapes), or None.
         regional: per-block (regional) compilation.
         cuda_graphs: CUDA graphs captured per bucket.
+        kv_graphs: without buckets, the KV-cached prediction replayed from a CUDA graph per cache
+            and test-row bucket (the cache unpadded; ``Recipe.kv_graphs``).
         fused_ffn: the fused feed-forward operator in every block where its kernel applies
             (:func:`tabserve.ops.feed_forward`; bf16 / fp16 only).
         fused_norm_linear: the fused LayerNorm + input projection operator likewise
@@ -81,6 +83,7 @@ class Cell:
     buckets: str | None = None
     regional: bool = False
     cuda_graphs: bool = False
+    kv_graphs: bool = False
     fused_ffn: bool = False
     fused_norm_linear: bool = False
     freeze: bool = False
@@ -105,6 +108,8 @@ class Cell:
                 raise ValueError(f"{self.name}: {fused} runs under bf16 / fp16 autocast only")
         if self.freeze and not (self.compile or self.regional):
             raise ValueError(f"{self.name}: freeze is Inductor's freezing of compiled graphs")
+        if self.kv_graphs and self.buckets:
+            raise ValueError(f"{self.name}: kv_graphs serve unpadded caches (no buckets)")
         if self.aot and not (self.warm_cache and self.buckets):
             raise ValueError(f"{self.name}: aot packages are a restart (warm_cache) of buckets")
 
@@ -485,6 +490,21 @@ CELLS: tuple[Cell, ...] = (
         compile="default",
         buckets="default",
         cuda_graphs=True,
+        attention={"row": "head16", "col": "head16-short"},
+        fused_ffn=True,
+        fused_norm_linear=True,
+        freeze=True,
+    ),
+    # c40's KV-cached prediction from a CUDA graph per (cache, test bucket): no guard checks
+    # and launches before the device starts (0.4-0.9 ms of c40's 23.5 ms on the H200), the
+    # cache unpadded (no masks).
+    Cell(
+        "c42-fp16-compile-head16-fused-frozen-kvgraphs",
+        "tabserve",
+        "fp16",
+        "c40 whose KV-cached prediction replays a CUDA graph per cache and test-row bucket",
+        compile="default",
+        kv_graphs=True,
         attention={"row": "head16", "col": "head16-short"},
         fused_ffn=True,
         fused_norm_linear=True,

@@ -183,7 +183,7 @@ class TabserveEngine(Engine):
 
         if cell.precision == "fp8":
             raise UnsupportedRecipe("not implemented: fp8")
-        if cell.cuda_graphs and self.device.type != "cuda":
+        if (cell.cuda_graphs or cell.kv_graphs) and self.device.type != "cuda":
             raise UnsupportedRecipe("CUDA graphs need a CUDA device")
         self.model = TabICLv2.from_checkpoint(self.checkpoint, device=self.device)
         self.served = self._serve(self.model) if self._uses_serving else None
@@ -196,7 +196,7 @@ class TabserveEngine(Engine):
     @property
     def _uses_serving(self) -> bool:
         cell = self.cell
-        return bool(cell.buckets or cell.regional or cell.cuda_graphs)
+        return bool(cell.buckets or cell.regional or cell.cuda_graphs or cell.kv_graphs)
 
     def _recipe(self):
         from tabserve.models.tabicl.recipes import recipe_from_cell
@@ -210,7 +210,7 @@ class TabserveEngine(Engine):
 
     @property
     def captures(self) -> int | None:
-        return self.served.captures if self.cell.cuda_graphs else None
+        return self.served.captures if self.cell.cuda_graphs or self.cell.kv_graphs else None
 
     def padding_gate(self, X, y_train):
         if not self.cell.buckets:

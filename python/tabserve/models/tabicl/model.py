@@ -466,8 +466,7 @@ class TabICLv2(nn.Module):
         if X_test.shape[1] == 0:
             out = self._no_predictions(X_test, cache.num_classes)
         else:
-            R = self.row_interactor(self.col_embedder.forward_cached(X_test, cache.col))
-            raw = self.icl_predictor.forward_cached(R, cache.icl)
+            raw = self.forward_cached_raw(X_test, cache.col, cache.icl)
             out = (
                 raw
                 if self.is_regressor
@@ -475,6 +474,13 @@ class TabICLv2(nn.Module):
             )
         self._raise_unless_all_finite(finite, "X_test")
         return out
+
+    def forward_cached_raw(self, X_test: Tensor, col: list, icl: list) -> Tensor:
+        """The network's raw output for test rows ``(B, M, H)`` (in the model's dtype) from a
+        cache's column and ICL parts: no checks, no host work (a graph serving captures).
+        Test rows never attend to each other: each row's output depends on that row alone."""
+        R = self.row_interactor(self.col_embedder.forward_cached(X_test, col))
+        return self.icl_predictor.forward_cached(R, icl)
 
     @torch.no_grad()
     def predict_stats_with_cache(

@@ -22,6 +22,11 @@ Fields:
         that holds it (padding changes no prediction), so compiled graphs are reused.
     cuda_graphs: capture one CUDA graph per bucket (needs ``buckets``, CUDA only), all sharing
         one memory pool; inputs are copied into the captured buffers before a replay.
+    kv_graphs: without buckets, the KV-cached prediction replays a CUDA graph per (cache, test-row
+        bucket) (CUDA only): the cache stays unpadded (its real train rows and features: no
+        masks in the attention), only the test rows are padded onto the grid's test-row buckets
+        (test rows never attend to each other, so padding them changes nothing), and the graph
+        reads the cache in place. The one-shot call runs as without it.
     dynamic: ``torch.compile(dynamic=True)`` of the unpadded model (whole-model compile, no
         buckets): one graph for every table shape after the first call, no padding; sizes 0 and
         1 still specialise (a one-row test block compiles once more).
@@ -99,6 +104,7 @@ class Recipe:
     dynamic: bool = False
     buckets: bool = False
     cuda_graphs: bool = False
+    kv_graphs: bool = False
     fused_ffn: bool = False
     fused_norm_linear: bool = False
     freeze: bool = False
@@ -125,6 +131,11 @@ class Recipe:
             )
         if self.cuda_graphs and not self.buckets:
             raise ValueError(f"recipe {self.name}: CUDA graphs need buckets (fixed shapes)")
+        if self.kv_graphs and self.buckets:
+            raise ValueError(
+                f"recipe {self.name}: kv_graphs are the unpadded cache's graphs; a bucketed "
+                f"recipe with cuda_graphs replays its padded cache's graphs"
+            )
         if self.dynamic and (self.buckets or self.compile not in WHOLE_MODEL_COMPILE_MODES):
             raise ValueError(
                 f"recipe {self.name}: dynamic shapes are a whole-model compile of unpadded "
@@ -138,14 +149,20 @@ class Recipe:
     def replace(self, **changes) -> Recipe:
         return dataclasses.replace(self, **changes)
 
+    @property
+    def graphs(self) -> bool:
+        """Whether any call of the recipe replays CUDA graphs."""
+        return self.cuda_graphs or self.kv_graphs
+
     def context(self, device: torch.device | str):
         """Precision flags and autocast every model call of this recipe runs under. With CUDA
         graphs autocast's cast cache is off: cached weight casts live outside the graph's pool
         and die with the autocast context, so a replay would read freed memory. With ``freeze``,
         Inductor's freezing is on (:func:`freezing`), except with CUDA graphs: serving turns it
-        on around the captures, the only calls of those recipes that trace."""
+        on around the captures, the only calls of those recipes that trace (``kv_graphs``
+        recipes trace their one-shot calls too: freezing stays on)."""
         precision = precision_context(
-            self.precision, torch.device(device).type, cast_cache=not self.cuda_graphs
+            self.precision, torch.device(device).type, cast_cache=not self.graphs
         )
         if not self.freeze or self.cuda_graphs:  # every call of most recipes: nothing more
             return precision
@@ -477,6 +494,18 @@ RECIPES: dict[str, Recipe] = dict(
             freeze=True,
         ),
         _recipe(
+            "fp16-compile-head16-fused-frozen-kvgraphs",
+            "fp16-compile-head16-fused-frozen whose KV-cached prediction replays a CUDA graph "
+            "per cache and test-row bucket (cell c42; the cache unpadded: no masks)",
+            precision="fp16",
+            compile="default",
+            kv_graphs=True,
+            attention={"row": "head16", "col": "head16-short"},
+            fused_ffn=True,
+            fused_norm_linear=True,
+            freeze=True,
+        ),
+        _recipe(
             "fp16-buckets-compile-cudagraphs-head16-fused-frozen",
             "fp16-buckets-compile-cudagraphs-head16-row-fused-frozen with the column stage's "
             "short key runs on the head-dim-16 kernel too (cell c41)",
@@ -528,6 +557,7 @@ def recipe_from_cell(fields: dict, name: str | None = None) -> Recipe:
         dynamic=bool(fields.get("dynamic")),
         buckets=bool(fields.get("buckets")),
         cuda_graphs=bool(fields.get("cuda_graphs")),
+        kv_graphs=bool(fields.get("kv_graphs")),
         fused_ffn=bool(fields.get("fused_ffn")),
         fused_norm_linear=bool(fields.get("fused_norm_linear")),
         freeze=bool(fields.get("freeze")),

@@ -151,7 +151,7 @@ class ServedTabICL:
         self.recipe: Recipe = get_recipe(recipe)
         self.grid = grid or BucketGrid()
         self.device = model.icl_predictor.ln.weight.device
-        if self.recipe.cuda_graphs and self.device.type != "cuda":
+        if self.recipe.graphs and self.device.type != "cuda":
             raise ValueError(
                 f"recipe {self.recipe.name} captures CUDA graphs; the model is on {self.device}"
             )
@@ -163,7 +163,7 @@ class ServedTabICL:
         self._graph_done: torch.cuda.Event | None = None
         self._graphs: dict = {}
         self._cached_graphs: OrderedDict = OrderedDict()
-        self._pool = torch.cuda.graph_pool_handle() if self.recipe.cuda_graphs else None
+        self._pool = torch.cuda.graph_pool_handle() if self.recipe.graphs else None
         # Ahead-of-time bucket packages (load_buckets): kind -> {(bucket, batch): runner}.
         self._aot: dict = {"forward": {}, "build_cache": {}, "forward_cached": {}}
         self.aot_calls = 0
@@ -172,6 +172,7 @@ class ServedTabICL:
         set_fused_norm_linear(model, self.recipe.fused_norm_linear)
         self._forward, self._build_cache, self._forward_cached = self._core_callables()
         self._unpadded_forward_cached = model.forward_with_cache
+        self._raw_forward_cached = self._kv_graph_core() if self.recipe.kv_graphs else None
 
     # ------------------------------------------------------------------ recipe -> callables
     def _compile_options(self) -> dict:
@@ -204,6 +205,16 @@ class ServedTabICL:
                 model.compile(**self._compile_options())
         return cores
 
+    def _kv_graph_core(self):
+        """What a ``kv_graphs`` recipe captures: :meth:`TabICLv2.forward_cached_raw`, compiled
+        like the recipe's model (static shapes: one graph per cache shape and test bucket)."""
+        core = self.model.forward_cached_raw
+        if not self.recipe.compiled:
+            return core
+        raise_recompile_limit(MAX_CACHED_GRAPHS)
+        options = {**self._compile_options(), "fullgraph": True, "dynamic": False}
+        return torch.compile(core, **options)
+
     def _pin_stage_attention(self) -> None:
         """Per-stage SDPA backends: each stage module runs under its ``sdpa_kernel``, and its
         padded attention uses the matching ``prefix_attention`` kernel."""
@@ -222,13 +233,14 @@ class ServedTabICL:
 
                 setattr(module, name, pinned)
 
-    def _run(self, key, fn, inputs: Sequence[Tensor], static: Sequence = ()):
-        """``fn(*inputs, *static)``, replayed from a per-``key`` CUDA graph with CUDA graphs.
+    def _run(self, key, fn, inputs: Sequence[Tensor], static: Sequence = (), graphed=None):
+        """``fn(*inputs, *static)``, replayed from a per-``key`` CUDA graph with CUDA graphs
+        (``graphed``: whether to; default the recipe's ``cuda_graphs``).
 
         ``key`` must pin every input shape (bucket and batch size). A replay's outputs are the
         graph's own buffers, overwritten by the next replay: they are returned as copies.
         """
-        if not self.recipe.cuda_graphs:
+        if not (self.recipe.cuda_graphs if graphed is None else graphed):
             return fn(*inputs, *static)
         with self._graph_lock:
             on_cuda = self.device.type == "cuda"  # (a CPU stand-in replays in the tests)
@@ -382,6 +394,10 @@ class ServedTabICL:
         """As :meth:`TabICLv2.forward_with_cache`, for plain and padded caches."""
         model = self.model
         if not isinstance(cache, PaddedCache):
+            if self.recipe.kv_graphs:
+                return self._graphed_forward_cached(
+                    X_test, cache, return_logits, softmax_temperature
+                )
             with self.recipe.context(self.device):
                 return self._unpadded_forward_cached(
                     X_test, cache, return_logits, softmax_temperature
@@ -409,6 +425,36 @@ class ServedTabICL:
                     forward,
                     (table,),
                     (cache.col, cache.icl, cache.n_train_t, cache.n_features_t),
+                )
+                outputs.append(raw[:, : chunk.stop - chunk.start])
+        out = self._finish(
+            torch.cat(outputs, 1), cache.num_classes, return_logits, softmax_temperature
+        )
+        model._raise_unless_all_finite(finite, "X_test")
+        return out
+
+    def _graphed_forward_cached(self, X_test, cache, return_logits, softmax_temperature):
+        """``kv_graphs``: an unpadded cache's prediction, its test rows padded onto the grid's
+        test-row buckets (split past the largest), each chunk replayed from the CUDA graph of
+        its (cache, test bucket); the train rows and features stay as they are."""
+        model = self.model
+        X_test, finite = model._check_table_later(X_test, "X_test")  # read after the replays
+        if X_test.shape[0] != cache.batch_size or X_test.shape[2] != cache.n_features:
+            raise ValueError(
+                f"X_test {tuple(X_test.shape)} does not match the cache ({cache.batch_size} "
+                f"tables, {cache.n_features} features)"
+            )
+        if X_test.shape[1] == 0:
+            model._raise_unless_all_finite(finite, "X_test")
+            return model._no_predictions(X_test, cache.num_classes)
+        outputs = []
+        with self.recipe.context(self.device):
+            for chunk in self.grid.plan(1, X_test.shape[1], 1):  # test-row buckets only
+                rows = chunk.bucket.test_rows
+                table = _pad_test(X_test[:, chunk.start : chunk.stop], rows, cache.n_features)
+                key = ("unpadded cache", rows, *_storage_key(cache))
+                raw = self._run(
+                    key, self._raw_forward_cached, (table,), (cache.col, cache.icl), graphed=True
                 )
                 outputs.append(raw[:, : chunk.stop - chunk.start])
         out = self._finish(
@@ -519,7 +565,7 @@ def _pad_test(X_test: Tensor, test_rows: int, features: int) -> Tensor:
     return ops.pad_to_bucket(X_test, 0, 0, test_rows, features, SKIP_VALUE).contiguous()
 
 
-def _storage_key(cache: PaddedCache) -> tuple:
+def _storage_key(cache: TabICLv2Cache) -> tuple:
     """Identifies the memory a cache lives in (a captured graph reads it in place)."""
     tensors = [t for kv in cache.col + cache.icl for t in kv]
     return tuple((t.data_ptr(), tuple(t.shape), t.stride()) for t in tensors)
