@@ -137,6 +137,19 @@ def _all(backend: str) -> dict:
 
 _BOTH = ("cpu", "cuda")
 
+#: c40, which c42 varies.
+_C40 = Cell(
+    "c40-fp16-compile-head16-fused-frozen",
+    "tabserve",
+    "fp16",
+    "c38 with the column stage's short key runs on the head-dim-16 kernel",
+    compile="default",
+    attention={"row": "head16", "col": "head16-short"},
+    fused_ffn=True,
+    fused_norm_linear=True,
+    freeze=True,
+)
+
 CELLS: tuple[Cell, ...] = (
     # Baselines: the reference package as a user runs it.
     Cell(
@@ -471,17 +484,7 @@ CELLS: tuple[Cell, ...] = (
     # The column stage's rows over the 128 induced tokens on the head-dim-16 kernel too (the
     # ninth session's kernel: fewer instructions per score), the inducing points' attention
     # over the train rows still on cuDNN.
-    Cell(
-        "c40-fp16-compile-head16-fused-frozen",
-        "tabserve",
-        "fp16",
-        "c38 with the column stage's short key runs on the head-dim-16 kernel",
-        compile="default",
-        attention={"row": "head16", "col": "head16-short"},
-        fused_ffn=True,
-        fused_norm_linear=True,
-        freeze=True,
-    ),
+    _C40,
     Cell(
         "c41-fp16-buckets-compile-cudagraphs-head16-fused-frozen",
         "tabserve",
@@ -498,17 +501,12 @@ CELLS: tuple[Cell, ...] = (
     # c40's KV-cached prediction from a CUDA graph per (cache, test bucket): no guard checks
     # and launches before the device starts (0.4-0.9 ms of c40's 23.5 ms on the H200), the
     # cache unpadded (no masks).
-    Cell(
-        "c42-fp16-compile-head16-fused-frozen-kvgraphs",
-        "tabserve",
-        "fp16",
-        "c40 whose KV-cached prediction replays a CUDA graph per cache and test-row bucket",
-        compile="default",
+    dataclasses.replace(
+        _C40,
+        name="c42-fp16-compile-head16-fused-frozen-kvgraphs",
+        description="c40 whose KV-cached prediction replays a CUDA graph per cache and test-row "
+        "bucket",
         kv_graphs=True,
-        attention={"row": "head16", "col": "head16-short"},
-        fused_ffn=True,
-        fused_norm_linear=True,
-        freeze=True,
     ),
 )
 

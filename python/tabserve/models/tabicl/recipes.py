@@ -494,18 +494,6 @@ RECIPES: dict[str, Recipe] = dict(
             freeze=True,
         ),
         _recipe(
-            "fp16-compile-head16-fused-frozen-kvgraphs",
-            "fp16-compile-head16-fused-frozen whose KV-cached prediction replays a CUDA graph "
-            "per cache and test-row bucket (cell c42; the cache unpadded: no masks)",
-            precision="fp16",
-            compile="default",
-            kv_graphs=True,
-            attention={"row": "head16", "col": "head16-short"},
-            fused_ffn=True,
-            fused_norm_linear=True,
-            freeze=True,
-        ),
-        _recipe(
             "fp16-buckets-compile-cudagraphs-head16-fused-frozen",
             "fp16-buckets-compile-cudagraphs-head16-row-fused-frozen with the column stage's "
             "short key runs on the head-dim-16 kernel too (cell c41)",
@@ -525,6 +513,14 @@ RECIPES: dict[str, Recipe] = dict(
             cuda_graphs=True,
         ),
     ]
+)
+RECIPES["fp16-compile-head16-fused-frozen-kvgraphs"] = RECIPES[
+    "fp16-compile-head16-fused-frozen"
+].replace(
+    name="fp16-compile-head16-fused-frozen-kvgraphs",
+    description="fp16-compile-head16-fused-frozen whose KV-cached prediction replays a CUDA graph "
+    "per cache and test-row bucket (cell c42; the cache unpadded: no masks)",
+    kv_graphs=True,
 )
 DEFAULT_RECIPE = "fp32-eager"
 
