@@ -390,6 +390,37 @@ def test_quick_cpu_run_writes_schema_table_plot_and_recipes(tmp_path, capsys):
     assert recipes["devices"]["cpu"]["workloads"]["small-quick"]["one_shot"]["cell"] == promoted
 
 
+def test_kv_graphs_cells_gate_their_padded_test_rows(tmp_path, monkeypatch):
+    """A kv_graphs cell's padding gate compares its KV-cached prediction with test rows padded
+    (one fewer than the workload's, off the test buckets) against the plain model's. The graphs
+    need CUDA: here a served model replays through a CPU stand-in."""
+    import dataclasses
+
+    from tabserve.bench.engines import TabserveEngine
+    from tabserve.models.tabicl import serving
+    from test_padded_inference import _ReplayOnCPU
+
+    class ServedOnCPU(serving.ServedTabICL):
+        def __init__(self, model, recipe, grid=None):
+            super().__init__(model, recipe.replace(kv_graphs=False), grid)
+            self.recipe = recipe
+            self._raw_forward_cached = self._kv_graph_core()
+
+    monkeypatch.setattr(serving, "_BucketGraph", _ReplayOnCPU)
+    monkeypatch.setattr(serving, "ServedTabICL", ServedOnCPU)
+    workload = workload_by_name("small-quick")
+    checkpoint = make_checkpoint("clf", tmp_path / "tiny.ckpt", size="tiny")
+    engine = TabserveEngine(cell_by_name("c2-fp32"), workload, checkpoint, torch.device("cpu"))
+    assert engine.padding_gate(*model_tables(workload, 0, torch.device("cpu"))) is None
+    engine.cell = dataclasses.replace(engine.cell, kv_graphs=True)
+    X, y = model_tables(workload, 0, torch.device("cpu"))
+    padded, unpadded = engine.padding_gate(X, y)
+    assert padded.shape == unpadded.shape
+    assert padded.shape[:2] == (workload.members, workload.n_test - 1)  # 31 rows: bucket 32
+    figures = gates.compare("clf", padded, unpadded)
+    assert not gates.check(figures, gates.LIMITS["padded"]) and figures["max_prob_diff"] <= 1e-6
+
+
 def test_ab_mode_alternates_two_cells_on_one_model(tmp_path):
     # In-process (the CLI runs this same function in a subprocess): saves an interpreter start.
     checkpoint = make_checkpoint("clf", tmp_path / "tiny.ckpt", size="tiny")

@@ -213,7 +213,12 @@ class TabserveEngine(Engine):
         return self.served.captures if self.cell.cuda_graphs or self.cell.kv_graphs else None
 
     def padding_gate(self, X, y_train):
-        if not self.cell.buckets:
+        """(padded, unpadded) outputs of the cell's padding in fp32 eager, or None when the cell
+        pads nothing: bucketed cells' one-shot call; ``kv_graphs`` cells' KV-cached prediction,
+        whose test rows are padded (one test row fewer than the workload's, so that they do not
+        sit on a test bucket), the graphs replayed as served."""
+        kv_graphs = self.cell.kv_graphs and self.workload.cacheable
+        if not (self.cell.buckets or kv_graphs):
             return None
         from tabserve.models.tabicl import TabICLv2
         from tabserve.models.tabicl.serving import ServedTabICL
@@ -231,7 +236,15 @@ class TabserveEngine(Engine):
         padded = ServedTabICL(plain, exact, _bucket_grid(self.cell.buckets))
         kwargs = {} if self.workload.task == "reg" else {"return_logits": False}
         with torch.no_grad(), precision_flags("fp32"):
-            return padded(X, y_train, **kwargs), plain(X, y_train, **kwargs)
+            if not kv_graphs:
+                return padded(X, y_train, **kwargs), plain(X, y_train, **kwargs)
+            n_train = y_train.shape[1]
+            cache = plain.build_cache(X[:, :n_train], y_train)
+            X_test = X[:, n_train : max(n_train + 1, X.shape[1] - 1)]
+            return (
+                padded.forward_with_cache(X_test, cache, **kwargs),
+                plain.forward_with_cache(X_test, cache, **kwargs),
+            )
 
     def _prepare(self, model):
         """Applies per-stage attention and compilation to ``model`` in place; returns the cached
