@@ -207,9 +207,10 @@ class ServedTabICL:
 
     def _kv_graph_core(self):
         """What a ``kv_graphs`` recipe captures: :meth:`TabICLv2.forward_cached_raw`, compiled
-        like the recipe's model (static shapes: one graph per cache shape and test bucket)."""
+        like the recipe's model (static shapes: one graph per cache shape and test bucket;
+        under regional compile its blocks are compiled already)."""
         core = self.model.forward_cached_raw
-        if not self.recipe.compiled:
+        if not self.recipe.compiled or self.recipe.compile == "regional":
             return core
         raise_recompile_limit(MAX_CACHED_GRAPHS)
         options = {**self._compile_options(), "fullgraph": True, "dynamic": False}
