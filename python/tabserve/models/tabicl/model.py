@@ -183,6 +183,17 @@ class TabICLv2(nn.Module):
         X = self._check_table_shape(X, name)
         return X.to(self._device_dtype()[1]), torch.isfinite(X).all()
 
+    def _check_test_rows_later(self, X_test: Tensor, cache: TabICLv2Cache) -> tuple[Tensor, Tensor]:
+        """:meth:`_check_table_later` of test rows for ``cache``, whose table count and
+        features they must match."""
+        X_test, finite = self._check_table_later(X_test, "X_test")
+        if X_test.shape[0] != cache.batch_size or X_test.shape[2] != cache.n_features:
+            raise ValueError(
+                f"X_test {tuple(X_test.shape)} does not match the cache ({cache.batch_size} tables, "
+                f"{cache.n_features} features)"
+            )
+        return X_test, finite
+
     @staticmethod
     def _raise_unless_all_finite(finite: Tensor, name: str) -> None:
         if not finite:
@@ -457,12 +468,7 @@ class TabICLv2(nn.Module):
         table with NaN or inf still raises, but the device never waits on the host between the
         check and the model (on the H200 the check's read came before the launches and left
         the device idle while they began, one of the gaps of c40's 24 ms cached predict)."""
-        X_test, finite = self._check_table_later(X_test, "X_test")
-        if X_test.shape[0] != cache.batch_size or X_test.shape[2] != cache.n_features:
-            raise ValueError(
-                f"X_test {tuple(X_test.shape)} does not match the cache ({cache.batch_size} tables, "
-                f"{cache.n_features} features)"
-            )
+        X_test, finite = self._check_test_rows_later(X_test, cache)
         if X_test.shape[1] == 0:
             out = self._no_predictions(X_test, cache.num_classes)
         else:

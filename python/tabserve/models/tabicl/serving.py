@@ -403,12 +403,7 @@ class ServedTabICL:
                 return self._unpadded_forward_cached(
                     X_test, cache, return_logits, softmax_temperature
                 )
-        X_test, finite = model._check_table_later(X_test, "X_test")  # read after the replays
-        if X_test.shape[0] != cache.batch_size or X_test.shape[2] != cache.n_features:
-            raise ValueError(
-                f"X_test {tuple(X_test.shape)} does not match the cache ({cache.batch_size} "
-                f"tables, {cache.n_features} features)"
-            )
+        X_test, finite = model._check_test_rows_later(X_test, cache)  # read after the replays
         bucket = cache.bucket
         chunks = self.grid.plan(cache.n_train, X_test.shape[1], cache.n_features)
         outputs = []
@@ -439,12 +434,7 @@ class ServedTabICL:
         test-row buckets (split past the largest), each chunk replayed from the CUDA graph of
         its (cache, test bucket); the train rows and features stay as they are."""
         model = self.model
-        X_test, finite = model._check_table_later(X_test, "X_test")  # read after the replays
-        if X_test.shape[0] != cache.batch_size or X_test.shape[2] != cache.n_features:
-            raise ValueError(
-                f"X_test {tuple(X_test.shape)} does not match the cache ({cache.batch_size} "
-                f"tables, {cache.n_features} features)"
-            )
+        X_test, finite = model._check_test_rows_later(X_test, cache)  # read after the replays
         if X_test.shape[1] == 0:
             model._raise_unless_all_finite(finite, "X_test")
             return model._no_predictions(X_test, cache.num_classes)
