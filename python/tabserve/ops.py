@@ -688,9 +688,12 @@ def norm_linear(
     bias: Tensor,
     eps: float = 1e-5,
     compute_dtype: torch.dtype = torch.float16,
+    rotary: tuple[Tensor, Tensor] | None = None,
+    rotary_features: int = 0,
 ) -> Tensor:
     """``linear(layer_norm(x), weight, bias)`` as ``torch.autocast`` to ``compute_dtype``
-    computes it (a pre-LN block's normalisation and input projection), in one pass on CUDA.
+    computes it (a pre-LN block's normalisation and input projection), in one pass on CUDA,
+    optionally with rotary position embedding of its leading outputs.
 
     LayerNorm runs in fp32 and is rounded to ``compute_dtype``; weight and bias are cast to it;
     the product accumulates in fp32 and is rounded. On CUDA with fp16 / bf16 ``compute_dtype``, a
@@ -704,18 +707,31 @@ def norm_linear(
         weight, bias: the projection's [out_features, dim] weight and [out_features] bias.
         eps: LayerNorm's epsilon (finite, >= 0).
         compute_dtype: the matmul dtype: float16, bfloat16 or float32 (fp32: the composite).
+        rotary: optional ``(cos, sin)`` tables [L' >= L, head_dim] (as
+            ``RotaryEmbedding.tables`` builds them), ``L = x.shape[-2]``: outputs
+            ``[0, rotary_features)``, seen as heads of ``head_dim``, are rotated at their
+            token's position along x's L axis (rotate-half RoPE of the rounded projection in the
+            tables' dtype, rounded again: :func:`rotary_embedding` of the projection's head
+            split). The kernel takes fp32 tables of a power-of-two head_dim up to 32 and
+            ``rotary_features`` a multiple of 64 (the row stage's packed queries and keys);
+            other RoPE arguments run the composite.
+        rotary_features: with ``rotary``, how many leading outputs are rotated (a multiple of
+            head_dim, at most out_features); 0 without.
 
     Returns:
         [..., out_features] tensor of dtype ``compute_dtype``, contiguous.
 
     Raises:
         ValueError naming the argument for shapes that do not fit ``x``'s width, non-float
-        tensors, tensors on another device than ``x``, an unsupported ``compute_dtype`` or a
-        negative or infinite ``eps``.
+        tensors, tensors on another device than ``x``, an unsupported ``compute_dtype``, a
+        negative or infinite ``eps``, RoPE tables of the wrong shape or a ``rotary_features``
+        that does not fit them.
     """
     from tabserve.kernels.norm_linear import norm_linear_op
 
-    return norm_linear_op(x, norm_weight, norm_bias, weight, bias, eps, compute_dtype)
+    cos, sin = rotary if rotary is not None else (None, None)
+    args = (x, norm_weight, norm_bias, weight, bias, eps, compute_dtype)
+    return norm_linear_op(*args, cos, sin, rotary_features)
 
 
 # ---------------------------------------------------------------------------------------------

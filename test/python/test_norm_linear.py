@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from tabicl_helpers import interpreter_child, our_model
 from tabserve import ops
+from tabserve.bench.cells import Cell
 from tabserve.kernels import norm_linear as nl
 from tabserve.models.tabicl.layers import AttentionBlock
 from tabserve.models.tabicl.recipes import RECIPES, recipe_from_cell, set_fused_norm_linear
@@ -37,6 +38,25 @@ KERNEL_CASES = [
     ((64,), 64, 256, torch.float32, False),
     ((1,), 128, 128, torch.float16, True),
 ]
+
+
+#: (leading shape with L last, dim, out features, rotated features, head_dim, x dtype): the row
+#: stage's packed projection (queries and keys of 68 tokens rotated), its CLS queries (4
+#: tokens) and keys / values, another head_dim, ragged tiles.
+ROPE_CASES = [
+    ((3, 68), 128, 384, 256, 16, torch.float32),
+    ((2, 5, 4), 128, 128, 128, 16, torch.float16),
+    ((2, 68), 128, 256, 128, 16, torch.float32),
+    ((7, 9), 16, 128, 64, 8, torch.float16),
+]
+
+
+def rope_tables(length, head_dim, extra=3, device="cpu"):
+    """RotaryEmbedding's (cos, sin) for ``length + extra`` positions (the operator reads the
+    first L), positions generated in fp16 as the row stage generates them."""
+    from tabserve.models.tabicl.layers import RotaryEmbedding
+
+    return RotaryEmbedding(head_dim, 1e5).to(device).tables(length + extra, device, torch.float16)
 
 
 def make_inputs(leading, dim, out_features, x_dtype, norm_bias, device="cpu", seed=0):
@@ -96,6 +116,101 @@ def interpreter_cases() -> None:
     print(json.dumps(out))
 
 
+@requires_triton
+def test_kernel_with_rope_under_the_interpreter_agrees_with_the_composite():
+    """RoPE in the projection's epilogue, under Triton's interpreter: agreement with the
+    composite (the rounded projection, then ATen's rotation) as for the plain projection; the
+    rotation is really applied (most outputs differ from the unrotated projection)."""
+    results = interpreter_child("import test_norm_linear as t; t.interpreter_rope_cases()")
+    assert len(results) == len(ROPE_CASES)
+    for case, (equal, worst, shape, changed) in zip(ROPE_CASES, results):
+        leading, _, out_features, rotary, _, _ = case
+        assert shape == [*leading, out_features]
+        assert equal >= 0.9, f"{case}: only {equal:.3f} equal"
+        assert worst <= 2.0, f"{case}: {worst:.2f} roundings off"
+        assert changed >= 0.3 * rotary / out_features, f"{case}: RoPE left {changed:.3f} changed"
+
+
+def interpreter_rope_cases() -> None:
+    """The child's side of the RoPE interpreter test: one JSON line per case."""
+    out = []
+    for leading, dim, out_features, rotary, head_dim, x_dtype in ROPE_CASES:
+        args = make_inputs(leading, dim, out_features, x_dtype, True)
+        rope = (*rope_tables(leading[-1], head_dim), rotary)
+        got = nl.run_kernel(*args, 1e-5, torch.float16, *rope)
+        want = nl.norm_linear_composite(*args, 1e-5, torch.float16, *rope)
+        unrotated = nl.norm_linear_composite(*args, 1e-5, torch.float16)
+        changed = (want != unrotated).double().mean().item()
+        out.append([*projection_agreement(got, want), list(got.shape), changed])
+    print(json.dumps(out))
+
+
+@pytest.mark.parametrize("case", ROPE_CASES[:3], ids=lambda c: f"{c[0]}-{c[3]}")
+def test_cpu_operator_with_rope_is_the_projection_then_the_row_stage_rope(case):
+    """The composite with RoPE, bit for bit: the projection without it (the modules under
+    autocast, test above), head split, then the row stage's own ATen rotation
+    (``layers.rotate_half``) at positions 0..L-1; the features past ``rotary_features``
+    untouched."""
+    from tabserve.models.tabicl.layers import rotate_half
+
+    leading, dim, out_features, rotary, head_dim, x_dtype = case
+    x, nw, nb, w, b = make_inputs(leading, dim, out_features, x_dtype, True)
+    cos, sin = rope_tables(leading[-1], head_dim)
+    got = ops.norm_linear(x, nw, nb, w, b, 1e-5, torch.bfloat16, (cos, sin), rotary)
+    plain = ops.norm_linear(x, nw, nb, w, b, 1e-5, torch.bfloat16)
+    length = leading[-1]
+    heads = plain[..., :rotary].unflatten(-1, (rotary // head_dim, head_dim)).transpose(-3, -2)
+    want = rotate_half(heads, cos[:length], sin[:length]).transpose(-3, -2).flatten(-2)
+    assert got.dtype == torch.bfloat16 and got.shape == plain.shape
+    assert torch.equal(got[..., :rotary], want)
+    assert torch.equal(got[..., rotary:], plain[..., rotary:])
+
+
+#: Bad RoPE arguments: (what changes in the good call's (x, cos, sin, rotary), the message).
+_BAD_ROPE = [
+    (lambda x, c, s, r: (x, c, None, r), "rotary_cos and rotary_sin come together"),
+    (lambda x, c, s, r: (x, None, None, r), "rotary_features=64 needs rotary_cos and rotary_sin"),
+    (lambda x, c, s, r: (x, c[:5], s[:5], r), r"rotary_cos must be \[L >= 6, head_dim\]"),
+    (lambda x, c, s, r: (x, c, s[:, :15], r), "rotary_sin must be .* with an even head_dim"),
+    (lambda x, c, s, r: (x, c[:, 0], s, r), r"rotary_cos must be \[L >= 6"),
+    (lambda x, c, s, r: (x, c.long(), s.long(), r), "rotary_cos must be floating point"),
+    (lambda x, c, s, r: (x, c, torch.cat([s, s]), r), "rotary_sin must have rotary_cos's shape"),
+    (
+        lambda x, c, s, r: (x, c, s, 0),
+        r"rotary_features must be a multiple of .* 16 in \[16, 128\]",
+    ),
+    (lambda x, c, s, r: (x, c, s, 24), "rotary_features must be a multiple"),
+    (lambda x, c, s, r: (x, c, s, 144), "rotary_features must be a multiple"),
+    (lambda x, c, s, r: (x[0, 0], c, s, r), r"RoPE needs x of \(..., L, dim\)"),
+]
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])  # meta: the fake kernel's checks
+@pytest.mark.parametrize("bad, match", _BAD_ROPE, ids=range(len(_BAD_ROPE)))
+def test_rope_arguments_are_checked_by_name(bad, match, device):
+    x, nw, nb, w, b = (t.to(device) for t in make_inputs((2, 6), 32, 128, torch.float32, True))
+    cos, sin = (t.to(device) for t in rope_tables(6, 16))
+    x, cos, sin, rotary = bad(x, cos, sin, 64)
+    with pytest.raises(ValueError, match=match):
+        nl.norm_linear_op(x, nw, nb, w, b, 1e-5, torch.float16, cos, sin, rotary)
+
+
+def test_kernel_takes_rope_only_in_its_shapes():
+    """Shapes the kernel's epilogue cannot rotate fall back to the composite (on CUDA): fp64
+    tables, a head_dim wider than a rotated step, rotated features ending inside an output
+    step (checked on meta tensors: the rule reads shapes and dtypes only)."""
+    x = torch.empty(4, 68, 128, device="meta")
+    w = torch.empty(384, 128, device="meta")
+    cos = torch.empty(68, 16, device="meta")
+    takes = lambda x, c, r: nl.kernel_applies(x, w, torch.float16, c, r)
+    assert not takes(x, cos, 256)  # meta is not CUDA: the common rule refuses first
+    cuda_like = SimpleNamespace(device=torch.device("cuda"), dtype=torch.float32, shape=x.shape)
+    assert takes(cuda_like, cos, 256) == (nl.triton is not None)
+    assert not takes(cuda_like, cos.double(), 256)
+    assert not takes(cuda_like, torch.empty(68, 64, device="meta"), 256)
+    assert not takes(cuda_like, cos, 96)
+
+
 def test_block_takes_the_operator_in_one_compiled_graph(monkeypatch):
     """The block's fused projections under torch.compile(fullgraph=True), forced on CPU (where
     the operator runs its composite): every projection goes through it (self-attention with
@@ -124,11 +239,56 @@ def test_block_takes_the_operator_in_one_compiled_graph(monkeypatch):
     assert torch.equal(got_self, want_self) and torch.equal(got_cross, want_cross)
 
 
+def test_block_rotates_inside_the_projection_in_one_compiled_graph(monkeypatch):
+    """``rope_in_projection``: the row stage's blocks (self-attention with RoPE; the CLS block's
+    queries over every token) hand the RoPE tables to the fused projection, rotating the packed
+    queries and keys (2 x dim), the CLS queries (dim) and the keys of the key / value
+    projection (dim); nothing else rotates them (the block's output equals the modules' bit for
+    bit, eager and under torch.compile(fullgraph=True), forced on CPU as above)."""
+    from tabserve.models.tabicl import layers
+
+    calls = []
+
+    def op(*args):
+        calls.append((tuple(args[3].shape), args[9] if len(args) > 9 else 0))
+        return nl.norm_linear_op(*args)
+
+    shim = SimpleNamespace(kernel_applies=lambda *a: True, norm_linear_op=op)
+    monkeypatch.setattr(layers, "fused_norm_linear", shim)
+    b = block(dim=32, hidden=64)
+    rope = layers.RotaryEmbedding(4, 1e5)
+    tokens = torch.randn(2, 3, 9, 32)
+    self_attention = lambda t: b(t, rope=rope)
+    cls_block = lambda t: b(t[..., :2, :], t, rope=rope)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        want_self, want_cls = self_attention(tokens), cls_block(tokens)
+        b.fused_norm_linear = b.attn.rope_in_projection = True
+        # Nothing after the projections rotates: neither a RoPE pass nor the attention kernel.
+        monkeypatch.setattr(layers.RotaryEmbedding, "forward", lambda *a: pytest.fail("RoPE"))
+        monkeypatch.setattr(layers.Attention, "_rope_in_kernel", lambda *a: pytest.fail("RoPE"))
+        got_self, got_cls = self_attention(tokens), cls_block(tokens)
+        assert sorted(set(calls)) == [((32, 32), 32), ((64, 32), 32), ((96, 32), 64)]
+        torch._dynamo.reset()
+        compiled = [
+            torch.compile(f, fullgraph=True, backend="aot_eager")(tokens)
+            for f in (self_attention, cls_block)
+        ]
+    for got in (got_self, compiled[0]):
+        assert torch.equal(got, want_self)
+    for got in (got_cls, compiled[1]):
+        assert torch.equal(got, want_cls)
+
+
 def test_opcheck():
     args = make_inputs((5, 7), 16, 64, torch.float32, True)
     torch.library.opcheck(torch.ops.tabserve.norm_linear.default, (*args, 1e-5, torch.bfloat16))
     args = make_inputs((9,), 16, 64, torch.bfloat16, False)
     torch.library.opcheck(torch.ops.tabserve.norm_linear.default, (*args, 0.0, torch.bfloat16))
+    args = make_inputs((3, 7), 16, 128, torch.float32, True)
+    rope = (*rope_tables(7, 8), 64)
+    torch.library.opcheck(
+        torch.ops.tabserve.norm_linear.default, (*args, 1e-5, torch.bfloat16, *rope)
+    )
 
 
 def test_recipes_and_served_models_carry_the_flag():
@@ -137,13 +297,25 @@ def test_recipes_and_served_models_carry_the_flag():
     with pytest.raises(ValueError, match="fused_norm_linear runs under bf16 / fp16 autocast only"):
         RECIPES["fp32-eager"].replace(fused_norm_linear=True)
     assert recipe_from_cell({"precision": "fp16", "fused_norm_linear": True}).fused_norm_linear
+    with pytest.raises(ValueError, match="rope_in_projection .* needs fused_norm_linear"):
+        RECIPES["fp16-eager"].replace(rope_in_projection=True)
+    with pytest.raises(ValueError, match="c99: rope_in_projection needs fused_norm_linear"):
+        Cell("c99", "tabserve", "fp16", "", rope_in_projection=True)
+    fields = {"precision": "fp16", "fused_norm_linear": True, "rope_in_projection": True}
+    assert recipe_from_cell(fields).rope_in_projection
     model = copy.deepcopy(our_model("clf", "tiny"))  # our_model is cached; serving mutates it
     blocks = [m for m in model.modules() if isinstance(m, AttentionBlock)]
     recipe = RECIPES["fp16-buckets-compile-cudagraphs-head16-row-fused"]
     ServedTabICL(model, recipe.replace(cuda_graphs=False, compile="none"))
     assert blocks and all(b.fused_norm_linear and b.fused_feed_forward for b in blocks)
+    assert not any(b.attn.rope_in_projection for b in blocks)
+    ServedTabICL(
+        model,
+        RECIPES["fp16-compile-head16-fused-frozen-ropeproj"].replace(compile="none", freeze=False),
+    )
+    assert all(b.fused_norm_linear and b.attn.rope_in_projection for b in blocks)
     ServedTabICL(model, RECIPES["fp16-eager"])
-    assert not any(b.fused_norm_linear for b in blocks)
+    assert not any(b.fused_norm_linear or b.attn.rope_in_projection for b in blocks)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -162,6 +334,24 @@ def test_cuda_kernel_agrees_with_the_composite(case, compute):
     equal, worst = projection_agreement(got, want)
     bound = 16.0 if compute == torch.bfloat16 else 2.0  # bf16 rounds 8x coarser
     assert equal >= 0.9 and worst <= bound, (equal, worst)
+
+
+@requires_cuda
+@requires_triton
+@pytest.mark.parametrize("compute", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("case", ROPE_CASES, ids=lambda c: f"{c[0]}-{c[3]}")
+def test_cuda_kernel_with_rope_agrees_with_the_composite(case, compute):
+    leading, dim, out_features, rotary, head_dim, x_dtype = case
+    args = make_inputs(leading, dim, out_features, x_dtype, True, device="cuda")
+    cos, sin = rope_tables(leading[-1], head_dim, device="cuda")
+    assert nl.kernel_applies(args[0], args[3], compute, cos, rotary)
+    got = torch.ops.tabserve.norm_linear(*args, 1e-5, compute, cos, sin, rotary)
+    want = nl.norm_linear_composite(*args, 1e-5, compute, cos, sin, rotary)
+    equal, worst = projection_agreement(got, want)
+    bound = 16.0 if compute == torch.bfloat16 else 2.0
+    assert equal >= 0.9 and worst <= bound, (equal, worst)
+    unrotated = torch.ops.tabserve.norm_linear(*args, 1e-5, compute)
+    assert torch.equal(got[..., rotary:], unrotated[..., rotary:])
 
 
 @requires_cuda
@@ -206,4 +396,27 @@ def test_cuda_model_with_both_fused_operators_matches_the_modules_in_fp16(task):
         set_fused_feed_forward(model, on)
 
     fused, plain = fused_and_plain(task, both, nl)
+    assert_model_outputs_agree(task, fused, plain)
+
+
+@requires_cuda
+@requires_triton
+@pytest.mark.parametrize("task", ["clf", "reg"])
+def test_cuda_model_with_rope_in_the_projection_matches_the_modules_in_fp16(task):
+    """c43's route: the fused projections rotating the row stage's queries and keys, the
+    head-dim-16 kernel (which then rotates nothing) and the fused feed-forward, against the
+    modules in fp16."""
+    from tabserve.models.tabicl.recipes import (
+        set_fused_feed_forward,
+        set_rope_in_projection,
+        set_stage_kernels,
+    )
+
+    def route(model, on):
+        set_fused_norm_linear(model, on)
+        set_fused_feed_forward(model, on)
+        set_rope_in_projection(model, on)
+        set_stage_kernels(model.row_interactor, "head16" if on else "math")
+
+    fused, plain = fused_and_plain(task, route, nl)
     assert_model_outputs_agree(task, fused, plain)

@@ -285,6 +285,8 @@ def test_recipe_from_benchmark_cell():
         assert recipe.buckets == bool(cell.buckets)
         assert recipe.cuda_graphs == cell.cuda_graphs
         assert (recipe.compile == "regional") == cell.regional
+        assert recipe.kv_graphs == cell.kv_graphs
+        assert recipe.rope_in_projection == cell.rope_in_projection
 
 
 def test_auto_recipe_reads_measurements(tmp_path):

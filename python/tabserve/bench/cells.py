@@ -58,6 +58,8 @@ class Cell:
             (:func:`tabserve.ops.feed_forward`; bf16 / fp16 only).
         fused_norm_linear: the fused LayerNorm + input projection operator likewise
             (:func:`tabserve.ops.norm_linear`).
+        rope_in_projection: with ``fused_norm_linear``, the row stage's RoPE inside that
+            operator (``Recipe.rope_in_projection``).
         freeze: Inductor's freezing for the compiled graphs (weights as constants: their casts
             are folded at compile time; ``Recipe.freeze``).
         warm_cache: a server restart: a priming process compiles the workload's bucket and saves
@@ -86,6 +88,7 @@ class Cell:
     kv_graphs: bool = False
     fused_ffn: bool = False
     fused_norm_linear: bool = False
+    rope_in_projection: bool = False
     freeze: bool = False
     warm_cache: bool = False
     aot: bool = False
@@ -106,6 +109,8 @@ class Cell:
         for fused in ("fused_ffn", "fused_norm_linear"):
             if getattr(self, fused) and self.precision not in ("bf16", "fp16"):
                 raise ValueError(f"{self.name}: {fused} runs under bf16 / fp16 autocast only")
+        if self.rope_in_projection and not self.fused_norm_linear:
+            raise ValueError(f"{self.name}: rope_in_projection needs fused_norm_linear")
         if self.freeze and not (self.compile or self.regional):
             raise ValueError(f"{self.name}: freeze is Inductor's freezing of compiled graphs")
         if self.kv_graphs and self.buckets:
@@ -137,7 +142,7 @@ def _all(backend: str) -> dict:
 
 _BOTH = ("cpu", "cuda")
 
-#: c40, which c42 varies.
+#: c40, c41 and c42, which later cells vary.
 _C40 = Cell(
     "c40-fp16-compile-head16-fused-frozen",
     "tabserve",
@@ -148,6 +153,26 @@ _C40 = Cell(
     fused_ffn=True,
     fused_norm_linear=True,
     freeze=True,
+)
+
+_C41 = Cell(
+    "c41-fp16-buckets-compile-cudagraphs-head16-fused-frozen",
+    "tabserve",
+    "fp16",
+    "c39 with the column stage's short key runs on the head-dim-16 kernel",
+    compile="default",
+    buckets="default",
+    cuda_graphs=True,
+    attention={"row": "head16", "col": "head16-short"},
+    fused_ffn=True,
+    fused_norm_linear=True,
+    freeze=True,
+)
+_C42 = dataclasses.replace(
+    _C40,
+    name="c42-fp16-compile-head16-fused-frozen-kvgraphs",
+    description="c40 whose KV-cached prediction replays a CUDA graph per cache and test-row bucket",
+    kv_graphs=True,
 )
 
 CELLS: tuple[Cell, ...] = (
@@ -485,28 +510,24 @@ CELLS: tuple[Cell, ...] = (
     # ninth session's kernel: fewer instructions per score), the inducing points' attention
     # over the train rows still on cuDNN.
     _C40,
-    Cell(
-        "c41-fp16-buckets-compile-cudagraphs-head16-fused-frozen",
-        "tabserve",
-        "fp16",
-        "c39 with the column stage's short key runs on the head-dim-16 kernel",
-        compile="default",
-        buckets="default",
-        cuda_graphs=True,
-        attention={"row": "head16", "col": "head16-short"},
-        fused_ffn=True,
-        fused_norm_linear=True,
-        freeze=True,
-    ),
+    _C41,
     # c40's KV-cached prediction from a CUDA graph per (cache, test bucket): no guard checks
     # and launches before the device starts (0.4-0.9 ms of c40's 23.5 ms on the H200), the
     # cache unpadded (no masks).
-    dataclasses.replace(
-        _C40,
-        name="c42-fp16-compile-head16-fused-frozen-kvgraphs",
-        description="c40 whose KV-cached prediction replays a CUDA graph per cache and test-row "
-        "bucket",
-        kv_graphs=True,
+    _C42,
+    # c40, c42 and c41 with the row stage's RoPE inside the fused LayerNorm + projection: the
+    # head-dim-16 kernel then attends over rotated queries and keys (its RoPE variant took
+    # 15.8 ms over the row stage's 3 calls in c40's large one-shot profile, eleventh session;
+    # the plain kernel 10.3 ms on those shapes in the ninth session's benchmark).
+    *(
+        dataclasses.replace(
+            base,
+            name=f"c{number}-{base.name.split('-', 1)[1]}-ropeproj",
+            description=f"{base.name.split('-')[0]} with the row stage's RoPE inside the fused "
+            "projection",
+            rope_in_projection=True,
+        )
+        for number, base in ((43, _C40), (44, _C42), (45, _C41))
     ),
 )
 

@@ -1,6 +1,7 @@
 """``tabserve::norm_linear``: a pre-LN block's LayerNorm and input projection in one pass.
 
     out = linear(layer_norm(x), weight, bias)
+    out[..., :rotary_features] = rope(out[..., :rotary_features])    (optional)
 
 with the roundings of ``torch.autocast``: LayerNorm in fp32, its output rounded to
 ``compute_dtype``, the weight and bias cast to it, the product accumulated in fp32 and rounded.
@@ -9,6 +10,12 @@ them back; in the row stage's packed q / k / v projection and the column stage's
 the train rows those are 1.4 GB each way per block on the large workload. Fused, a tile of
 tokens is read once, normalised in registers and multiplied by the weight in column chunks on
 the tensor cores; only the projection is written.
+
+With RoPE tables, the leading ``rotary_features`` outputs (a packed projection's queries and
+keys, head by head) are also rotated at their token's position along x's second-to-last axis
+(rotate-half RoPE in fp32 on the rounded projection, rounded again: what the row stage's
+``RotaryEmbedding`` computes on the projection's output), so the attention after it reads
+rotated queries and keys and nothing rotates them in a pass or kernel of its own.
 
 One place for the operator, as ``feed_forward``: schema (``torch.library.triton_op``), composite
 ATen kernel (CPU, fp32 compute, shapes the kernel does not take), Triton CUDA kernel and fake
@@ -43,11 +50,17 @@ LONG_CONFIG = (128, 8, 1)
 
 #: Output features per step of the kernel's loop; the output width must be a multiple.
 OUTPUT_STEP = 64
+#: Output features per step over the rotated ones (whole heads): a narrower tile than
+#: OUTPUT_STEP keeps the rotation's split halves and tables in registers (sm_90, 128 tokens x 8
+#: warps, compiled by Triton 3.8: 64 spilled 56 bytes a thread, 32 8 bytes).
+ROTARY_STEP = 32
 
 _OPERATOR = "tabserve::norm_linear"
 
 
-def _check(x, norm_weight, norm_bias, weight, bias, eps, compute_dtype) -> None:
+def _check(
+    x, norm_weight, norm_bias, weight, bias, eps, compute_dtype, cos=None, sin=None, rotary=0
+) -> None:
     dim = x.shape[-1] if x.dim() else 0  # (a 0-d x is refused by check_arguments)
     out_features = weight.shape[0] if weight.dim() == 2 else 0
     expected = {
@@ -56,22 +69,108 @@ def _check(x, norm_weight, norm_bias, weight, bias, eps, compute_dtype) -> None:
         "norm_bias": (norm_bias, (dim,)),
     }
     check_arguments(_OPERATOR, x, ("weight", weight), expected, eps, compute_dtype)
+    _check_rotary(x, out_features, cos, sin, rotary)
 
 
-def norm_linear_composite(x, norm_weight, norm_bias, weight, bias, eps, compute_dtype) -> Tensor:
-    """The operator as ATen ops: what autocast makes of ``linear(norm(x))`` (the reference)."""
+def _check_rotary(x, out_features, cos, sin, rotary) -> None:
+    """The RoPE arguments: both tables or neither; [>= L, head_dim] floating tables on x's
+    device (L = x.shape[-2], the positions' axis), an even head_dim; ``rotary_features`` a
+    multiple of head_dim in [head_dim, out_features] with tables, 0 without."""
+    op = _OPERATOR
+    if (cos is None) != (sin is None):
+        raise ValueError(f"{op}: rotary_cos and rotary_sin come together, got only one of them")
+    if cos is None:
+        if rotary != 0:
+            raise ValueError(f"{op}: rotary_features={rotary} needs rotary_cos and rotary_sin")
+        return
+    if x.dim() < 2:
+        raise ValueError(
+            f"{op}: RoPE needs x of (..., L, dim) (positions along L), got {tuple(x.shape)}"
+        )
+    for name, table in (("rotary_cos", cos), ("rotary_sin", sin)):
+        if table.dim() != 2 or table.shape[0] < x.shape[-2] or table.shape[1] % 2:
+            raise ValueError(
+                f"{op}: {name} must be [L >= {x.shape[-2]}, head_dim] with an even head_dim, "
+                f"got {tuple(table.shape)}"
+            )
+        if not table.is_floating_point():
+            raise ValueError(f"{op}: {name} must be floating point, got {table.dtype}")
+        if table.device != x.device:
+            raise ValueError(f"{op}: {name} is on {table.device} but x is on {x.device}")
+    if cos.shape != sin.shape:
+        raise ValueError(
+            f"{op}: rotary_sin must have rotary_cos's shape {tuple(cos.shape)}, got {tuple(sin.shape)}"
+        )
+    head_dim = cos.shape[1]
+    if not 0 < rotary <= out_features or rotary % head_dim:
+        raise ValueError(
+            f"{op}: rotary_features must be a multiple of the tables' head_dim {head_dim} in "
+            f"[{head_dim}, {out_features}], got {rotary}"
+        )
+
+
+def norm_linear_composite(
+    x, norm_weight, norm_bias, weight, bias, eps, compute_dtype, cos=None, sin=None, rotary=0
+) -> Tensor:
+    """The operator as ATen ops: what autocast makes of ``linear(norm(x))`` (the reference),
+    then RoPE of the leading ``rotary`` outputs (``tabserve::rotary_embedding``: bit for bit
+    the row stage's ATen rotation)."""
     dim = x.shape[-1]
     shift = None if norm_bias is None else norm_bias.float()
     normed = F.layer_norm(x.float(), (dim,), norm_weight.float(), shift, eps).to(compute_dtype)
-    return F.linear(normed, weight.to(compute_dtype), bias.to(compute_dtype))
+    out = F.linear(normed, weight.to(compute_dtype), bias.to(compute_dtype))
+    if cos is None:
+        return out
+    length, head_dim = x.shape[-2], cos.shape[1]
+    # (..., L, heads, head_dim) seen as (..., heads, L, head_dim): positions along L.
+    heads = out[..., :rotary].unflatten(-1, (rotary // head_dim, head_dim)).transpose(-3, -2)
+    rotated = torch.ops.tabserve.rotary_embedding(heads, cos[:length], sin[:length])
+    return torch.cat([rotated.transpose(-3, -2).flatten(-2), out[..., rotary:]], dim=-1)
 
 
-def kernel_applies(x: Tensor, weight: Tensor, compute_dtype: torch.dtype) -> bool:
-    """Whether the CUDA kernel serves these operands (shapes and dtypes: static under compile)."""
-    return kernel_takes(x, compute_dtype) and weight.shape[0] % OUTPUT_STEP == 0
+def kernel_applies(
+    x: Tensor, weight: Tensor, compute_dtype: torch.dtype, cos: Tensor | None = None,
+    rotary: int = 0,
+) -> bool:  # fmt: skip
+    """Whether the CUDA kernel serves these operands (shapes and dtypes: static under compile):
+    with RoPE, fp32 tables of a power-of-two head_dim whose heads tile the kernel's rotated
+    steps, over whole output steps."""
+    applies = kernel_takes(x, compute_dtype) and weight.shape[0] % OUTPUT_STEP == 0
+    if cos is None or not applies:
+        return applies
+    head_dim = cos.shape[-1]
+    return (
+        cos.dtype == torch.float32
+        and head_dim >= 2
+        and head_dim & (head_dim - 1) == 0
+        and ROTARY_STEP % head_dim == 0
+        and rotary % OUTPUT_STEP == 0
+    )
 
 
 if triton is not None:
+
+    @triton.jit
+    def _rotate_heads(
+        y, cos_ptr, sin_ptr, positions, BLOCK_TOKENS: tl.constexpr, WIDTH: tl.constexpr,
+        HEAD_DIM: tl.constexpr, BF16: tl.constexpr,
+    ):  # fmt: skip
+        """Rotate-half RoPE of a (tokens, WIDTH) tile of rounded projections, WIDTH / HEAD_DIM
+        whole heads, each token at ``positions``: ``lo' = lo cos - hi sin``, ``hi' = hi cos +
+        lo sin`` in fp32 per (dim, dim + HEAD_DIM / 2) pair, rounded to the matmul dtype."""
+        HALF: tl.constexpr = HEAD_DIM // 2
+        # (tokens, heads, 2, HALF) -> (tokens, heads, HALF, 2): the pairs split apart.
+        pairs = tl.permute(tl.reshape(y, (BLOCK_TOKENS, WIDTH // HEAD_DIM, 2, HALF)), (0, 1, 3, 2))
+        lo, hi = tl.split(pairs.to(tl.float32))
+        table = positions[:, None] * HEAD_DIM + tl.arange(0, HALF)[None, :]
+        cos_lo = tl.load(cos_ptr + table)[:, None, :]
+        sin_lo = tl.load(sin_ptr + table)[:, None, :]
+        cos_hi = tl.load(cos_ptr + table + HALF)[:, None, :]
+        sin_hi = tl.load(sin_ptr + table + HALF)[:, None, :]
+        new_lo = lo * cos_lo - hi * sin_lo
+        new_hi = hi * cos_hi + lo * sin_hi
+        joined = tl.permute(tl.join(new_lo, new_hi), (0, 1, 3, 2))
+        return round_to(tl.reshape(joined, (BLOCK_TOKENS, WIDTH)), BF16)
 
     @triton.jit
     def _norm_linear_kernel(
@@ -81,12 +180,18 @@ if triton is not None:
         norm_bias_ptr,
         weight_ptr,
         bias_ptr,
+        cos_ptr,
+        sin_ptr,
         tokens,
+        period,
         EPS: tl.constexpr,  # a runtime float would reach the kernel as fp64 through Inductor
         DIM: tl.constexpr,
         OUT_FEATURES: tl.constexpr,
+        ROTARY_FEATURES: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
         BLOCK_TOKENS: tl.constexpr,
         OUTPUT_STEP: tl.constexpr,
+        ROTARY_STEP: tl.constexpr,
         HAS_NORM_BIAS: tl.constexpr,
         BF16: tl.constexpr,
     ):
@@ -98,7 +203,20 @@ if triton is not None:
         normed = layer_norm_rows(
             x, norm_weight_ptr, norm_bias_ptr, cols, DIM, EPS, HAS_NORM_BIAS, BF16
         )
-        for start in range(0, OUT_FEATURES, OUTPUT_STEP):
+        # Outputs [0, ROTARY_FEATURES) rotated at the token's position along x's L axis (rows
+        # past the stream read the tables at a valid position too; they are never stored).
+        positions = rows % period
+        for start in range(0, ROTARY_FEATURES, ROTARY_STEP):
+            features = start + tl.arange(0, ROTARY_STEP)
+            w = round_to(tl.load(weight_ptr + features[None, :] * DIM + cols[:, None]), BF16)
+            b = round_to(tl.load(bias_ptr + features), BF16).to(tl.float32)
+            y = round_to(tl.dot(normed, w) + b[None, :], BF16)
+            y = _rotate_heads(
+                y, cos_ptr, sin_ptr, positions, BLOCK_TOKENS, ROTARY_STEP, HEAD_DIM, BF16
+            )
+            offsets = rows[:, None] * OUT_FEATURES + features[None, :]
+            tl.store(out_ptr + offsets, y, mask=in_range)
+        for start in range(ROTARY_FEATURES, OUT_FEATURES, OUTPUT_STEP):
             features = start + tl.arange(0, OUTPUT_STEP)
             # weight is (out_features, dim), read transposed.
             w = round_to(tl.load(weight_ptr + features[None, :] * DIM + cols[:, None]), BF16)
@@ -107,7 +225,9 @@ if triton is not None:
             offsets = rows[:, None] * OUT_FEATURES + features[None, :]
             tl.store(out_ptr + offsets, y, mask=in_range)
 
-    def _launch(x, norm_weight, norm_bias, weight, bias, eps, compute_dtype, launcher):
+    def _launch(
+        x, norm_weight, norm_bias, weight, bias, eps, compute_dtype, cos, sin, rotary, launcher
+    ):  # fmt: skip
         dim, out_features = x.shape[-1], weight.shape[0]
         tokens = x.numel() // dim
         out = torch.empty((*x.shape[:-1], out_features), dtype=compute_dtype, device=x.device)
@@ -120,12 +240,18 @@ if triton is not None:
             norm_weight if norm_bias is None else norm_bias.contiguous(),
             matmul_operand(weight, compute_dtype),
             bias.contiguous(),
+            norm_weight if cos is None else cos.contiguous(),
+            norm_weight if sin is None else sin.contiguous(),
             tokens,
+            x.shape[-2] if cos is not None else 1,
             EPS=eps,
             DIM=dim,
             OUT_FEATURES=out_features,
+            ROTARY_FEATURES=rotary,
+            HEAD_DIM=2 if cos is None else cos.shape[1],
             BLOCK_TOKENS=block_tokens,
             OUTPUT_STEP=OUTPUT_STEP,
+            ROTARY_STEP=ROTARY_STEP,
             HAS_NORM_BIAS=norm_bias is not None,
             BF16=compute_dtype == torch.bfloat16,
             num_warps=num_warps,
@@ -133,10 +259,12 @@ if triton is not None:
         )
         return out
 
-    def run_kernel(x, norm_weight, norm_bias, weight, bias, eps, compute_dtype) -> Tensor:
+    def run_kernel(
+        x, norm_weight, norm_bias, weight, bias, eps, compute_dtype, cos=None, sin=None, rotary=0
+    ) -> Tensor:
         """The Triton kernel called directly (tests run it on CPU tensors under
         ``TRITON_INTERPRET=1``); no checks beyond :func:`_check`."""
-        args = (x, norm_weight, norm_bias, weight, bias, eps, compute_dtype)
+        args = (x, norm_weight, norm_bias, weight, bias, eps, compute_dtype, cos, sin, rotary)
         _check(*args)
         return _launch(*args, lambda k: k)
 
@@ -149,14 +277,18 @@ def _norm_linear(
     bias: Tensor,
     eps: float,
     compute_dtype: torch.dtype,
+    rotary_cos: Tensor | None = None,
+    rotary_sin: Tensor | None = None,
+    rotary_features: int = 0,
 ) -> Tensor:
     args = (x, norm_weight, norm_bias, weight, bias, eps, compute_dtype)
-    _check(*args)
-    if not kernel_applies(x, weight, compute_dtype):
-        return norm_linear_composite(*args)
+    rope = (rotary_cos, rotary_sin, rotary_features)
+    _check(*args, *rope)
+    if not kernel_applies(x, weight, compute_dtype, rotary_cos, rotary_features):
+        return norm_linear_composite(*args, *rope)
     from torch.library import wrap_triton
 
-    return _launch(*args, wrap_triton)
+    return _launch(*args, *rope, wrap_triton)
 
 
 norm_linear_op = define_operator(_OPERATOR, _norm_linear)

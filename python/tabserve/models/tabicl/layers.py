@@ -150,6 +150,10 @@ class Attention(nn.Module):
         #: With :attr:`small_heads`: the most keys the kernel takes here (None: any number;
         #: ``head16-short``: :data:`SHORT_KEYS`, longer runs on SDPA).
         self.small_head_max_keys: int | None = None
+        #: RoPE of queries and keys inside the fused LayerNorm + projection
+        #: (:func:`tabserve.ops.norm_linear`'s ``rotary``) where that operator serves the
+        #: projection; a serving recipe sets it (``rope_in_projection``).
+        self.rope_in_projection = False
 
     def _split_heads(self, x: Tensor) -> Tensor:
         return x.unflatten(-1, (self.num_heads, self.head_dim)).transpose(-3, -2)
@@ -177,6 +181,7 @@ class Attention(nn.Module):
         return (
             rope is not None
             and self.small_heads
+            and not self.rope_in_projection
             and self.ssmax_layer is None
             and rope.freqs.dtype == torch.float32
         )
@@ -194,15 +199,37 @@ class Attention(nn.Module):
             )
         return F.linear(norm(x), weight, bias)
 
+    def _project_rotating(
+        self, x: Tensor, weight: Tensor, bias: Tensor, norm: nn.LayerNorm | None,
+        rope: RotaryEmbedding | None, rotary_features: int,
+    ) -> tuple[Tensor, bool]:  # fmt: skip
+        """:meth:`_project`, and with :attr:`rope_in_projection` where the fused projection
+        serves it, RoPE of its leading ``rotary_features`` outputs (heads at their positions
+        along x's L axis) in the same pass. Returns the projection and whether they came
+        rotated (shapes, dtypes and flags only: static under compile)."""
+        dtype = _autocast_matmul_dtype(x)
+        if (
+            rope is None
+            or norm is None
+            or not self.rope_in_projection
+            or dtype is None
+            or not fused_norm_linear.kernel_applies(x, weight, dtype)
+        ):
+            return self._project(x, weight, bias, norm), False
+        cos, sin = rope.tables(x.shape[-2], x.device, dtype)
+        return fused_norm_linear.norm_linear_op(
+            x, norm.weight, norm.bias, weight, bias, norm.eps, dtype, cos, sin, rotary_features
+        ), True  # fmt: skip
+
     def project_kv(
         self, kv: Tensor, rope: RotaryEmbedding | None = None, norm: nn.LayerNorm | None = None
     ) -> KeyValue:
         """Head-split K and V of normalised tokens ``(..., L, E)`` (raw ones with ``norm``)."""
         dim = kv.shape[-1]
         weight, bias = self.in_proj_weight[dim:], self.in_proj_bias[dim:]
-        k, v = self._project(kv, weight, bias, norm).chunk(2, dim=-1)
-        k, v = self._split_heads(k), self._split_heads(v)
-        if rope is not None:
+        kv_out, rotated = self._project_rotating(kv, weight, bias, norm, rope, dim)
+        k, v = (self._split_heads(t) for t in kv_out.chunk(2, dim=-1))
+        if rope is not None and not rotated:
             k = rope(k)
         return k, v
 
@@ -227,24 +254,26 @@ class Attention(nn.Module):
         shapes stay the bucket's and n never reaches the host.
         """
         dim = q.shape[-1]
+        weight, bias = self.in_proj_weight, self.in_proj_bias
         if kv is None:  # one packed projection, as the reference's self-attention does
-            packed = self._project(q, self.in_proj_weight, self.in_proj_bias, norm).chunk(3, -1)
-            query, k, v = (self._split_heads(t) for t in packed)
-            keys_rotated = False
+            packed, rotated = self._project_rotating(q, weight, bias, norm, rope, 2 * dim)
+            query, k, v = (self._split_heads(t) for t in packed.chunk(3, -1))
+            keys_rotated = query_rotated = rotated  # (queries and keys lead the packing)
         else:
-            query = self._split_heads(
-                self._project(q, self.in_proj_weight[:dim], self.in_proj_bias[:dim], norm)
+            projected, query_rotated = self._project_rotating(
+                q, weight[:dim], bias[:dim], norm, rope, dim
             )
+            query = self._split_heads(projected)
             k, v = kv
         fused_rope = None  # RoPE tables handed to the head-dim-16 kernel instead
         if rope is not None and not keys_rotated:
-            if self._rope_in_kernel(rope, query, k, v):
+            if not query_rotated and self._rope_in_kernel(rope, query, k, v):
                 # Queries sit at positions 0..Lq-1, as rope(query) puts them.
                 length = max(query.shape[-2], k.shape[-2])
                 fused_rope = rope.tables(length, query.device, query.dtype)
             else:
                 k = rope(k)
-        if rope is not None and fused_rope is None:
+        if rope is not None and fused_rope is None and not query_rotated:
             query = rope(query)
         if self.ssmax_layer is not None:
             # Before broadcasting: the scale depends only on the query and the number of keys.

@@ -35,6 +35,9 @@ Fields:
         bf16 autocast, width <= 128: the column and row stages); same roundings as autocast.
     fused_norm_linear: every block's first LayerNorm and its input projections in one pass of
         :func:`tabserve.ops.norm_linear` where its kernel applies (same conditions).
+    rope_in_projection: with ``fused_norm_linear``, the row stage's RoPE of queries and keys in
+        that same pass (the operator's ``rotary``), so no attention kernel or pass of its own
+        rotates them.
     freeze: Inductor's freezing (``torch._inductor.config.freezing``) for the compiled graphs:
         the weights become constants of each graph, so what depends on weights alone (their
         casts to fp16 / bf16 under autocast, ...) is computed once at compile time instead of at
@@ -107,6 +110,7 @@ class Recipe:
     kv_graphs: bool = False
     fused_ffn: bool = False
     fused_norm_linear: bool = False
+    rope_in_projection: bool = False
     freeze: bool = False
     compile_backend: str = "inductor"
     description: str = ""
@@ -124,6 +128,11 @@ class Recipe:
                 raise ValueError(
                     f"recipe {self.name}: {fused} runs under bf16 / fp16 autocast only"
                 )
+        if self.rope_in_projection and not self.fused_norm_linear:
+            raise ValueError(
+                f"recipe {self.name}: rope_in_projection rotates inside the fused projection: "
+                f"it needs fused_norm_linear"
+            )
         if self.freeze and (not self.compiled or self.compile_backend != "inductor"):
             raise ValueError(
                 f"recipe {self.name}: freeze is Inductor's freezing: it needs a compiled recipe "
@@ -319,6 +328,16 @@ def set_fused_norm_linear(module: torch.nn.Module, fused: bool) -> None:
     for block in module.modules():
         if isinstance(block, AttentionBlock):
             block.fused_norm_linear = fused
+
+
+def set_rope_in_projection(module: torch.nn.Module, on: bool) -> None:
+    """Points every attention layer of ``module`` at RoPE inside the fused projection (``on``)
+    or at RoPE of its own (a pass, or the head-dim-16 kernel)."""
+    from .layers import Attention
+
+    for attention in module.modules():
+        if isinstance(attention, Attention):
+            attention.rope_in_projection = on
 
 
 def _recipe(name: str, description: str, **fields) -> tuple[str, Recipe]:
@@ -522,6 +541,17 @@ RECIPES["fp16-compile-head16-fused-frozen-kvgraphs"] = RECIPES[
     "per cache and test-row bucket (cell c42; the cache unpadded: no masks)",
     kv_graphs=True,
 )
+#: c40, c42 and c41 with the row stage's RoPE inside the fused projection (cells c43-c45).
+for _base in (
+    "fp16-compile-head16-fused-frozen",
+    "fp16-compile-head16-fused-frozen-kvgraphs",
+    "fp16-buckets-compile-cudagraphs-head16-fused-frozen",
+):
+    RECIPES[f"{_base}-ropeproj"] = RECIPES[_base].replace(
+        name=f"{_base}-ropeproj",
+        description=f"{_base} with the row stage's RoPE inside the fused LayerNorm + projection",
+        rope_in_projection=True,
+    )
 DEFAULT_RECIPE = "fp32-eager"
 
 
@@ -556,6 +586,7 @@ def recipe_from_cell(fields: dict, name: str | None = None) -> Recipe:
         kv_graphs=bool(fields.get("kv_graphs")),
         fused_ffn=bool(fields.get("fused_ffn")),
         fused_norm_linear=bool(fields.get("fused_norm_linear")),
+        rope_in_projection=bool(fields.get("rope_in_projection")),
         freeze=bool(fields.get("freeze")),
         description="promoted by the benchmark driver",
     )
