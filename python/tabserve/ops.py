@@ -637,6 +637,8 @@ def feed_forward(
     update: Tensor | None = None,
     skip: Tensor | None = None,
     skip_value: float = 0.0,
+    update_weight: Tensor | None = None,
+    update_bias: Tensor | None = None,
 ) -> Tensor:
     """``s + linear2(gelu(linear1(layer_norm(s))))`` with ``s = x (+ update)``, as
     ``torch.autocast`` to ``compute_dtype`` computes it, in one pass on CUDA.
@@ -665,6 +667,12 @@ def feed_forward(
             (the column stage's sentinel rule, written by the kernels' epilogue instead of a
             separate masked fill over the stream).
         skip_value: the value of skipped sets' outputs.
+        update_weight, update_bias: optional [dim, dim] weight and [dim] bias (bias needs the
+            weight; the weight needs ``update``): ``update`` is first projected,
+            ``linear(update, update_weight, update_bias)`` as autocast computes it (operands
+            cast to ``compute_dtype``, output in it) — the attention half's out-projection,
+            done by the Triton kernel on each tile so its output is never written. The
+            resident kernel does not fold it: there cuBLAS projects first.
 
     Returns:
         [..., dim] tensor of the promoted dtype of x, update and ``compute_dtype``, contiguous.
@@ -677,7 +685,7 @@ def feed_forward(
     from tabserve.kernels import feed_forward as kernels
 
     args = (x, update, norm_weight, norm_bias, w1, b1, w2, b2, eps, compute_dtype)
-    return kernels.feed_forward(*args, skip, skip_value)
+    return kernels.feed_forward(*args, skip, skip_value, update_weight, update_bias)
 
 
 def norm_linear(

@@ -116,6 +116,56 @@ def test_cpu_operator_is_the_block_under_autocast_bit_for_bit(ln_bias):
         assert torch.equal(ops.feed_forward(x, *block_args(b), torch.float32), b.feed_forward(x))
 
 
+def projection(dim, seed=1, device="cpu"):
+    """An out-projection's [dim, dim] weight and [dim] bias."""
+    g = torch.Generator().manual_seed(seed)
+    weight = torch.randn(dim, dim, generator=g) / dim**0.5
+    return weight.to(device), (0.1 * torch.randn(dim, generator=g)).to(device)
+
+
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+def test_cpu_operator_folds_the_out_projection_as_the_block_computes_it(x_dtype):
+    """``update_weight`` / ``update_bias``: the update is first projected; bit for bit the
+    block's ``out_proj`` module then its feed-forward half under autocast (the reference), on
+    an fp32 residual stream (the column stage) and a bf16 one."""
+    b = block()
+    x = torch.randn(3, 50, 128).to(x_dtype)
+    attention = torch.randn(3, 50, 128).bfloat16()  # the heads' merged output under autocast
+    out_proj = torch.nn.Linear(128, 128)
+    out_proj.weight.data, out_proj.bias.data = projection(128)
+    with torch.no_grad():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            want = b.feed_forward(x, out_proj(attention))
+        got = ops.feed_forward(
+            x, *block_args(b), torch.bfloat16, update=attention,
+            update_weight=out_proj.weight, update_bias=out_proj.bias,
+        )  # fmt: skip
+    assert got.dtype == want.dtype and torch.equal(got, want)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"update": None}, "update_weight projects update: it needs an update"),
+        ({"update_weight": None}, "update_bias needs update_weight"),
+        ({"update_weight": torch.zeros(32, 16)}, r"update_weight must have shape \(32, 32\)"),
+        ({"update_bias": torch.zeros(16)}, r"update_bias must have shape \(32,\)"),
+        (
+            {"update_weight": torch.zeros(32, 32, dtype=torch.long)},
+            "update_weight must be floating",
+        ),
+        ({"update_bias": torch.zeros(32, device="meta")}, "update_bias is on meta"),
+    ],
+    ids=["no update", "bias alone", "weight shape", "bias shape", "weight dtype", "device"],
+)
+def test_bad_update_projection_is_refused(change, message):
+    x, update, *params = make_inputs((4, 6), 32, 64, torch.float32, True, torch.bfloat16)
+    weight, bias = projection(32)
+    kwargs = {"update": update, "update_weight": weight, "update_bias": bias, **change}
+    with pytest.raises(ValueError, match=message):
+        ops.feed_forward(x, *params, 1e-5, torch.bfloat16, **kwargs)
+
+
 def test_skipped_sets_are_the_skip_value_and_the_rest_unchanged():
     args = make_inputs((4, 6, 9), 32, 64, torch.float32, True, torch.bfloat16)
     skip = torch.tensor([[True, False, False, True, False, True]] * 4)
@@ -164,8 +214,11 @@ def test_kernel_under_the_interpreter_agrees_with_the_composite():
     """Runs the Triton program on CPU tensors (``TRITON_INTERPRET=1`` must be set before Triton
     compiles it, hence a child process) for every case; the checks run here."""
     results = interpreter_child("import test_feed_forward as t; t.interpreter_cases()")
-    assert len(results) == len(KERNEL_CASES) + len(OTHER_STEPS) + 1
+    projected = [c for c in KERNEL_CASES if c[6] is not None]
+    assert len(results) == len(KERNEL_CASES) + len(OTHER_STEPS) + 1 + len(projected)
     cases = KERNEL_CASES + [KERNEL_CASES[0]] * (len(OTHER_STEPS) + 1)
+    # The projected update is in the compute dtype (fp16) whatever update's own dtype.
+    cases += [(*c[:6], torch.float16) for c in projected]
     for case, (equal, worst, dtype, shape) in zip(cases, results):
         _, leading, dim, _, x_dtype, _, update = case
         assert shape == [*leading, dim]
@@ -199,6 +252,17 @@ def interpreter_cases() -> None:
         got[1], ff.run_kernel(*args, 1e-5, torch.float16)[1]
     )
     out.append([*agreement(got, want, stream(args)), str(got.dtype), list(got.shape)])
+    # The out-projection folded in (update_weight), on every case with an update.
+    for _, leading, dim, hidden, x_dtype, norm_bias, update in KERNEL_CASES:
+        if update is None:
+            continue
+        args = make_inputs(leading, dim, hidden, x_dtype, norm_bias, update)
+        fold = projection(dim)
+        got = ff.run_kernel(*args, 1e-5, torch.float16, None, 0.0, *fold)
+        want = ff.feed_forward_composite(*args, 1e-5, torch.float16, None, 0.0, *fold)
+        projected = ff.project_update(args[1], *fold, torch.float16)
+        s = args[0].double() + projected.double()
+        out.append([*agreement(got, want, s), str(got.dtype), list(got.shape)])
     print(json.dumps(out))
 
 
@@ -253,9 +317,46 @@ def test_block_takes_the_operator_in_one_compiled_graph(monkeypatch):
     assert torch.equal(got, want)
 
 
+def test_block_folds_its_out_projection_in_one_compiled_graph(monkeypatch):
+    """``fused_out_projection``: the block hands its attention's unprojected output and
+    ``out_proj`` to the fused operator (forced on CPU as above) and equals the modules bit for
+    bit, eager and compiled; broadcast queries (the inducing points) are projected first."""
+    from types import SimpleNamespace
+
+    from tabserve.models.tabicl import layers
+
+    calls = []
+
+    def op(*args):
+        calls.append(args[12] is not None)  # update_weight given
+        return ff.feed_forward_op(*args)
+
+    shim = SimpleNamespace(kernel_applies=lambda *a: True, feed_forward=op)
+    monkeypatch.setattr(layers, "fused_ffn", shim)
+    b = block(dim=32, hidden=64)
+    x, inducing = torch.randn(2, 9, 32), torch.randn(1, 5, 32)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        want, want_broadcast = b(x), b(inducing, x)
+        b.fused_feed_forward = b.fused_out_projection = True
+        # The out-projection module is never called on the folded path.
+        got = b(x)
+        assert calls == [True]
+        got_broadcast = b(inducing, x)
+        assert calls == [True, False]
+        torch._dynamo.reset()
+        compiled = torch.compile(b, fullgraph=True, backend="aot_eager")(x)
+    assert torch.equal(got, want) and torch.equal(compiled, want)
+    assert torch.equal(got_broadcast, want_broadcast)
+
+
 def test_opcheck():
     args = make_inputs((5, 7), 16, 64, torch.float32, True, torch.bfloat16)
     torch.library.opcheck(torch.ops.tabserve.feed_forward.default, (*args, 1e-5, torch.bfloat16))
+    fold = projection(16)
+    torch.library.opcheck(
+        torch.ops.tabserve.feed_forward.default,
+        (*args, 1e-5, torch.bfloat16, None, 0.0, *fold),
+    )
     skip = torch.tensor([True, False, False, True, False])
     torch.library.opcheck(
         torch.ops.tabserve.feed_forward.default, (*args, 1e-5, torch.bfloat16, skip, -100.0)
@@ -302,8 +403,14 @@ def test_served_model_points_every_block_at_the_recipe():
     ServedTabICL(model, RECIPES["fp16-buckets-compile-cudagraphs-head16-row-ffn"].replace(
         cuda_graphs=False, compile="none"))  # fmt: skip
     assert blocks and all(b.fused_feed_forward for b in blocks)
+    assert not any(b.fused_out_projection for b in blocks)
+    recipe = RECIPES["fp16-compile-head16-fused-frozen-ropeproj-outproj"]
+    ServedTabICL(model, recipe.replace(compile="none", freeze=False))
+    assert all(b.fused_feed_forward and b.fused_out_projection for b in blocks)
     ServedTabICL(model, RECIPES["fp16-eager"])
-    assert not any(b.fused_feed_forward for b in blocks)
+    assert not any(b.fused_feed_forward or b.fused_out_projection for b in blocks)
+    with pytest.raises(ValueError, match="fused_out_projection .* needs fused_ffn"):
+        recipe.replace(fused_ffn=False)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -325,6 +432,28 @@ def test_cuda_kernel_agrees_with_the_composite(case, compute):
         assert equal >= 0.9 and worst <= 16.0, (equal, worst)
     else:
         assert_agrees(got, want, stream(args), str(case))
+
+
+@requires_cuda
+@requires_triton
+@pytest.mark.parametrize("compute", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(
+    "case", [c for c in KERNEL_CASES if c[6] is not None], ids=lambda c: f"{c[0]}x{c[2]}-{c[3]}"
+)
+def test_cuda_kernel_with_the_out_projection_agrees_with_the_composite(case, compute):
+    """The Triton kernel projecting the update itself (and holding the sum in its output until
+    its epilogue) against the composite, with skipped sets too."""
+    _, leading, dim, hidden, x_dtype, norm_bias, update = case
+    args = make_inputs(leading, dim, hidden, x_dtype, norm_bias, update, device="cuda")
+    fold = projection(dim, device="cuda")
+    skip = torch.arange(leading[0], device="cuda") % 3 == 1
+    got = torch.ops.tabserve.feed_forward(*args, 1e-5, compute, skip, -100.0, *fold)
+    want = ff.feed_forward_composite(*args, 1e-5, compute, skip, -100.0, *fold)
+    s = args[0].double() + ff.project_update(args[1], *fold, compute).double()
+    equal, worst = agreement(got, want, s)
+    bound = 16.0 if compute == torch.bfloat16 else 2.0
+    assert equal >= 0.9 and worst <= bound, (equal, worst)
+    assert bool((got[skip] == -100).all())
 
 
 @requires_cuda
@@ -447,4 +576,31 @@ def test_cuda_model_with_the_fused_ffn_matches_the_modules_in_fp16(task, residen
     monkeypatch.setattr(ff, "RESIDENT_KERNEL", resident)
     launcher = "_resident" if resident else "_launch"
     fused, plain = fused_and_plain(task, set_fused_feed_forward, ff, launcher)
+    assert_model_outputs_agree(task, fused, plain)
+
+
+@requires_cuda
+@requires_triton
+@pytest.mark.parametrize("task", ["clf", "reg"])
+def test_cuda_model_with_the_out_projection_folded_matches_the_modules_in_fp16(task, monkeypatch):
+    """c46's route (both fused operators, RoPE in the projections, the out-projections in the
+    feed-forward's Triton kernel, the head-dim-16 kernel) against the modules in fp16. This
+    table's streams are short enough for the resident kernel, which does not fold the
+    projection: it is turned off, so the Triton kernel serves every block."""
+    monkeypatch.setattr(ff, "RESIDENT_KERNEL", False)
+    from tabserve.models.tabicl.recipes import (
+        set_fused_feed_forward,
+        set_fused_norm_linear,
+        set_fused_out_projection,
+        set_rope_in_projection,
+        set_stage_kernels,
+    )
+
+    def route(model, on):
+        for flag in (set_fused_feed_forward, set_fused_norm_linear, set_rope_in_projection):
+            flag(model, on)
+        set_fused_out_projection(model, on)
+        set_stage_kernels(model.row_interactor, "head16" if on else "math")
+
+    fused, plain = fused_and_plain(task, route, ff)
     assert_model_outputs_agree(task, fused, plain)

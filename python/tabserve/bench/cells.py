@@ -60,6 +60,8 @@ class Cell:
             (:func:`tabserve.ops.norm_linear`).
         rope_in_projection: with ``fused_norm_linear``, the row stage's RoPE inside that
             operator (``Recipe.rope_in_projection``).
+        fused_out_projection: with ``fused_ffn``, each block's out-projection inside the fused
+            feed-forward's Triton kernel (``Recipe.fused_out_projection``).
         freeze: Inductor's freezing for the compiled graphs (weights as constants: their casts
             are folded at compile time; ``Recipe.freeze``).
         warm_cache: a server restart: a priming process compiles the workload's bucket and saves
@@ -89,6 +91,7 @@ class Cell:
     fused_ffn: bool = False
     fused_norm_linear: bool = False
     rope_in_projection: bool = False
+    fused_out_projection: bool = False
     freeze: bool = False
     warm_cache: bool = False
     aot: bool = False
@@ -111,6 +114,8 @@ class Cell:
                 raise ValueError(f"{self.name}: {fused} runs under bf16 / fp16 autocast only")
         if self.rope_in_projection and not self.fused_norm_linear:
             raise ValueError(f"{self.name}: rope_in_projection needs fused_norm_linear")
+        if self.fused_out_projection and not self.fused_ffn:
+            raise ValueError(f"{self.name}: fused_out_projection needs fused_ffn")
         if self.freeze and not (self.compile or self.regional):
             raise ValueError(f"{self.name}: freeze is Inductor's freezing of compiled graphs")
         if self.kv_graphs and self.buckets:
@@ -528,6 +533,18 @@ CELLS: tuple[Cell, ...] = (
             rope_in_projection=True,
         )
         for number, base in ((43, _C40), (44, _C42), (45, _C41))
+    ),
+    # c43 and c44 with each block's out-projection inside the fused feed-forward's Triton
+    # kernel (the projected attention output, 1.4 GB per big block on large, never written).
+    *(
+        dataclasses.replace(
+            base,
+            name=f"c{number}-{base.name.split('-', 1)[1]}-ropeproj-outproj",
+            description=f"c{number - 3} with the out-projections inside the fused feed-forward",
+            rope_in_projection=True,
+            fused_out_projection=True,
+        )
+        for number, base in ((46, _C40), (47, _C42))
     ),
 )
 

@@ -24,6 +24,7 @@ from tabserve.models.tabicl.recipes import (
     sdpa_context,
     set_fused_feed_forward,
     set_fused_norm_linear,
+    set_fused_out_projection,
     set_rope_in_projection,
     set_stage_kernels,
 )
@@ -233,6 +234,7 @@ class TabserveEngine(Engine):
             fused_ffn=False,
             fused_norm_linear=False,
             rope_in_projection=False,
+            fused_out_projection=False,
             freeze=False,
         )
         padded = ServedTabICL(plain, exact, _bucket_grid(self.cell.buckets))
@@ -254,6 +256,7 @@ class TabserveEngine(Engine):
         set_fused_feed_forward(model, self.cell.fused_ffn)
         set_fused_norm_linear(model, self.cell.fused_norm_linear)
         set_rope_in_projection(model, self.cell.rope_in_projection)
+        set_fused_out_projection(model, self.cell.fused_out_projection)
         for stage, backend in self.cell.attention.items():
             set_stage_kernels(getattr(model, _STAGE_MODULES[stage]), backend)
             if not self.cell.uniform_attention:

@@ -1,6 +1,7 @@
 """``tabserve::feed_forward``: a pre-LN transformer block's feed-forward half in one pass.
 
-    s = x + update          (update optional: the attention half's output)
+    s = x + update          (update optional: the attention half's output, optionally
+                             linear(update, update_weight, update_bias) first: its out-projection)
     out = s + linear2(gelu(linear1(layer_norm(s))))
 
 with the roundings of ``torch.autocast``: LayerNorm in fp32, its output, both linears' outputs
@@ -70,7 +71,10 @@ def hidden_step_override(step: int):
 _OPERATOR = "tabserve::feed_forward"
 
 
-def _check(x, update, norm_weight, norm_bias, w1, b1, w2, b2, eps, compute_dtype, skip=None):
+def _check(
+    x, update, norm_weight, norm_bias, w1, b1, w2, b2, eps, compute_dtype, skip=None,
+    update_weight=None, update_bias=None,
+):  # fmt: skip
     dim = x.shape[-1] if x.dim() else 0  # (a 0-d x is refused by check_arguments)
     hidden = w1.shape[0] if w1.dim() == 2 else 0
     expected = {
@@ -80,17 +84,33 @@ def _check(x, update, norm_weight, norm_bias, w1, b1, w2, b2, eps, compute_dtype
         "b2": (b2, (dim,)),
         "norm_bias": (norm_bias, (dim,)),
         "update": (update, tuple(x.shape)),
+        "update_weight": (update_weight, (dim, dim)),
+        "update_bias": (update_bias, (dim,)),
     }
     check_arguments(_OPERATOR, x, ("w1", w1), expected, eps, compute_dtype)
     check_skip(_OPERATOR, x, skip)
+    if update_weight is None and update_bias is not None:
+        raise ValueError(f"{_OPERATOR}: update_bias needs update_weight")
+    if update_weight is not None and update is None:
+        raise ValueError(f"{_OPERATOR}: update_weight projects update: it needs an update")
+
+
+def project_update(update, update_weight, update_bias, compute_dtype) -> Tensor:
+    """``linear(update, update_weight, update_bias)`` as autocast computes an out-projection:
+    operands cast to ``compute_dtype``, its output in it."""
+    bias = None if update_bias is None else update_bias.to(compute_dtype)
+    return F.linear(update.to(compute_dtype), update_weight.to(compute_dtype), bias)
 
 
 def feed_forward_composite(
-    x, update, norm_weight, norm_bias, w1, b1, w2, b2, eps, compute_dtype, skip=None, skip_value=0.0
-) -> Tensor:
+    x, update, norm_weight, norm_bias, w1, b1, w2, b2, eps, compute_dtype, skip=None,
+    skip_value=0.0, update_weight=None, update_bias=None,
+) -> Tensor:  # fmt: skip
     """The operator as ATen ops: what autocast makes of the module (the kernels' reference);
     the sets ``skip`` marks are then filled with ``skip_value``."""
     dim = x.shape[-1]
+    if update_weight is not None:
+        update = project_update(update, update_weight, update_bias, compute_dtype)
     if update is not None:
         x = x + update
     bias = None if norm_bias is None else norm_bias.float()
@@ -103,7 +123,8 @@ def feed_forward_composite(
 def kernel_applies(
     x: Tensor, update: Tensor | None, w1: Tensor, compute_dtype: torch.dtype
 ) -> bool:
-    """Whether the CUDA kernel serves these operands (shapes and dtypes: static under compile)."""
+    """Whether the CUDA kernel serves these operands (shapes and dtypes: static under compile;
+    an update it projects itself too)."""
     return (
         kernel_takes(x, compute_dtype)
         and (update is None or update.dtype in STREAM_DTYPES)
@@ -129,9 +150,31 @@ if triton is not None:
         return s
 
     @triton.jit
+    def _projected_residual(
+        x_ptr, update_ptr, update_weight_ptr, update_bias_ptr, offsets, in_range, cols,
+        DIM: tl.constexpr, SUM_ROUND: tl.constexpr, BF16: tl.constexpr,
+    ):  # fmt: skip
+        """``x + linear(update, update_weight, update_bias)`` in fp32: the projection on the
+        tensor cores from operands rounded to the matmul dtype, its output rounded as
+        autocast's, the sum rounded as ATen's (SUM_ROUND)."""
+        a = round_to(tl.load(update_ptr + offsets, mask=in_range, other=0.0), BF16)
+        # update_weight is (dim out, dim in), read transposed.
+        w = round_to(tl.load(update_weight_ptr + cols[None, :] * DIM + cols[:, None]), BF16)
+        b = round_to(tl.load(update_bias_ptr + cols), BF16).to(tl.float32)
+        projected = round_to(tl.dot(a, w) + b[None, :], BF16).to(tl.float32)
+        s = tl.load(x_ptr + offsets, mask=in_range, other=0.0).to(tl.float32) + projected
+        if SUM_ROUND == 1:
+            s = s.to(tl.float16).to(tl.float32)
+        elif SUM_ROUND == 2:
+            s = s.to(tl.bfloat16).to(tl.float32)
+        return s
+
+    @triton.jit
     def _feed_forward_kernel(
         x_ptr,
         update_ptr,
+        update_weight_ptr,
+        update_bias_ptr,
         out_ptr,
         norm_weight_ptr,
         norm_bias_ptr,
@@ -149,6 +192,7 @@ if triton is not None:
         HIDDEN_STEP: tl.constexpr,
         HAS_NORM_BIAS: tl.constexpr,
         HAS_UPDATE: tl.constexpr,
+        PROJECT_UPDATE: tl.constexpr,
         SUM_ROUND: tl.constexpr,
         BF16: tl.constexpr,
         HAS_SKIP: tl.constexpr,
@@ -160,7 +204,16 @@ if triton is not None:
         cols = tl.arange(0, DIM)
         offsets = rows[:, None] * DIM + cols[None, :]
         in_range = rows[:, None] < tokens
-        x = _residual(x_ptr, update_ptr, offsets, in_range, HAS_UPDATE, SUM_ROUND)
+        if PROJECT_UPDATE:
+            x = _projected_residual(
+                x_ptr, update_ptr, update_weight_ptr, update_bias_ptr, offsets, in_range, cols,
+                DIM, SUM_ROUND, BF16,
+            )  # fmt: skip
+            # Held in the output until the end (its dtype holds the sum exactly): recomputing
+            # the projection would cost a third matmul, holding the tile would spill.
+            tl.store(out_ptr + offsets, x.to(out_ptr.dtype.element_ty), mask=in_range)
+        else:
+            x = _residual(x_ptr, update_ptr, offsets, in_range, HAS_UPDATE, SUM_ROUND)
         normed = layer_norm_rows(
             x, norm_weight_ptr, norm_bias_ptr, cols, DIM, EPS, HAS_NORM_BIAS, BF16
         )
@@ -180,7 +233,11 @@ if triton is not None:
         y = round_to(acc + b2[None, :], BF16).to(tl.float32)
         # The residual is read again rather than held: a tile of it in registers through both
         # matmuls would spill; the second read hits L2.
-        out = _residual(x_ptr, update_ptr, offsets, in_range, HAS_UPDATE, SUM_ROUND) + y
+        if PROJECT_UPDATE:
+            tl.debug_barrier()  # every thread's store of the sum is visible to the block
+            out = tl.load(out_ptr + offsets, mask=in_range, other=0.0).to(tl.float32) + y
+        else:
+            out = _residual(x_ptr, update_ptr, offsets, in_range, HAS_UPDATE, SUM_ROUND) + y
         if HAS_SKIP:  # tokens of a skipped set (set_tokens tokens each) get the skip value
             skipped = tl.load(skip_ptr + rows // set_tokens, mask=rows < tokens, other=0) != 0
             out = tl.where(skipped[:, None], SKIP_VALUE, out)
@@ -191,11 +248,14 @@ if triton is not None:
 
     def _launch(
         x, update, norm_weight, norm_bias, w1, b1, w2, b2, eps, compute_dtype, launcher,
-        skip=None, skip_value=0.0,
+        skip=None, skip_value=0.0, update_weight=None, update_bias=None,
     ):  # fmt: skip
         dim, hidden = x.shape[-1], w1.shape[0]
         tokens = x.numel() // dim
-        sum_dtype = x.dtype if update is None else torch.promote_types(x.dtype, update.dtype)
+        project = update_weight is not None
+        # The sum's dtype: x's and the (projected: compute_dtype) update's.
+        added = compute_dtype if project else (None if update is None else update.dtype)
+        sum_dtype = x.dtype if added is None else torch.promote_types(x.dtype, added)
         out_dtype = torch.promote_types(sum_dtype, compute_dtype)
         out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
         block_tokens, num_warps, num_stages = tile_config(tokens)
@@ -203,9 +263,13 @@ if triton is not None:
         if hidden % step:
             raise ValueError(f"feed_forward: hidden width {hidden} is not a multiple of {step}")
         grid = (triton.cdiv(tokens, block_tokens),)
+        if project and update_bias is None:
+            update_bias = torch.zeros(dim, dtype=compute_dtype, device=x.device)
         launcher(_feed_forward_kernel)[grid](
             x.contiguous(),
             x if update is None else update.contiguous(),
+            matmul_operand(update_weight, compute_dtype) if project else x,
+            update_bias.contiguous() if project else x,
             out,
             norm_weight.contiguous(),
             norm_weight if norm_bias is None else norm_bias.contiguous(),
@@ -224,6 +288,7 @@ if triton is not None:
             HIDDEN_STEP=step,
             HAS_NORM_BIAS=norm_bias is not None,
             HAS_UPDATE=update is not None,
+            PROJECT_UPDATE=project,
             SUM_ROUND=_SUM_ROUND[sum_dtype],
             BF16=compute_dtype == torch.bfloat16,
             HAS_SKIP=skip is not None,
@@ -235,13 +300,13 @@ if triton is not None:
 
     def run_kernel(
         x, update, norm_weight, norm_bias, w1, b1, w2, b2, eps, compute_dtype,
-        skip=None, skip_value=0.0,
+        skip=None, skip_value=0.0, update_weight=None, update_bias=None,
     ):  # fmt: skip
         """The Triton kernel called directly (tests run it on CPU tensors under
         ``TRITON_INTERPRET=1``); no checks beyond :func:`_check`."""
         args = (x, update, norm_weight, norm_bias, w1, b1, w2, b2, eps, compute_dtype)
-        _check(*args, skip)
-        return _launch(*args, lambda k: k, skip, skip_value)
+        _check(*args, skip, update_weight, update_bias)
+        return _launch(*args, lambda k: k, skip, skip_value, update_weight, update_bias)
 
 
 def _feed_forward(
@@ -257,14 +322,17 @@ def _feed_forward(
     compute_dtype: torch.dtype,
     skip: Tensor | None = None,
     skip_value: float = 0.0,
+    update_weight: Tensor | None = None,
+    update_bias: Tensor | None = None,
 ) -> Tensor:
     args = (x, update, norm_weight, norm_bias, w1, b1, w2, b2, eps, compute_dtype)
-    _check(*args, skip)
+    projection = (update_weight, update_bias)
+    _check(*args, skip, *projection)
     if not kernel_applies(x, update, w1, compute_dtype):
-        return feed_forward_composite(*args, skip, skip_value)
+        return feed_forward_composite(*args, skip, skip_value, *projection)
     from torch.library import wrap_triton
 
-    return _launch(*args, wrap_triton, skip, skip_value)
+    return _launch(*args, wrap_triton, skip, skip_value, *projection)
 
 
 feed_forward_op = define_operator(_OPERATOR, _feed_forward)
@@ -315,16 +383,25 @@ def feed_forward(
     compute_dtype: torch.dtype,
     skip: Tensor | None = None,
     skip_value: float = 0.0,
+    update_weight: Tensor | None = None,
+    update_bias: Tensor | None = None,
 ) -> Tensor:
     """The feed-forward half through the fastest operator that serves the operands: the
-    resident CUDA kernel (:func:`resident_applies`), else ``tabserve::feed_forward`` (Triton
-    kernel or composite). The casts to the operators' dtypes are ATen ops before the call, so
-    under Inductor's freezing they fold into constants once per compiled graph. ``skip``: see
-    :func:`tabserve.ops.feed_forward`."""
+    resident CUDA kernel (:func:`resident_applies`; an update it does not project itself is
+    projected first, by cuBLAS), else ``tabserve::feed_forward`` (Triton kernel or composite).
+    The casts to the operators' dtypes are ATen ops before the call, so under Inductor's
+    freezing they fold into constants once per compiled graph. ``skip``, ``update_weight``:
+    see :func:`tabserve.ops.feed_forward`."""
+    if update_weight is not None and resident_applies(x, update, w1, compute_dtype):
+        update = project_update(update, update_weight, update_bias, compute_dtype)
+        update_weight = update_bias = None
     args = (x, update, norm_weight, norm_bias, w1, b1, w2, b2, eps, compute_dtype)
-    if resident_applies(x, update, w1, compute_dtype):
+    if update_weight is None and resident_applies(x, update, w1, compute_dtype):
         return _resident(*args, skip, skip_value)
-    return feed_forward_op(*args, skip, skip_value)
+    if update_weight is not None:
+        update_weight = matmul_operand(update_weight, compute_dtype)
+        update_bias = None if update_bias is None else update_bias.to(compute_dtype)
+    return feed_forward_op(*args, skip, skip_value, update_weight, update_bias)
 
 
 def _resident(

@@ -241,6 +241,7 @@ class Attention(nn.Module):
         n_keys: Tensor | None = None,
         norm: nn.LayerNorm | None = None,
         keys_rotated: bool = True,
+        project_out: bool = True,
     ) -> Tensor:
         """q: normalised query tokens ``(..., Lq, E)`` (raw ones with ``norm``, which the
         projections then apply); kv from ``project_kv`` (broadcastable), or None for
@@ -252,6 +253,9 @@ class Attention(nn.Module):
         are real (the rest is bucket padding). Attention then runs over those n keys and QASSMax
         uses ln n, through :func:`tabserve.ops.prefix_attention` / ``qassmax_scale``, so the
         shapes stay the bucket's and n never reaches the host.
+
+        ``project_out=False``: the heads' merged output before ``out_proj`` (a caller that
+        folds the out-projection into what follows).
         """
         dim = q.shape[-1]
         weight, bias = self.in_proj_weight, self.in_proj_bias
@@ -295,7 +299,7 @@ class Attention(nn.Module):
         else:
             out = prefix_sdpa(query, k, v, n_keys, self.prefix_backend)
         out = out.view(*batch_shape, *out.shape[-3:]).transpose(-3, -2).flatten(-2)
-        return self.out_proj(out)
+        return self.out_proj(out) if project_out else out
 
 
 #: Keys :func:`tabserve.ops.small_head_attention` stages in one chunk (its fastest path; the
@@ -398,6 +402,10 @@ class AttentionBlock(nn.Module):
         #: LayerNorm 1 and the input projections through :func:`tabserve.ops.norm_linear`
         #: where its kernel applies (same conditions); a serving recipe sets it.
         self.fused_norm_linear = False
+        #: With :attr:`fused_feed_forward`: the attention's out-projection folded into the
+        #: fused feed-forward operator (its ``update_weight``) where it applies; a serving
+        #: recipe sets it (``fused_out_projection``).
+        self.fused_out_projection = False
 
     def _projection_norm(self, x: Tensor) -> nn.LayerNorm | None:
         """``norm1`` when the projections of ``x`` normalise it themselves (fused), else None:
@@ -448,26 +456,49 @@ class AttentionBlock(nn.Module):
             # a caller's cache holds rotated keys).
             keys_rotated = return_kv or not self.attn.rotates_keys_itself(rope)
             keys_values = self.key_value(kv, rope if keys_rotated else None)
-        update = self.attn(q_in, keys_values, rope, n_keys, norm, keys_rotated=keys_rotated)
-        x = self.feed_forward(q, update, skip)
+        fold = self._folds_out_projection(q)
+        update = self.attn(
+            q_in, keys_values, rope, n_keys, norm, keys_rotated=keys_rotated, project_out=not fold
+        )
+        if fold and update.shape != q.shape:  # broadcast queries: projected before the sum
+            update, fold = self.attn.out_proj(update), False
+        x = self.feed_forward(q, update, skip, self.attn.out_proj if fold else None)
         return (x, keys_values) if return_kv else x
 
+    def _folds_out_projection(self, x: Tensor) -> bool:
+        """Whether the fused feed-forward operator takes the attention's out-projection too
+        (:attr:`fused_out_projection`; shapes and dtypes only: static under compile)."""
+        if not (self.fused_out_projection and self.fused_feed_forward):
+            return False
+        dtype = _autocast_matmul_dtype(x)
+        return dtype is not None and fused_ffn.kernel_applies(x, None, self.linear1.weight, dtype)
+
     def feed_forward(
-        self, x: Tensor, update: Tensor | None = None, skip: Tensor | None = None
+        self,
+        x: Tensor,
+        update: Tensor | None = None,
+        skip: Tensor | None = None,
+        out_proj: nn.Linear | None = None,
     ) -> Tensor:
         """``s + FFN(LN2(s))`` with ``s = x (+ update)``; with :attr:`fused_feed_forward` in one
         pass of the fused operator (same roundings as autocast), else as the modules. ``skip``
         (bool over x's leading dims, without the token and embedding dims): the outputs of each
-        marked set are ``SKIP_VALUE``, written by the fused operator itself."""
+        marked set are ``SKIP_VALUE``, written by the fused operator itself. ``out_proj``: the
+        update is the attention's output before its out-projection, which the fused operator
+        applies itself (the modules: first)."""
         if update is not None and update.shape != x.shape:  # broadcast queries (inducing points)
-            x, update = x + update, None
+            update = update if out_proj is None else out_proj(update)
+            x, update, out_proj = x + update, None, None
         dtype = _autocast_matmul_dtype(x) if self.fused_feed_forward else None
         if dtype is not None and fused_ffn.kernel_applies(x, update, self.linear1.weight, dtype):
             norm, linear1, linear2 = self.norm2, self.linear1, self.linear2
+            projection = (None, None) if out_proj is None else (out_proj.weight, out_proj.bias)
             return fused_ffn.feed_forward(
                 x, update, norm.weight, norm.bias, linear1.weight, linear1.bias,
-                linear2.weight, linear2.bias, norm.eps, dtype, skip, SKIP_VALUE,
+                linear2.weight, linear2.bias, norm.eps, dtype, skip, SKIP_VALUE, *projection,
             )  # fmt: skip
+        if out_proj is not None:
+            update = out_proj(update)
         if update is not None:
             x = x + update
         out = x + self.linear2(F.gelu(self.linear1(self.norm2(x))))

@@ -38,6 +38,9 @@ Fields:
     rope_in_projection: with ``fused_norm_linear``, the row stage's RoPE of queries and keys in
         that same pass (the operator's ``rotary``), so no attention kernel or pass of its own
         rotates them.
+    fused_out_projection: with ``fused_ffn``, each block's attention out-projection inside the
+        fused feed-forward operator's Triton kernel (its ``update_weight``), so the projected
+        attention output is never written.
     freeze: Inductor's freezing (``torch._inductor.config.freezing``) for the compiled graphs:
         the weights become constants of each graph, so what depends on weights alone (their
         casts to fp16 / bf16 under autocast, ...) is computed once at compile time instead of at
@@ -111,6 +114,7 @@ class Recipe:
     fused_ffn: bool = False
     fused_norm_linear: bool = False
     rope_in_projection: bool = False
+    fused_out_projection: bool = False
     freeze: bool = False
     compile_backend: str = "inductor"
     description: str = ""
@@ -132,6 +136,11 @@ class Recipe:
             raise ValueError(
                 f"recipe {self.name}: rope_in_projection rotates inside the fused projection: "
                 f"it needs fused_norm_linear"
+            )
+        if self.fused_out_projection and not self.fused_ffn:
+            raise ValueError(
+                f"recipe {self.name}: fused_out_projection folds into the fused feed-forward: "
+                f"it needs fused_ffn"
             )
         if self.freeze and (not self.compiled or self.compile_backend != "inductor"):
             raise ValueError(
@@ -310,14 +319,18 @@ def set_stage_kernels(module: torch.nn.Module, backend: str) -> None:
             attention.small_head_max_keys = SHORT_KEYS if backend == "head16-short" else None
 
 
+def _set_flag(module: torch.nn.Module, kind: type, flag: str, value: bool) -> None:
+    for child in module.modules():
+        if isinstance(child, kind):
+            setattr(child, flag, value)
+
+
 def set_fused_feed_forward(module: torch.nn.Module, fused: bool) -> None:
     """Points every transformer block of ``module`` at the fused feed-forward operator
     (``fused``) or at its modules."""
     from .layers import AttentionBlock
 
-    for block in module.modules():
-        if isinstance(block, AttentionBlock):
-            block.fused_feed_forward = fused
+    _set_flag(module, AttentionBlock, "fused_feed_forward", fused)
 
 
 def set_fused_norm_linear(module: torch.nn.Module, fused: bool) -> None:
@@ -325,9 +338,15 @@ def set_fused_norm_linear(module: torch.nn.Module, fused: bool) -> None:
     operator (``fused``) or at its modules."""
     from .layers import AttentionBlock
 
-    for block in module.modules():
-        if isinstance(block, AttentionBlock):
-            block.fused_norm_linear = fused
+    _set_flag(module, AttentionBlock, "fused_norm_linear", fused)
+
+
+def set_fused_out_projection(module: torch.nn.Module, fused: bool) -> None:
+    """Points every transformer block of ``module`` at its out-projection inside the fused
+    feed-forward operator (``fused``) or at the module."""
+    from .layers import AttentionBlock
+
+    _set_flag(module, AttentionBlock, "fused_out_projection", fused)
 
 
 def set_rope_in_projection(module: torch.nn.Module, on: bool) -> None:
@@ -335,9 +354,7 @@ def set_rope_in_projection(module: torch.nn.Module, on: bool) -> None:
     or at RoPE of its own (a pass, or the head-dim-16 kernel)."""
     from .layers import Attention
 
-    for attention in module.modules():
-        if isinstance(attention, Attention):
-            attention.rope_in_projection = on
+    _set_flag(module, Attention, "rope_in_projection", on)
 
 
 def _recipe(name: str, description: str, **fields) -> tuple[str, Recipe]:
@@ -541,7 +558,8 @@ RECIPES["fp16-compile-head16-fused-frozen-kvgraphs"] = RECIPES[
     "per cache and test-row bucket (cell c42; the cache unpadded: no masks)",
     kv_graphs=True,
 )
-#: c40, c42 and c41 with the row stage's RoPE inside the fused projection (cells c43-c45).
+#: c40, c42 and c41 with the row stage's RoPE inside the fused projection (cells c43-c45), and
+#: c43 / c44 with the out-projections inside the fused feed-forward too (c46 / c47).
 for _base in (
     "fp16-compile-head16-fused-frozen",
     "fp16-compile-head16-fused-frozen-kvgraphs",
@@ -551,6 +569,13 @@ for _base in (
         name=f"{_base}-ropeproj",
         description=f"{_base} with the row stage's RoPE inside the fused LayerNorm + projection",
         rope_in_projection=True,
+    )
+for _base in ("fp16-compile-head16-fused-frozen", "fp16-compile-head16-fused-frozen-kvgraphs"):
+    RECIPES[f"{_base}-ropeproj-outproj"] = RECIPES[f"{_base}-ropeproj"].replace(
+        name=f"{_base}-ropeproj-outproj",
+        description=f"{_base}-ropeproj with each block's out-projection inside the fused "
+        "feed-forward",
+        fused_out_projection=True,
     )
 DEFAULT_RECIPE = "fp32-eager"
 
@@ -587,6 +612,7 @@ def recipe_from_cell(fields: dict, name: str | None = None) -> Recipe:
         fused_ffn=bool(fields.get("fused_ffn")),
         fused_norm_linear=bool(fields.get("fused_norm_linear")),
         rope_in_projection=bool(fields.get("rope_in_projection")),
+        fused_out_projection=bool(fields.get("fused_out_projection")),
         freeze=bool(fields.get("freeze")),
         description="promoted by the benchmark driver",
     )
