@@ -136,6 +136,16 @@ def feed_forward_cases(dtype) -> None:
         device_params = [None if p is None else p.to("cuda") for p in (update, *params)]
         got = torch.ops.tabserve.feed_forward(x.to("cuda"), *device_params, 1e-5, dtype)
         check(f"feed_forward {dtype} case {i}", got, want, 5e-2)
+        if update is None:
+            continue
+        # The out-projection folded in: the sum held in the output across a block barrier.
+        fold = [host(dim, dim, seed=38) / dim**0.5, 0.1 * host(dim, seed=39)]
+        want = ff.feed_forward_composite(x, update, *params, 1e-5, torch.float32, None, 0.0, *fold)
+        on_device = [t.to("cuda") for t in fold]
+        got = torch.ops.tabserve.feed_forward(
+            x.to("cuda"), *device_params, 1e-5, dtype, None, 0.0, *on_device
+        )
+        check(f"feed_forward {dtype} case {i} with the out-projection", got, want, 5e-2)
 
 
 def feed_forward_resident_cases(dtype) -> None:
@@ -202,6 +212,17 @@ def norm_linear_cases(dtype) -> None:
         want = ops.norm_linear(x, *params, 1e-5, torch.float32)
         got = ops.norm_linear(x.to("cuda"), *(p.to("cuda") for p in params), 1e-5, dtype)
         check(f"norm_linear {dtype} case {i}", got, want, 5e-2)
+        # RoPE in the epilogue: tokens as rows of 20 (positions 0..19), the first 2 x 64 (or
+        # all 64) outputs rotated in heads of 16.
+        rows = x.view(-1, 20, dim) if tokens % 20 == 0 else x.view(1, tokens, dim)
+        cos, sin = RotaryEmbedding(16, 1e5).tables(rows.shape[1], "cpu", torch.float16)
+        rotary = min(128, out_features)
+        want = ops.norm_linear(rows, *params, 1e-5, torch.float32, (cos, sin), rotary)
+        got = ops.norm_linear(
+            rows.to("cuda"), *(p.to("cuda") for p in params), 1e-5, dtype,
+            (cos.to("cuda"), sin.to("cuda")), rotary,
+        )  # fmt: skip
+        check(f"norm_linear {dtype} case {i} with RoPE", got, want, 5e-2)
 
 
 def table_checks_cases() -> None:
