@@ -577,6 +577,7 @@ for _base in ("fp16-compile-head16-fused-frozen", "fp16-compile-head16-fused-fro
         "feed-forward",
         fused_out_projection=True,
     )
+del _base
 DEFAULT_RECIPE = "fp32-eager"
 
 
