@@ -6,6 +6,9 @@ projected to the row stage's packed q / k / v (384), the column stage's k / v of
 linear, as autocast runs them), the composite under torch.compile, and the operator; with
 ``--sweep`` the operator's tile configurations too. Every method's output is checked against the
 composite (max |difference| in fp16 roundings of the row's scale, reported) before timing.
+Cases marked RoPE rotate the leading outputs in the epilogue (the row stage's packed projection
+and its CLS block's key / value projection, rows of 68 tokens); on CUDA they also time the
+operator with its other way of pairing the halves (``norm_linear.ROTATIONS``).
 
     python benchmarks/norm_linear.py --device cuda --sweep
 """
@@ -27,15 +30,20 @@ from harness import (
     tile_configured,
 )
 from tabserve.kernels import norm_linear as nl
+from tabserve.models.tabicl.layers import RotaryEmbedding
 
-#: (name, tokens, output features) on the small / large workloads (8 tables).
+#: (name, tokens, output features, rotated features) on the small / large workloads (8
+#: tables); rotated cases hold rows of ROPE_ROW tokens.
 CASES = [
-    ("small row q/k/v", 8 * 576 * 12, 384),
-    ("large row q/k/v", 8 * 10240 * 68, 384),
-    ("large col k/v", 8 * 64 * 8192, 256),
-    ("large col q", 8 * 64 * 10240, 128),
+    ("small row q/k/v", 8 * 576 * 12, 384, 0),
+    ("large row q/k/v", 8 * 10240 * 68, 384, 0),
+    ("large row q/k/v + RoPE", 8 * 10240 * 68, 384, 256),
+    ("large row CLS k/v + RoPE", 8 * 10240 * 68, 256, 128),
+    ("large col k/v", 8 * 64 * 8192, 256, 0),
+    ("large col q", 8 * 64 * 10240, 128, 0),
 ]
-QUICK_CASES = [("tiny", 1000, 384)]
+QUICK_CASES = [("tiny", 1000, 384, 0), ("tiny + RoPE", 1020, 384, 256)]
+ROPE_ROW = 68
 DIM = 128
 SWEEP = list(itertools.product((32, 64, 128), (4, 8), (1, 2)))
 
@@ -52,6 +60,21 @@ def inputs(tokens: int, out_features: int, device):
     return x, [p.to(device) for p in params]
 
 
+def rotations(device) -> dict:
+    """On CUDA, the operator with each way of pairing the rotated halves but the default."""
+    if torch.device(device).type != "cuda":
+        return {}
+
+    def rotating(rotation):
+        def run(*args):
+            with nl.rotation_override(rotation):
+                return torch.ops.tabserve.norm_linear(*args)
+
+        return run
+
+    return {f"op {r} rotation": rotating(r) for r in nl.ROTATIONS if r != nl.ROTATION}
+
+
 def main(argv=None) -> int:
     args, device, dtype = kernel_benchmark_args(__doc__, argv)
     composite = nl.norm_linear_composite
@@ -60,13 +83,19 @@ def main(argv=None) -> int:
         composite, torch.ops.tabserve.norm_linear, device, sweep if args.sweep else None
     )
     records, rows = [], []
-    for name, tokens, out_features in QUICK_CASES if args.quick else CASES:
+    for name, tokens, out_features, rotary in QUICK_CASES if args.quick else CASES:
         x, (nw, nb, w, b) = inputs(tokens, out_features, device)
         call = (x, nw, nb, w, b, 1e-5, dtype)
+        timed = methods
+        if rotary:
+            rope = RotaryEmbedding(16, 1e5).to(device)
+            call = (x.view(-1, ROPE_ROW, DIM), *call[1:], *rope.tables(ROPE_ROW, device, dtype))
+            call += (rotary,)
+            timed = methods | rotations(device)
         want = composite(*call)
         ulp = want.float().abs().amax(-1, keepdim=True) * torch.finfo(dtype).eps
-        case = {"case": name, "tokens": tokens, "out_features": out_features}
-        found, table = compare_and_time(case, methods, call, want, ulp, device, args.budget)
+        case = {"case": name, "tokens": tokens, "out_features": out_features, "rotary": rotary}
+        found, table = compare_and_time(case, timed, call, want, ulp, device, args.budget)
         records += found
         rows += table
         del x, want, ulp

@@ -117,11 +117,15 @@ def interpreter_cases() -> None:
 
 
 @requires_triton
-def test_kernel_with_rope_under_the_interpreter_agrees_with_the_composite():
-    """RoPE in the projection's epilogue, under Triton's interpreter: agreement with the
-    composite (the rounded projection, then ATen's rotation) as for the plain projection; the
-    rotation is really applied (most outputs differ from the unrotated projection)."""
-    results = interpreter_child("import test_norm_linear as t; t.interpreter_rope_cases()")
+@pytest.mark.parametrize("rotation", nl.ROTATIONS)
+def test_kernel_with_rope_under_the_interpreter_agrees_with_the_composite(rotation):
+    """RoPE in the projection's epilogue (both ways of pairing the halves), under Triton's
+    interpreter: agreement with the composite (the rounded projection, then ATen's rotation) as
+    for the plain projection; the rotation is really applied (most outputs differ from the
+    unrotated projection)."""
+    results = interpreter_child(
+        f"import test_norm_linear as t; t.interpreter_rope_cases({rotation!r})"
+    )
     assert len(results) == len(ROPE_CASES)
     for case, (equal, worst, shape, changed) in zip(ROPE_CASES, results):
         leading, _, out_features, rotary, _, _ = case
@@ -131,13 +135,14 @@ def test_kernel_with_rope_under_the_interpreter_agrees_with_the_composite():
         assert changed >= 0.3 * rotary / out_features, f"{case}: RoPE left {changed:.3f} changed"
 
 
-def interpreter_rope_cases() -> None:
+def interpreter_rope_cases(rotation: str) -> None:
     """The child's side of the RoPE interpreter test: one JSON line per case."""
     out = []
     for leading, dim, out_features, rotary, head_dim, x_dtype in ROPE_CASES:
         args = make_inputs(leading, dim, out_features, x_dtype, True)
         rope = (*rope_tables(leading[-1], head_dim), rotary)
-        got = nl.run_kernel(*args, 1e-5, torch.float16, *rope)
+        with nl.rotation_override(rotation):
+            got = nl.run_kernel(*args, 1e-5, torch.float16, *rope)
         want = nl.norm_linear_composite(*args, 1e-5, torch.float16, *rope)
         unrotated = nl.norm_linear_composite(*args, 1e-5, torch.float16)
         changed = (want != unrotated).double().mean().item()
@@ -193,6 +198,14 @@ def test_rope_arguments_are_checked_by_name(bad, match, device):
     x, cos, sin, rotary = bad(x, cos, sin, 64)
     with pytest.raises(ValueError, match=match):
         nl.norm_linear_op(x, nw, nb, w, b, 1e-5, torch.float16, cos, sin, rotary)
+
+
+def test_rotation_override_takes_known_rotations_only():
+    with pytest.raises(ValueError, match="rotation must be one of"), nl.rotation_override("x"):
+        pass
+    with nl.rotation_override("dot"):
+        assert nl.ROTATION == "dot"
+    assert nl.ROTATION == "split"
 
 
 def test_kernel_takes_rope_only_in_its_shapes():
@@ -352,6 +365,10 @@ def test_cuda_kernel_with_rope_agrees_with_the_composite(case, compute):
     assert equal >= 0.9 and worst <= bound, (equal, worst)
     unrotated = torch.ops.tabserve.norm_linear(*args, 1e-5, compute)
     assert torch.equal(got[..., rotary:], unrotated[..., rotary:])
+    with nl.rotation_override("dot"):  # the other pairing: the same bound
+        by_dot = torch.ops.tabserve.norm_linear(*args, 1e-5, compute, cos, sin, rotary)
+    equal, worst = projection_agreement(by_dot, want)
+    assert equal >= 0.9 and worst <= bound, ("dot", equal, worst)
 
 
 @requires_cuda

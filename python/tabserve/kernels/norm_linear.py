@@ -24,6 +24,8 @@ kernel (the traced function). docs/ops.md gives the contract.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -54,6 +56,28 @@ OUTPUT_STEP = 64
 #: OUTPUT_STEP keeps the rotation's split halves and tables in registers (sm_90, 128 tokens x 8
 #: warps, compiled by Triton 3.8: 64 spilled 56 bytes a thread, 32 8 bytes).
 ROTARY_STEP = 32
+#: How the epilogue pairs each rotated output with its partner (the other half of its head):
+#: ``split`` reshapes the tile and splits the halves apart (measured on the H200, twelfth
+#: session: the row stage's packed projection 2.37 -> 3.34 ms per call with it); ``dot``
+#: multiplies the rounded tile by a signed permutation matrix on the tensor cores (exact: one
+#: +-1 per column), which keeps the tile in its accumulator layout. ``dot`` is not yet timed on
+#: a GPU: ``benchmarks/norm_linear.py`` times both (:func:`rotation_override`).
+ROTATIONS = ("split", "dot")
+ROTATION = "split"
+
+
+@contextlib.contextmanager
+def rotation_override(rotation: str):
+    """Every launch inside pairs rotated outputs by ``rotation`` (one of :data:`ROTATIONS`)."""
+    global ROTATION
+    if rotation not in ROTATIONS:
+        raise ValueError(f"norm_linear: rotation must be one of {ROTATIONS}, got {rotation!r}")
+    saved, ROTATION = ROTATION, rotation
+    try:
+        yield
+    finally:
+        ROTATION = saved
+
 
 _OPERATOR = "tabserve::norm_linear"
 
@@ -173,6 +197,25 @@ if triton is not None:
         return round_to(tl.reshape(joined, (BLOCK_TOKENS, WIDTH)), BF16)
 
     @triton.jit
+    def _rotate_heads_by_dot(
+        y, cos_ptr, sin_ptr, positions, WIDTH: tl.constexpr, HEAD_DIM: tl.constexpr,
+        BF16: tl.constexpr,
+    ):  # fmt: skip
+        """:func:`_rotate_heads` with each output's signed partner (``-hi`` for a low dim,
+        ``lo`` for a high one) from ``y @ P``, P the [WIDTH, WIDTH] signed permutation that
+        swaps the halves of every head: exact in the fp32 accumulator (one +-1 per column),
+        and the result stays in the tile's layout."""
+        HALF: tl.constexpr = HEAD_DIM // 2
+        source = tl.arange(0, WIDTH)[:, None]
+        target = tl.arange(0, WIDTH)[None, :]
+        sign = tl.where(target % HEAD_DIM < HALF, -1.0, 1.0)
+        swap = tl.where(source == (target ^ HALF), sign, 0.0).to(y.dtype)
+        partner = tl.dot(y, swap)
+        table = positions[:, None] * HEAD_DIM + (tl.arange(0, WIDTH) % HEAD_DIM)[None, :]
+        rotated = y.to(tl.float32) * tl.load(cos_ptr + table) + partner * tl.load(sin_ptr + table)
+        return round_to(rotated, BF16)
+
+    @triton.jit
     def _norm_linear_kernel(
         x_ptr,
         out_ptr,
@@ -192,6 +235,7 @@ if triton is not None:
         BLOCK_TOKENS: tl.constexpr,
         OUTPUT_STEP: tl.constexpr,
         ROTARY_STEP: tl.constexpr,
+        ROTATE_BY_DOT: tl.constexpr,
         HAS_NORM_BIAS: tl.constexpr,
         BF16: tl.constexpr,
     ):
@@ -211,9 +255,14 @@ if triton is not None:
             w = round_to(tl.load(weight_ptr + features[None, :] * DIM + cols[:, None]), BF16)
             b = round_to(tl.load(bias_ptr + features), BF16).to(tl.float32)
             y = round_to(tl.dot(normed, w) + b[None, :], BF16)
-            y = _rotate_heads(
-                y, cos_ptr, sin_ptr, positions, BLOCK_TOKENS, ROTARY_STEP, HEAD_DIM, BF16
-            )
+            if ROTATE_BY_DOT:
+                y = _rotate_heads_by_dot(
+                    y, cos_ptr, sin_ptr, positions, ROTARY_STEP, HEAD_DIM, BF16
+                )
+            else:
+                y = _rotate_heads(
+                    y, cos_ptr, sin_ptr, positions, BLOCK_TOKENS, ROTARY_STEP, HEAD_DIM, BF16
+                )
             offsets = rows[:, None] * OUT_FEATURES + features[None, :]
             tl.store(out_ptr + offsets, y, mask=in_range)
         for start in range(ROTARY_FEATURES, OUT_FEATURES, OUTPUT_STEP):
@@ -252,6 +301,7 @@ if triton is not None:
             BLOCK_TOKENS=block_tokens,
             OUTPUT_STEP=OUTPUT_STEP,
             ROTARY_STEP=ROTARY_STEP,
+            ROTATE_BY_DOT=ROTATION == "dot",
             HAS_NORM_BIAS=norm_bias is not None,
             BF16=compute_dtype == torch.bfloat16,
             num_warps=num_warps,
