@@ -205,6 +205,8 @@ def all_equal_cases() -> None:
 
 
 def norm_linear_cases(dtype) -> None:
+    from tabserve.kernels import norm_linear as nl
+
     for i, (tokens, dim, out_features) in enumerate([(1000, 128, 384), (77, 32, 64)]):
         x = host(tokens, dim, seed=40 + i)
         params = [1 + 0.1 * host(dim, seed=41), 0.1 * host(dim, seed=42)]
@@ -223,6 +225,12 @@ def norm_linear_cases(dtype) -> None:
             (cos.to("cuda"), sin.to("cuda")), rotary,
         )  # fmt: skip
         check(f"norm_linear {dtype} case {i} with RoPE", got, want, 5e-2)
+        with nl.rotation_override("dot"):
+            got = ops.norm_linear(
+                rows.to("cuda"), *(p.to("cuda") for p in params), 1e-5, dtype,
+                (cos.to("cuda"), sin.to("cuda")), rotary,
+            )  # fmt: skip
+        check(f"norm_linear {dtype} case {i} with RoPE, dot rotation", got, want, 5e-2)
 
 
 def table_checks_cases() -> None:
