@@ -8,7 +8,11 @@ Triton operator, and on CUDA the resident operator (tabserve::feed_forward_resid
 shared memory, the path the models take for streams below 2^20 tokens); with ``--sweep`` the
 operator's tile configurations too (tokens per program, warps, pipeline stages), which is how
 the kernel's defaults were chosen. Every method's output is checked against the composite
-(max |difference| in fp16 roundings of the row's scale, reported) before timing.
+(max |difference| in fp16 roundings of the row's scale, reported) before timing. Cases marked
+"out-proj" fold the attention's out-projection into the operator (``update_weight``: the update
+is then the heads' unprojected output); on CUDA they also time cuBLAS projecting first and the
+operator adding its output (the route without the fold), and the resident operator is left out
+(it does not fold).
 
     python benchmarks/feed_forward.py --device cuda --sweep
 """
@@ -31,18 +35,21 @@ from harness import (
 )
 from tabserve.kernels import feed_forward as ff
 
-#: (name, tokens): small / large workloads' row stage (8 tables x rows x (features + 4 CLS))
-#: and the large workload's column stage (8 tables x 64 features x 10,240 rows), one-shot and
-#: KV-cached (test rows only).
+#: (name, tokens, out-projection folded): small / large workloads' row stage (8 tables x rows x
+#: (features + 4 CLS)) and the large workload's column stage (8 tables x 64 features x 10,240
+#: rows), one-shot and KV-cached (test rows only).
 CASES = [
-    ("small row", 8 * 576 * 12),
-    ("large row", 8 * 10240 * 68),
-    ("large col", 8 * 64 * 10240),
+    ("small row", 8 * 576 * 12, False),
+    ("large row", 8 * 10240 * 68, False),
+    ("large col", 8 * 64 * 10240, False),
+    ("large row out-proj", 8 * 10240 * 68, True),
+    ("large col out-proj", 8 * 64 * 10240, True),
     # KV-cached prediction of the large workload: the 2,048 test rows alone.
-    ("large kv row", 8 * 2048 * 68),
-    ("large kv col", 8 * 64 * 2048),
+    ("large kv row", 8 * 2048 * 68, False),
+    ("large kv col", 8 * 64 * 2048, False),
+    ("large kv row out-proj", 8 * 2048 * 68, True),
 ]
-QUICK_CASES = [("tiny", 1000)]
+QUICK_CASES = [("tiny", 1000, False), ("tiny out-proj", 1000, True)]
 DIM, HIDDEN = 128, 256
 SWEEP = list(itertools.product((32, 64, 128), (4, 8), (1, 2, 3)))
 #: Hidden units per loop step tried besides the kernel's 64, on the tiles that led the sweep.
@@ -90,6 +97,19 @@ def inputs(tokens: int, device):
     return x, update, [p.to(device) for p in params]
 
 
+def out_projection(device):
+    """An out-projection's [128, 128] weight and [128] bias."""
+    g = torch.Generator().manual_seed(1)
+    weight = torch.randn(DIM, DIM, generator=g) / DIM**0.5
+    return weight.to(device), (0.1 * torch.randn(DIM, generator=g)).to(device)
+
+
+def projected_first(x, update, nw, nb, w1, b1, w2, b2, eps, dtype, skip, skip_value, wo, bo):
+    """The route without the fold: cuBLAS projects the update, then the operator adds it."""
+    projected = ff.project_update(update, wo, bo, dtype)
+    return torch.ops.tabserve.feed_forward(x, projected, nw, nb, w1, b1, w2, b2, eps, dtype)
+
+
 def main(argv=None) -> int:
     args, device, dtype = kernel_benchmark_args(__doc__, argv)
     composite = ff.feed_forward_composite
@@ -101,19 +121,24 @@ def main(argv=None) -> int:
     methods = kernel_methods(
         composite, torch.ops.tabserve.feed_forward, device, sweep if args.sweep else None
     )
-    if torch.device(device).type == "cuda":
-        methods["resident op"] = resident_op()
+    cuda = torch.device(device).type == "cuda"
     records, rows = [], []
-    for name, tokens in QUICK_CASES if args.quick else CASES:
+    for name, tokens, fold in QUICK_CASES if args.quick else CASES:
         x, update, (nw, nb, w1, b1, w2, b2) = inputs(tokens, device)
         call = (x, update, nw, nb, w1, b1, w2, b2, 1e-5, dtype)
+        timed = methods | ({"resident op": resident_op()} if cuda else {})
+        stream = x + update
+        if fold:
+            projection = out_projection(device)
+            call += (None, 0.0, *projection)
+            timed = methods | ({"cuBLAS projection + op": projected_first} if cuda else {})
+            stream = x + ff.project_update(update, *projection, dtype)
         want = composite(*call)
         # One fp16 rounding of the row's scale (as test_feed_forward.py measures agreement).
-        stream = x + update
         ulp = ((want - stream).abs().amax(-1, keepdim=True) + want.abs()) * torch.finfo(dtype).eps
         del stream
-        case = {"case": name, "tokens": tokens}
-        found, table = compare_and_time(case, methods, call, want, ulp, device, args.budget)
+        case = {"case": name, "tokens": tokens, "out_projection": fold}
+        found, table = compare_and_time(case, timed, call, want, ulp, device, args.budget)
         records += found
         rows += table
         del x, update, want, ulp
