@@ -81,10 +81,11 @@ for part in "$@"; do
         --json "$OUT/feed-forward-cuda.json" >"$LOG/ffn_bench.log" 2>&1
       echo "ffn bench rc=$?"; tail -${FFN_TAIL:-70} "$LOG/ffn_bench.log" ;;
     norm)  # the fused LayerNorm + projection operator: its CUDA tests, then its benchmark
+           # (NORM_ARGS, default --sweep: the tiles; NORM_ARGS= methods only)
       timeout "$(left $((LIMIT - 60)))" python3 -m pytest -q -p no:cacheprovider -p no:logging -rfE \
         test/python/test_norm_linear.py >"$LOG/norm_pytest.log" 2>&1
       echo "norm pytest rc=$?"; grep -n -A8 "^E " "$LOG/norm_pytest.log" | head -40; tail -3 "$LOG/norm_pytest.log"
-      timeout "$(left $((LIMIT - 10)))" python3 benchmarks/norm_linear.py --device cuda ${NORM_ARGS:---sweep} \
+      timeout "$(left $((LIMIT - 10)))" python3 benchmarks/norm_linear.py --device cuda ${NORM_ARGS---sweep} \
         --json "$OUT/norm-linear-cuda.json" >"$LOG/norm_bench.log" 2>&1
       echo "norm bench rc=$?"; tail -${NORM_TAIL:-40} "$LOG/norm_bench.log" ;;
     qassmax)  # the fused QASSMax scaling: its CUDA tests, then its benchmark on the workloads' calls
