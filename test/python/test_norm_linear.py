@@ -437,3 +437,54 @@ def test_cuda_model_with_rope_in_the_projection_matches_the_modules_in_fp16(task
 
     fused, plain = fused_and_plain(task, route, nl)
     assert_model_outputs_agree(task, fused, plain)
+
+
+@pytest.mark.parametrize("task", ["clf", "reg"])
+def test_model_rotating_in_projections_and_folding_out_projections_changes_nothing(
+    task, monkeypatch
+):
+    """The whole model with the fused operators forced on CPU (their composites, as above):
+    adding ``rope_in_projection`` and ``fused_out_projection`` moves RoPE and the
+    out-projections into those operators without changing a bit, unpadded and through padded
+    serving (bf16 autocast; seeded random tables of several shapes). A rotation applied twice
+    or not at all, or an out-projection dropped, changes the outputs."""
+    from tabicl_helpers import random_table
+    from tabserve.buckets import BucketGrid
+    from tabserve.kernels import feed_forward as ff
+    from tabserve.models.tabicl import layers
+    from tabserve.models.tabicl.recipes import Recipe
+    from tabserve.models.tabicl.serving import ServedTabICL
+
+    forced = {"kernel_applies": lambda *a: True}
+    monkeypatch.setattr(
+        layers, "fused_norm_linear", SimpleNamespace(**forced, norm_linear_op=nl.norm_linear_op)
+    )
+    monkeypatch.setattr(
+        layers, "fused_ffn", SimpleNamespace(**forced, feed_forward=ff.feed_forward)
+    )
+    fused = Recipe("fused", precision="bf16", fused_ffn=True, fused_norm_linear=True)
+    moved = fused.replace(rope_in_projection=True, fused_out_projection=True)
+    grid = BucketGrid(train_rows=(16, 64), test_rows=(4, 16), features=(4, 8))
+    for seed, (n_train, n_test, n_features) in enumerate([(40, 7, 5), (13, 3, 8), (60, 12, 3)]):
+        X, y = random_table(seed, 2, n_train, n_test, n_features, 3 if task == "clf" else 0)
+        outputs = []
+        for recipe in (fused, moved):
+            model = copy.deepcopy(our_model(task, "tiny"))
+            with torch.no_grad():
+                outputs.append(ServedTabICL(model, recipe)(X, y))
+                outputs.append(ServedTabICL(model, recipe.replace(buckets=True), grid)(X, y))
+            blocks = [m for m in model.modules() if isinstance(m, AttentionBlock)]
+            assert all(b.fused_out_projection == (recipe is moved) for b in blocks)
+        assert torch.equal(outputs[0], outputs[2]), (seed, "unpadded")
+        assert torch.equal(outputs[1], outputs[3]), (seed, "padded")
+    # The check can fail: RoPE left out of the row stage changes the outputs.
+    model = copy.deepcopy(our_model(task, "tiny"))
+    served = ServedTabICL(model, moved)
+    monkeypatch.setattr(layers.Attention, "_project_rotating", _rotating_nothing)
+    with torch.no_grad():
+        assert not torch.equal(served(X, y), outputs[2])
+
+
+def _rotating_nothing(self, x, weight, bias, norm, rope, rotary_features):
+    """``Attention._project_rotating`` that claims to rotate and does not (a broken fusion)."""
+    return self._project(x, weight, bias, norm), rope is not None
