@@ -147,31 +147,36 @@ def _all(backend: str) -> dict:
 
 _BOTH = ("cpu", "cuda")
 
-#: c40, c41 and c42, which later cells vary.
-_C40 = Cell(
-    "c40-fp16-compile-head16-fused-frozen",
+#: c38 to c42, which later cells vary.
+_C38 = Cell(
+    "c38-fp16-compile-head16-row-fused-frozen",
     "tabserve",
     "fp16",
-    "c38 with the column stage's short key runs on the head-dim-16 kernel",
+    "c36 with Inductor's freezing (weights as compile-time constants)",
     compile="default",
-    attention={"row": "head16", "col": "head16-short"},
+    attention={"row": "head16"},
     fused_ffn=True,
     fused_norm_linear=True,
     freeze=True,
 )
-
-_C41 = Cell(
-    "c41-fp16-buckets-compile-cudagraphs-head16-fused-frozen",
-    "tabserve",
-    "fp16",
-    "c39 with the column stage's short key runs on the head-dim-16 kernel",
-    compile="default",
+_C39 = dataclasses.replace(
+    _C38,
+    name="c39-fp16-buckets-compile-cudagraphs-head16-row-fused-frozen",
+    description="c37 with Inductor's freezing (weights as compile-time constants)",
     buckets="default",
     cuda_graphs=True,
+)
+_C40 = dataclasses.replace(
+    _C38,
+    name="c40-fp16-compile-head16-fused-frozen",
+    description="c38 with the column stage's short key runs on the head-dim-16 kernel",
     attention={"row": "head16", "col": "head16-short"},
-    fused_ffn=True,
-    fused_norm_linear=True,
-    freeze=True,
+)
+_C41 = dataclasses.replace(
+    _C39,
+    name="c41-fp16-buckets-compile-cudagraphs-head16-fused-frozen",
+    description="c39 with the column stage's short key runs on the head-dim-16 kernel",
+    attention={"row": "head16", "col": "head16-short"},
 )
 _C42 = dataclasses.replace(
     _C40,
@@ -487,30 +492,8 @@ CELLS: tuple[Cell, ...] = (
     ),
     # Inductor's freezing on top: the weights' per-call casts to fp16 (~160 kernels per small
     # call in the fifth session's profile of c33) are folded at compile time.
-    Cell(
-        "c38-fp16-compile-head16-row-fused-frozen",
-        "tabserve",
-        "fp16",
-        "c36 with Inductor's freezing (weights as compile-time constants)",
-        compile="default",
-        attention={"row": "head16"},
-        fused_ffn=True,
-        fused_norm_linear=True,
-        freeze=True,
-    ),
-    Cell(
-        "c39-fp16-buckets-compile-cudagraphs-head16-row-fused-frozen",
-        "tabserve",
-        "fp16",
-        "c37 with Inductor's freezing (weights as compile-time constants)",
-        compile="default",
-        buckets="default",
-        cuda_graphs=True,
-        attention={"row": "head16"},
-        fused_ffn=True,
-        fused_norm_linear=True,
-        freeze=True,
-    ),
+    _C38,
+    _C39,
     # The column stage's rows over the 128 induced tokens on the head-dim-16 kernel too (the
     # ninth session's kernel: fewer instructions per score), the inducing points' attention
     # over the train rows still on cuDNN.
