@@ -639,6 +639,7 @@ def feed_forward(
     skip_value: float = 0.0,
     update_weight: Tensor | None = None,
     update_bias: Tensor | None = None,
+    row_prefix: Tensor | None = None,
 ) -> Tensor:
     """``s + linear2(gelu(linear1(layer_norm(s))))`` with ``s = x (+ update)``, as
     ``torch.autocast`` to ``compute_dtype`` computes it, in one pass on CUDA.
@@ -673,19 +674,27 @@ def feed_forward(
             cast to ``compute_dtype``, output in it) — the attention half's out-projection,
             done by the Triton kernel on each tile so its output is never written. The
             resident kernel does not fold it: there cuBLAS projects first.
+        row_prefix: optional [P, dim] float tensor, for x of shape [B, S, L, dim] (S sets of
+            L tokens): the output is laid out as L rows of P + S tokens each, [B, L, P + S,
+            dim], every row led by ``row_prefix`` (cast to the output dtype) and followed by
+            the S sets' tokens at that position: ``cat([row_prefix.expand(B, L, P, dim),
+            out.transpose(1, 2)], 2)`` (TabICLv2's column stage handing its cells to the row
+            stage, CLS tokens first). The Triton kernel writes its tiles there directly; the
+            resident kernel's output is rearranged by ATen.
 
     Returns:
-        [..., dim] tensor of the promoted dtype of x, update and ``compute_dtype``, contiguous.
+        [..., dim] tensor of the promoted dtype of x, update and ``compute_dtype``, contiguous
+        (with ``row_prefix``: [B, L, P + S, dim]).
 
     Raises:
         ValueError naming the argument for shapes that do not fit ``x``'s width, non-float
-        tensors, tensors on another device than ``x``, an unsupported ``compute_dtype`` or a
-        negative or infinite ``eps``.
+        tensors, tensors on another device than ``x``, an unsupported ``compute_dtype``, a
+        negative or infinite ``eps``, or a ``row_prefix`` for an ``x`` that is not 4-D.
     """
     from tabserve.kernels import feed_forward as kernels
 
     args = (x, update, norm_weight, norm_bias, w1, b1, w2, b2, eps, compute_dtype)
-    return kernels.feed_forward(*args, skip, skip_value, update_weight, update_bias)
+    return kernels.feed_forward(*args, skip, skip_value, update_weight, update_bias, row_prefix)
 
 
 def norm_linear(

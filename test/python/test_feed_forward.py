@@ -198,6 +198,54 @@ def test_bad_skip_is_refused(skip, message):
         ops.feed_forward(args[0], *args[2:], 1e-5, torch.bfloat16, skip=skip)
 
 
+def rows_reference(out: torch.Tensor, prefix: torch.Tensor) -> torch.Tensor:
+    """The ``row_prefix`` layout built token by token (independent of ``to_rows``): row (b, l)
+    is the prefix's tokens, then token l of every set s of table b."""
+    batch, sets, length, dim = out.shape
+    rows = torch.empty(batch, length, len(prefix) + sets, dim, dtype=out.dtype)
+    for b in range(batch):
+        for position in range(length):
+            rows[b, position, : len(prefix)] = prefix.to(out.dtype)
+            for s in range(sets):
+                rows[b, position, len(prefix) + s] = out[b, s, position]
+    return rows
+
+
+@pytest.mark.parametrize("lead", [4, 0])
+def test_row_prefix_lays_the_output_out_as_rows(lead):
+    """``row_prefix``: the same values as without it (skip and the folded out-projection
+    included), each token moved to its row behind the prefix's tokens, in the output dtype."""
+    args = make_inputs((2, 3, 5), 32, 64, torch.float32, True, torch.bfloat16)
+    prefix = torch.randn(lead, 32, generator=torch.Generator().manual_seed(3))
+    skip = torch.tensor([[False, True, False], [False, False, False]])
+    kwargs = {"update": args[1], "skip": skip, "skip_value": -100.0}
+    fold = dict(zip(("update_weight", "update_bias"), projection(32)))
+    plain = ops.feed_forward(args[0], *args[2:], 1e-5, torch.bfloat16, **kwargs, **fold)
+    got = ops.feed_forward(
+        args[0], *args[2:], 1e-5, torch.bfloat16, **kwargs, **fold, row_prefix=prefix
+    )
+    assert got.dtype == plain.dtype == torch.float32 and got.shape == (2, 5, lead + 3, 32)
+    assert torch.equal(got, rows_reference(plain, prefix))
+    assert bool((got[0, :, lead + 1] == -100).all())
+
+
+@pytest.mark.parametrize(
+    "x_shape, prefix, message",
+    [
+        ((6, 5, 32), torch.zeros(4, 32), r"row_prefix needs x of shape \(batch, sets, tokens"),
+        ((2, 3, 5, 32), torch.zeros(32), "row_prefix must be a floating-point"),
+        ((2, 3, 5, 32), torch.zeros(4, 16), r"row_prefix must be a floating-point \(tokens, 32\)"),
+        ((2, 3, 5, 32), torch.zeros(4, 32, dtype=torch.long), "row_prefix must be a floating"),
+        ((2, 3, 5, 32), torch.zeros(4, 32, device="meta"), "row_prefix is on meta"),
+    ],
+    ids=["x not 4-D", "prefix 1-D", "width", "dtype", "device"],
+)
+def test_bad_row_prefix_is_refused(x_shape, prefix, message):
+    args = make_inputs(x_shape[:-1], 32, 64, torch.float32, True, None)
+    with pytest.raises(ValueError, match=message):
+        ops.feed_forward(args[0], *args[2:], 1e-5, torch.bfloat16, row_prefix=prefix)
+
+
 def test_composite_is_float64_maths_within_bf16_rounding():
     x, _, nw, nb, w1, b1, w2, b2 = make_inputs((40,), 64, 128, torch.float32, True)
     got = ops.feed_forward(x, nw, nb, w1, b1, w2, b2, 1e-5, torch.bfloat16)
@@ -215,12 +263,15 @@ def test_kernel_under_the_interpreter_agrees_with_the_composite():
     compiles it, hence a child process) for every case; the checks run here."""
     results = interpreter_child("import test_feed_forward as t; t.interpreter_cases()")
     projected = [c for c in KERNEL_CASES if c[6] is not None]
-    assert len(results) == len(KERNEL_CASES) + len(OTHER_STEPS) + 1 + len(projected)
+    assert len(results) == len(KERNEL_CASES) + len(OTHER_STEPS) + 1 + len(projected) + 2
     cases = KERNEL_CASES + [KERNEL_CASES[0]] * (len(OTHER_STEPS) + 1)
     # The projected update is in the compute dtype (fp16) whatever update's own dtype.
     cases += [(*c[:6], torch.float16) for c in projected]
+    cases += [ROWS_CASE, (*ROWS_CASE[:6], torch.float16)]  # plain, then projected
     for case, (equal, worst, dtype, shape) in zip(cases, results):
         _, leading, dim, _, x_dtype, _, update = case
+        if case[1] is ROWS_CASE[1]:  # (B, S, L) sets -> (B, L, P + S) rows
+            leading = (leading[0], leading[2], ROWS_LEAD + leading[1])
         assert shape == [*leading, dim]
         sum_dtype = x_dtype if update is None else torch.promote_types(x_dtype, update)
         assert dtype == str(torch.promote_types(sum_dtype, torch.float16))
@@ -263,7 +314,30 @@ def interpreter_cases() -> None:
         projected = ff.project_update(args[1], *fold, torch.float16)
         s = args[0].double() + projected.double()
         out.append([*agreement(got, want, s), str(got.dtype), list(got.shape)])
+    # row_prefix: the rows layout, without and with the folded out-projection (skipped sets
+    # too); the same values as without it, bit for bit.
+    _, leading, dim, hidden, x_dtype, norm_bias, update = ROWS_CASE
+    args = make_inputs(leading, dim, hidden, x_dtype, norm_bias, update)
+    prefix = torch.randn(ROWS_LEAD, dim, generator=torch.Generator().manual_seed(5))
+    skip = torch.tensor([[False, True, False], [True, False, False]])
+    for fold in ((None, None), projection(dim)):
+        extra = (skip, -100.0, *fold)
+        got = ff.run_kernel(*args, 1e-5, torch.float16, *extra, prefix)
+        assert torch.equal(
+            got, rows_reference(ff.run_kernel(*args, 1e-5, torch.float16, *extra), prefix)
+        )
+        want = ff.feed_forward_composite(*args, 1e-5, torch.float16, *extra, prefix)
+        s = stream(args)
+        if fold[0] is not None:
+            s = args[0].double() + ff.project_update(args[1], *fold, torch.float16).double()
+        rows = ff.to_rows(s, prefix.double())
+        out.append([*agreement(got, want, rows), str(got.dtype), list(got.shape)])
     print(json.dumps(out))
+
+
+#: The interpreter's row_prefix case: 2 tables of 3 sets of 45 tokens (tiles straddle sets).
+ROWS_CASE = (270, (2, 3, 45), 32, 64, torch.float32, True, torch.float16)
+ROWS_LEAD = 4
 
 
 #: Hidden units per loop step other than the kernel's own that the interpreter test runs.
@@ -361,6 +435,11 @@ def test_opcheck():
     torch.library.opcheck(
         torch.ops.tabserve.feed_forward.default, (*args, 1e-5, torch.bfloat16, skip, -100.0)
     )
+    sets = make_inputs((2, 3, 4), 16, 64, torch.float32, True, torch.bfloat16)
+    torch.library.opcheck(
+        torch.ops.tabserve.feed_forward.default,
+        (*sets, 1e-5, torch.bfloat16, None, 0.0, *fold, torch.randn(4, 16)),
+    )
     x16, *params = make_inputs((9,), 16, 64, torch.bfloat16, False)
     torch.library.opcheck(
         torch.ops.tabserve.feed_forward.default, (x16, *params, 0.0, torch.bfloat16)
@@ -407,10 +486,17 @@ def test_served_model_points_every_block_at_the_recipe():
     recipe = RECIPES["fp16-compile-head16-fused-frozen-ropeproj-outproj"]
     ServedTabICL(model, recipe.replace(compile="none", freeze=False))
     assert all(b.fused_feed_forward and b.fused_out_projection for b in blocks)
+    assert not model.row_interactor.tokens_from_column_stage
+    recipe = RECIPES["fp16-compile-head16-fused-frozen-ropeproj-outproj-rowtokens"]
+    ServedTabICL(model, recipe.replace(compile="none", freeze=False))
+    assert model.row_interactor.tokens_from_column_stage
+    assert model.row_interactor.column_prefix() is model.row_interactor.cls_tokens
     ServedTabICL(model, RECIPES["fp16-eager"])
     assert not any(b.fused_feed_forward or b.fused_out_projection for b in blocks)
-    with pytest.raises(ValueError, match="fused_out_projection .* needs fused_ffn"):
-        recipe.replace(fused_ffn=False)
+    assert model.row_interactor.column_prefix() is None
+    for folded in ("fused_out_projection", "fused_row_tokens"):
+        with pytest.raises(ValueError, match=f"{folded} .* needs fused_ffn"):
+            RECIPES["fp16-eager"].replace(**{folded: True})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -465,6 +551,24 @@ def test_cuda_kernel_writes_the_skip_value_of_skipped_sets():
     got = torch.ops.tabserve.feed_forward(*args, 1e-5, torch.float16, skip, -100.0)
     plain = torch.ops.tabserve.feed_forward(*args, 1e-5, torch.float16)
     assert bool((got[skip] == -100).all()) and torch.equal(got[~skip], plain[~skip])
+
+
+@requires_cuda
+@requires_triton
+@pytest.mark.parametrize("route", ["triton", "triton-projecting", "resident"])
+def test_cuda_rows_layout_is_the_sets_output_moved(route, monkeypatch):
+    """``row_prefix`` on CUDA: the Triton kernel writing its tiles into the rows layout (sets of
+    700 tokens, tiles straddling them, skipped sets, the folded out-projection) and the
+    resident kernel's output rearranged equal the output without it moved token by token."""
+    monkeypatch.setattr(ff, "RESIDENT_KERNEL", route == "resident")
+    args = make_inputs((2, 3, 700), 128, 256, torch.float32, True, torch.float16, "cuda")
+    fold = projection(128, device="cuda") if route == "triton-projecting" else (None, None)
+    skip = torch.tensor([[False, True, False], [True, False, False]], device="cuda")
+    prefix = torch.randn(4, 128, generator=torch.Generator().manual_seed(7)).cuda()
+    extra = (skip, -100.0, *fold)
+    got = ff.feed_forward(*args, 1e-5, torch.float16, *extra, prefix)
+    plain = ff.feed_forward(*args, 1e-5, torch.float16, *extra)
+    assert torch.equal(got.cpu(), rows_reference(plain.cpu(), prefix.cpu()))
 
 
 @requires_cuda
@@ -581,10 +685,14 @@ def test_cuda_model_with_the_fused_ffn_matches_the_modules_in_fp16(task, residen
 
 @requires_cuda
 @requires_triton
+@pytest.mark.parametrize("row_tokens", [False, True], ids=["c46", "c48"])
 @pytest.mark.parametrize("task", ["clf", "reg"])
-def test_cuda_model_with_the_out_projection_folded_matches_the_modules_in_fp16(task, monkeypatch):
+def test_cuda_model_with_the_out_projection_folded_matches_the_modules_in_fp16(
+    task, row_tokens, monkeypatch
+):
     """c46's route (both fused operators, RoPE in the projections, the out-projections in the
-    feed-forward's Triton kernel, the head-dim-16 kernel) against the modules in fp16. This
+    feed-forward's Triton kernel, the head-dim-16 kernel), and c48's (the column stage's last
+    feed-forward writing the row stage's tokens), against the modules in fp16. This
     table's streams are short enough for the resident kernel, which does not fold the
     projection: it is turned off, so the Triton kernel serves every block."""
     monkeypatch.setattr(ff, "RESIDENT_KERNEL", False)
@@ -592,6 +700,7 @@ def test_cuda_model_with_the_out_projection_folded_matches_the_modules_in_fp16(t
         set_fused_feed_forward,
         set_fused_norm_linear,
         set_fused_out_projection,
+        set_fused_row_tokens,
         set_rope_in_projection,
         set_stage_kernels,
     )
@@ -600,6 +709,7 @@ def test_cuda_model_with_the_out_projection_folded_matches_the_modules_in_fp16(t
         for flag in (set_fused_feed_forward, set_fused_norm_linear, set_rope_in_projection):
             flag(model, on)
         set_fused_out_projection(model, on)
+        set_fused_row_tokens(model, on and row_tokens)
         set_stage_kernels(model.row_interactor, "head16" if on else "math")
 
     fused, plain = fused_and_plain(task, route, ff)

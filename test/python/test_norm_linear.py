@@ -445,9 +445,11 @@ def test_model_rotating_in_projections_and_folding_out_projections_changes_nothi
 ):
     """The whole model with the fused operators forced on CPU (their composites, as above):
     adding ``rope_in_projection`` and ``fused_out_projection`` moves RoPE and the
-    out-projections into those operators without changing a bit, unpadded and through padded
-    serving (bf16 autocast; seeded random tables of several shapes). A rotation applied twice
-    or not at all, or an out-projection dropped, changes the outputs."""
+    out-projections into those operators, and ``fused_row_tokens`` has the column stage's
+    last feed-forward write the row stage's tokens, without changing a bit, unpadded, through
+    padded serving and through the KV cache (bf16 autocast; seeded random tables of several
+    shapes). A rotation applied twice or not at all, an out-projection dropped or the CLS
+    tokens lost change the outputs."""
     from tabicl_helpers import random_table
     from tabserve.buckets import BucketGrid
     from tabserve.kernels import feed_forward as ff
@@ -464,25 +466,43 @@ def test_model_rotating_in_projections_and_folding_out_projections_changes_nothi
     )
     fused = Recipe("fused", precision="bf16", fused_ffn=True, fused_norm_linear=True)
     moved = fused.replace(rope_in_projection=True, fused_out_projection=True)
+    rows = moved.replace(fused_row_tokens=True)
     grid = BucketGrid(train_rows=(16, 64), test_rows=(4, 16), features=(4, 8))
     for seed, (n_train, n_test, n_features) in enumerate([(40, 7, 5), (13, 3, 8), (60, 12, 3)]):
         X, y = random_table(seed, 2, n_train, n_test, n_features, 3 if task == "clf" else 0)
         outputs = []
-        for recipe in (fused, moved):
+        for recipe in (fused, moved, rows):
             model = copy.deepcopy(our_model(task, "tiny"))
             with torch.no_grad():
-                outputs.append(ServedTabICL(model, recipe)(X, y))
-                outputs.append(ServedTabICL(model, recipe.replace(buckets=True), grid)(X, y))
+                served = ServedTabICL(model, recipe)
+                cache = served.build_cache(X[:, :n_train], y)
+                outputs.append(
+                    (
+                        served(X, y),
+                        ServedTabICL(model, recipe.replace(buckets=True), grid)(X, y),
+                        served.forward_with_cache(X[:, n_train:], cache),
+                    )
+                )
             blocks = [m for m in model.modules() if isinstance(m, AttentionBlock)]
-            assert all(b.fused_out_projection == (recipe is moved) for b in blocks)
-        assert torch.equal(outputs[0], outputs[2]), (seed, "unpadded")
-        assert torch.equal(outputs[1], outputs[3]), (seed, "padded")
-    # The check can fail: RoPE left out of the row stage changes the outputs.
+            assert all(b.fused_out_projection == (recipe is not fused) for b in blocks)
+            assert model.row_interactor.tokens_from_column_stage == (recipe is rows)
+        for recipe_outputs in outputs[1:]:
+            for kind, got, want in zip(
+                ("unpadded", "padded", "cached"), recipe_outputs, outputs[0]
+            ):
+                assert torch.equal(got, want), (seed, kind)
+    # The check can fail: CLS tokens the column stage does not lead its rows with ...
+    served = ServedTabICL(copy.deepcopy(our_model(task, "tiny")), rows)
+    zeros = lambda self: torch.zeros_like(self.cls_tokens)
+    with monkeypatch.context() as patch, torch.no_grad():
+        patch.setattr(type(served.model.row_interactor), "column_prefix", zeros)
+        assert not torch.equal(served(X, y), outputs[2][0])
+    # ... and RoPE left out of the row stage.
     model = copy.deepcopy(our_model(task, "tiny"))
     served = ServedTabICL(model, moved)
     monkeypatch.setattr(layers.Attention, "_project_rotating", _rotating_nothing)
     with torch.no_grad():
-        assert not torch.equal(served(X, y), outputs[2])
+        assert not torch.equal(served(X, y), outputs[1][0])
 
 
 def _rotating_nothing(self, x, weight, bias, norm, rope, rotary_features):

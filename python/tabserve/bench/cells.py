@@ -62,6 +62,8 @@ class Cell:
             operator (``Recipe.rope_in_projection``).
         fused_out_projection: with ``fused_ffn``, each block's out-projection inside the fused
             feed-forward's Triton kernel (``Recipe.fused_out_projection``).
+        fused_row_tokens: with ``fused_ffn``, the row stage's tokens written by the column
+            stage's last fused feed-forward (``Recipe.fused_row_tokens``).
         freeze: Inductor's freezing for the compiled graphs (weights as constants: their casts
             are folded at compile time; ``Recipe.freeze``).
         warm_cache: a server restart: a priming process compiles the workload's bucket and saves
@@ -92,6 +94,7 @@ class Cell:
     fused_norm_linear: bool = False
     rope_in_projection: bool = False
     fused_out_projection: bool = False
+    fused_row_tokens: bool = False
     freeze: bool = False
     warm_cache: bool = False
     aot: bool = False
@@ -114,8 +117,9 @@ class Cell:
                 raise ValueError(f"{self.name}: {fused} runs under bf16 / fp16 autocast only")
         if self.rope_in_projection and not self.fused_norm_linear:
             raise ValueError(f"{self.name}: rope_in_projection needs fused_norm_linear")
-        if self.fused_out_projection and not self.fused_ffn:
-            raise ValueError(f"{self.name}: fused_out_projection needs fused_ffn")
+        for folded in ("fused_out_projection", "fused_row_tokens"):
+            if getattr(self, folded) and not self.fused_ffn:
+                raise ValueError(f"{self.name}: {folded} needs fused_ffn")
         if self.freeze and not (self.compile or self.regional):
             raise ValueError(f"{self.name}: freeze is Inductor's freezing of compiled graphs")
         if self.kv_graphs and self.buckets:
@@ -528,6 +532,22 @@ CELLS: tuple[Cell, ...] = (
             fused_out_projection=True,
         )
         for number, base in ((46, _C40), (47, _C42))
+    ),
+    # c46 and c47 with the row stage's tokens written by the column stage's last fused
+    # feed-forward (its output transposed into rows behind the CLS tokens): the pass that
+    # did it took 1.38 ms of c46's large one-shot profile (twelfth session), ~0.28 ms of
+    # c40's cached predict.
+    *(
+        dataclasses.replace(
+            base,
+            name=f"c{number}-{base.name.split('-', 1)[1]}-ropeproj-outproj-rowtokens",
+            description=f"c{number - 2} with the row stage's tokens written by the column "
+            "stage's last feed-forward",
+            rope_in_projection=True,
+            fused_out_projection=True,
+            fused_row_tokens=True,
+        )
+        for number, base in ((48, _C40), (49, _C42))
     ),
 )
 

@@ -25,6 +25,7 @@ from tabserve.models.tabicl.recipes import (
     set_fused_feed_forward,
     set_fused_norm_linear,
     set_fused_out_projection,
+    set_fused_row_tokens,
     set_rope_in_projection,
     set_stage_kernels,
 )
@@ -235,6 +236,7 @@ class TabserveEngine(Engine):
             fused_norm_linear=False,
             rope_in_projection=False,
             fused_out_projection=False,
+            fused_row_tokens=False,
             freeze=False,
         )
         padded = ServedTabICL(plain, exact, _bucket_grid(self.cell.buckets))
@@ -257,6 +259,7 @@ class TabserveEngine(Engine):
         set_fused_norm_linear(model, self.cell.fused_norm_linear)
         set_rope_in_projection(model, self.cell.rope_in_projection)
         set_fused_out_projection(model, self.cell.fused_out_projection)
+        set_fused_row_tokens(model, self.cell.fused_row_tokens)
         for stage, backend in self.cell.attention.items():
             set_stage_kernels(getattr(model, _STAGE_MODULES[stage]), backend)
             if not self.cell.uniform_attention:

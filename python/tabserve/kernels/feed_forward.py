@@ -73,7 +73,7 @@ _OPERATOR = "tabserve::feed_forward"
 
 def _check(
     x, update, norm_weight, norm_bias, w1, b1, w2, b2, eps, compute_dtype, skip=None,
-    update_weight=None, update_bias=None,
+    update_weight=None, update_bias=None, row_prefix=None,
 ):  # fmt: skip
     dim = x.shape[-1] if x.dim() else 0  # (a 0-d x is refused by check_arguments)
     hidden = w1.shape[0] if w1.dim() == 2 else 0
@@ -93,6 +93,41 @@ def _check(
         raise ValueError(f"{_OPERATOR}: update_bias needs update_weight")
     if update_weight is not None and update is None:
         raise ValueError(f"{_OPERATOR}: update_weight projects update: it needs an update")
+    check_row_prefix(x, row_prefix)
+
+
+def check_row_prefix(x: Tensor, row_prefix: Tensor | None) -> None:
+    """``row_prefix`` (optional): a float (P, dim) tensor on x's device, x then 4-D."""
+    if row_prefix is None:
+        return
+    if x.dim() != 4:
+        raise ValueError(
+            f"{_OPERATOR}: row_prefix needs x of shape (batch, sets, tokens, dim), "
+            f"got {tuple(x.shape)}"
+        )
+    if (
+        row_prefix.dim() != 2
+        or row_prefix.shape[1] != x.shape[-1]
+        or not row_prefix.is_floating_point()
+    ):
+        raise ValueError(
+            f"{_OPERATOR}: row_prefix must be a floating-point (tokens, {x.shape[-1]}) tensor, "
+            f"got {row_prefix.dtype} {tuple(row_prefix.shape)}"
+        )
+    if row_prefix.device != x.device:
+        raise ValueError(
+            f"{_OPERATOR}: row_prefix is on {row_prefix.device} but x is on {x.device}"
+        )
+
+
+def to_rows(out: Tensor, row_prefix: Tensor | None) -> Tensor:
+    """The ``row_prefix`` layout from the sets layout as ATen ops: ``out (B, S, L, E)`` ->
+    ``(B, L, P + S, E)``, every row led by the prefix's P tokens (in out's dtype)."""
+    if row_prefix is None:
+        return out
+    batch, _, length, _ = out.shape
+    lead = row_prefix.to(out.dtype).expand(batch, length, *row_prefix.shape)
+    return torch.cat([lead, out.transpose(1, 2)], dim=2)
 
 
 def project_update(update, update_weight, update_bias, compute_dtype) -> Tensor:
@@ -104,10 +139,11 @@ def project_update(update, update_weight, update_bias, compute_dtype) -> Tensor:
 
 def feed_forward_composite(
     x, update, norm_weight, norm_bias, w1, b1, w2, b2, eps, compute_dtype, skip=None,
-    skip_value=0.0, update_weight=None, update_bias=None,
+    skip_value=0.0, update_weight=None, update_bias=None, row_prefix=None,
 ) -> Tensor:  # fmt: skip
     """The operator as ATen ops: what autocast makes of the module (the kernels' reference);
-    the sets ``skip`` marks are then filled with ``skip_value``."""
+    the sets ``skip`` marks are then filled with ``skip_value``, and with ``row_prefix`` the
+    output laid out as rows (:func:`to_rows`)."""
     dim = x.shape[-1]
     if update_weight is not None:
         update = project_update(update, update_weight, update_bias, compute_dtype)
@@ -117,7 +153,7 @@ def feed_forward_composite(
     normed = F.layer_norm(x.float(), (dim,), norm_weight.float(), bias, eps).to(compute_dtype)
     hidden = F.gelu(F.linear(normed, w1.to(compute_dtype), b1.to(compute_dtype)))
     out = x + F.linear(hidden, w2.to(compute_dtype), b2.to(compute_dtype))
-    return apply_skip(out, skip, skip_value)
+    return to_rows(apply_skip(out, skip, skip_value), row_prefix)
 
 
 def kernel_applies(
@@ -185,6 +221,9 @@ if triton is not None:
         skip_ptr,
         tokens,
         set_tokens,
+        row_length,
+        row_sets,
+        row_lead,
         EPS: tl.constexpr,  # a runtime float would reach the kernel as fp64 through Inductor
         DIM: tl.constexpr,
         HIDDEN: tl.constexpr,
@@ -197,6 +236,7 @@ if triton is not None:
         BF16: tl.constexpr,
         HAS_SKIP: tl.constexpr,
         SKIP_VALUE: tl.constexpr,
+        ROWS: tl.constexpr,
     ):
         # Dtypes travel as a flag and as the output pointer's type: torch.compile does not take
         # Triton dtypes as kernel arguments (triton-lang/triton#4072).
@@ -204,6 +244,13 @@ if triton is not None:
         cols = tl.arange(0, DIM)
         offsets = rows[:, None] * DIM + cols[None, :]
         in_range = rows[:, None] < tokens
+        if ROWS:  # token (b, s, l) of x goes to (b, l, row_lead + s) of the rows layout
+            sequence, position = rows // row_length, rows % row_length
+            batch, set_index = sequence // row_sets, sequence % row_sets
+            slot = (batch * row_length + position) * (row_lead + row_sets) + row_lead + set_index
+            out_offsets = slot[:, None] * DIM + cols[None, :]
+        else:
+            out_offsets = offsets
         if PROJECT_UPDATE:
             x = _projected_residual(
                 x_ptr, update_ptr, update_weight_ptr, update_bias_ptr, offsets, in_range, cols,
@@ -211,7 +258,7 @@ if triton is not None:
             )  # fmt: skip
             # Held in the output until the end (its dtype holds the sum exactly): recomputing
             # the projection would cost a third matmul, holding the tile would spill.
-            tl.store(out_ptr + offsets, x.to(out_ptr.dtype.element_ty), mask=in_range)
+            tl.store(out_ptr + out_offsets, x.to(out_ptr.dtype.element_ty), mask=in_range)
         else:
             x = _residual(x_ptr, update_ptr, offsets, in_range, HAS_UPDATE, SUM_ROUND)
         normed = layer_norm_rows(
@@ -235,20 +282,20 @@ if triton is not None:
         # matmuls would spill; the second read hits L2.
         if PROJECT_UPDATE:
             tl.debug_barrier()  # every thread's store of the sum is visible to the block
-            out = tl.load(out_ptr + offsets, mask=in_range, other=0.0).to(tl.float32) + y
+            out = tl.load(out_ptr + out_offsets, mask=in_range, other=0.0).to(tl.float32) + y
         else:
             out = _residual(x_ptr, update_ptr, offsets, in_range, HAS_UPDATE, SUM_ROUND) + y
         if HAS_SKIP:  # tokens of a skipped set (set_tokens tokens each) get the skip value
             skipped = tl.load(skip_ptr + rows // set_tokens, mask=rows < tokens, other=0) != 0
             out = tl.where(skipped[:, None], SKIP_VALUE, out)
-        tl.store(out_ptr + offsets, out.to(out_ptr.dtype.element_ty), mask=in_range)
+        tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=in_range)
 
     #: SUM_ROUND codes of the residual sum's dtype.
     _SUM_ROUND = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
     def _launch(
         x, update, norm_weight, norm_bias, w1, b1, w2, b2, eps, compute_dtype, launcher,
-        skip=None, skip_value=0.0, update_weight=None, update_bias=None,
+        skip=None, skip_value=0.0, update_weight=None, update_bias=None, row_prefix=None,
     ):  # fmt: skip
         dim, hidden = x.shape[-1], w1.shape[0]
         tokens = x.numel() // dim
@@ -257,7 +304,15 @@ if triton is not None:
         added = compute_dtype if project else (None if update is None else update.dtype)
         sum_dtype = x.dtype if added is None else torch.promote_types(x.dtype, added)
         out_dtype = torch.promote_types(sum_dtype, compute_dtype)
-        out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
+        if row_prefix is None:
+            out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
+            layout = (1, 1, 0)
+        else:  # the rows layout: the kernel writes every token but the leading ones
+            batch, sets, length = x.shape[:3]
+            lead = row_prefix.shape[0]
+            out = torch.empty((batch, length, lead + sets, dim), dtype=out_dtype, device=x.device)
+            out[:, :, :lead] = row_prefix.to(out_dtype)
+            layout = (length, sets, lead)
         block_tokens, num_warps, num_stages = tile_config(tokens)
         step = HIDDEN_STEP_OVERRIDE or HIDDEN_STEP
         if hidden % step:
@@ -281,6 +336,7 @@ if triton is not None:
             # which Inductor cannot lower for bool)
             tokens,
             1 if skip is None else max(1, tokens // max(1, skip.numel())),
+            *layout,
             EPS=eps,
             DIM=dim,
             HIDDEN=hidden,
@@ -293,6 +349,7 @@ if triton is not None:
             BF16=compute_dtype == torch.bfloat16,
             HAS_SKIP=skip is not None,
             SKIP_VALUE=float(skip_value),
+            ROWS=row_prefix is not None,
             num_warps=num_warps,
             num_stages=num_stages,
         )
@@ -300,13 +357,14 @@ if triton is not None:
 
     def run_kernel(
         x, update, norm_weight, norm_bias, w1, b1, w2, b2, eps, compute_dtype,
-        skip=None, skip_value=0.0, update_weight=None, update_bias=None,
+        skip=None, skip_value=0.0, update_weight=None, update_bias=None, row_prefix=None,
     ):  # fmt: skip
         """The Triton kernel called directly (tests run it on CPU tensors under
         ``TRITON_INTERPRET=1``); no checks beyond :func:`_check`."""
         args = (x, update, norm_weight, norm_bias, w1, b1, w2, b2, eps, compute_dtype)
-        _check(*args, skip, update_weight, update_bias)
-        return _launch(*args, lambda k: k, skip, skip_value, update_weight, update_bias)
+        projection = (update_weight, update_bias)
+        _check(*args, skip, *projection, row_prefix)
+        return _launch(*args, lambda k: k, skip, skip_value, *projection, row_prefix)
 
 
 def _feed_forward(
@@ -324,15 +382,16 @@ def _feed_forward(
     skip_value: float = 0.0,
     update_weight: Tensor | None = None,
     update_bias: Tensor | None = None,
+    row_prefix: Tensor | None = None,
 ) -> Tensor:
     args = (x, update, norm_weight, norm_bias, w1, b1, w2, b2, eps, compute_dtype)
     projection = (update_weight, update_bias)
-    _check(*args, skip, *projection)
+    _check(*args, skip, *projection, row_prefix)
     if not kernel_applies(x, update, w1, compute_dtype):
-        return feed_forward_composite(*args, skip, skip_value, *projection)
+        return feed_forward_composite(*args, skip, skip_value, *projection, row_prefix)
     from torch.library import wrap_triton
 
-    return _launch(*args, wrap_triton, skip, skip_value, *projection)
+    return _launch(*args, wrap_triton, skip, skip_value, *projection, row_prefix)
 
 
 feed_forward_op = define_operator(_OPERATOR, _feed_forward)
@@ -385,23 +444,26 @@ def feed_forward(
     skip_value: float = 0.0,
     update_weight: Tensor | None = None,
     update_bias: Tensor | None = None,
+    row_prefix: Tensor | None = None,
 ) -> Tensor:
     """The feed-forward half through the fastest operator that serves the operands: the
     resident CUDA kernel (:func:`resident_applies`; an update it does not project itself is
-    projected first, by cuBLAS), else ``tabserve::feed_forward`` (Triton kernel or composite).
-    The casts to the operators' dtypes are ATen ops before the call, so under Inductor's
-    freezing they fold into constants once per compiled graph. ``skip``, ``update_weight``:
-    see :func:`tabserve.ops.feed_forward`."""
+    projected first, by cuBLAS, and a ``row_prefix`` layout is made after it by ATen), else
+    ``tabserve::feed_forward`` (Triton kernel or composite). The casts to the operators'
+    dtypes are ATen ops before the call, so under Inductor's freezing they fold into constants
+    once per compiled graph. ``skip``, ``update_weight``, ``row_prefix``: see
+    :func:`tabserve.ops.feed_forward`."""
     if update_weight is not None and resident_applies(x, update, w1, compute_dtype):
         update = project_update(update, update_weight, update_bias, compute_dtype)
         update_weight = update_bias = None
     args = (x, update, norm_weight, norm_bias, w1, b1, w2, b2, eps, compute_dtype)
     if update_weight is None and resident_applies(x, update, w1, compute_dtype):
-        return _resident(*args, skip, skip_value)
+        check_row_prefix(x, row_prefix)
+        return to_rows(_resident(*args, skip, skip_value), row_prefix)
     if update_weight is not None:
         update_weight = matmul_operand(update_weight, compute_dtype)
         update_bias = None if update_bias is None else update_bias.to(compute_dtype)
-    return feed_forward_op(*args, skip, skip_value, update_weight, update_bias)
+    return feed_forward_op(*args, skip, skip_value, update_weight, update_bias, row_prefix)
 
 
 def _resident(

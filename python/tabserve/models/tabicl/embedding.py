@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from tabserve.kernels.feed_forward import to_rows
+
 from .layers import SKIP_VALUE, AttentionBlock, KeyValue, chunk_slices, sentinel_linear
 
 #: Cyclic feature offsets of one group (``col_feature_group="same"``, group size 3).
@@ -50,14 +52,15 @@ class InducedSetBlock(nn.Module):
         hidden = self.multihead_attn1(self.ind_vectors, cells[..., :n_train, :], n_keys=n_keys)
         return self.multihead_attn2.key_value(hidden)
 
-    def forward(self, cells: Tensor, summary: KeyValue) -> Tensor:
+    def forward(self, cells: Tensor, summary: KeyValue, row_prefix: Tensor | None = None) -> Tensor:
         """Cells ``(..., T, E)`` attend to the induced tokens; sets made only of the sentinel stay.
 
         The check reads each set only up to its first other value (``tabserve::all_equal``:
         as ``(cells == SKIP_VALUE).flatten(-2).all(-1)`` it read all of the cells before every
-        block), and the fused feed-forward writes the sentinels itself (no masked fill pass)."""
+        block), and the fused feed-forward writes the sentinels itself (no masked fill pass).
+        ``row_prefix``: the output in the row stage's layout (:meth:`ColumnEmbedding.forward`)."""
         skipped = torch.ops.tabserve.all_equal(cells, SKIP_VALUE, 2)
-        return self.multihead_attn2(cells, cached_kv=summary, skip=skipped)
+        return self.multihead_attn2(cells, cached_kv=summary, skip=skipped, row_prefix=row_prefix)
 
 
 class SetTransformer(nn.Module):
@@ -72,20 +75,28 @@ class SetTransformer(nn.Module):
         )
 
     def forward(
-        self, cells: Tensor, n_train: int, n_keys: Tensor | None = None
+        self,
+        cells: Tensor,
+        n_train: int,
+        n_keys: Tensor | None = None,
+        row_prefix: Tensor | None = None,
     ) -> tuple[Tensor, list[KeyValue]]:
-        """Returns the embedded cells and the per-block K/V summaries (the column cache)."""
+        """Returns the embedded cells and the per-block K/V summaries (the column cache).
+        ``row_prefix``: the last block writes the cells in the row stage's layout."""
         summaries = []
-        for block in self.blocks:
+        for i, block in enumerate(self.blocks):
             summary = block.summary(cells, n_train, n_keys)
-            cells = block(cells, summary)
+            cells = block(cells, summary, row_prefix if i == len(self.blocks) - 1 else None)
             summaries.append(summary)
         return cells, summaries
 
-    def forward_cached(self, cells: Tensor, summaries: Sequence[KeyValue]) -> Tensor:
-        """Test cells only, against cached summaries."""
-        for block, summary in zip(self.blocks, summaries):
-            cells = block(cells, summary)
+    def forward_cached(
+        self, cells: Tensor, summaries: Sequence[KeyValue], row_prefix: Tensor | None = None
+    ) -> Tensor:
+        """Test cells only, against cached summaries (``row_prefix``: as :meth:`forward`)."""
+        last = len(self.blocks) - 1
+        for i, (block, summary) in enumerate(zip(self.blocks, summaries)):
+            cells = block(cells, summary, row_prefix if i == last else None)
         return cells
 
 
@@ -174,19 +185,20 @@ class ColumnEmbedding(nn.Module):
         return chunk_slices(groups, batch * rows, self.max_cells)
 
     def _set_transformer(
-        self, cells: Tensor, n_train: int, n_keys: Tensor | None
+        self, cells: Tensor, n_train: int, n_keys: Tensor | None, row_prefix: Tensor | None = None
     ) -> tuple[Tensor, list[KeyValue]]:
-        """``tf_col`` over chunks of feature groups (groups never interact in this stage)."""
+        """``tf_col`` over chunks of feature groups (groups never interact in this stage):
+        cells ``(B, H, T, E)`` out, or with ``row_prefix`` the row stage's tokens."""
         chunks = self._group_chunks(cells)
-        if len(chunks) == 1:
-            return self.tf_col(cells, n_train, n_keys)
+        if len(chunks) == 1 and len(self.tf_col.blocks):
+            return self.tf_col(cells, n_train, n_keys, row_prefix)
         parts = [self.tf_col(cells[:, c], n_train, n_keys) for c in chunks]
         out = torch.cat([p[0] for p in parts], dim=1)
         summaries = [
             tuple(torch.cat([p[1][block][i] for p in parts], dim=1) for i in range(2))
             for block in range(len(parts[0][1]))
         ]
-        return out, summaries
+        return to_rows(out, row_prefix), summaries
 
     def label_embedding(self, y: Tensor) -> Tensor:
         """``(B, N)`` labels (class indices or standardised targets) -> ``(B, N, E)``."""
@@ -215,12 +227,18 @@ class ColumnEmbedding(nn.Module):
         n_train: Tensor | None = None,
         n_features: Tensor | None = None,
         num_classes: int | None = None,
+        row_prefix: Tensor | None = None,
     ) -> Tensor:
         """Embeddings ``(B, T, H, E)``; more than ``max_classes`` classes use mixed-radix digits.
 
         Padded serving: ``y_train`` covers the train bucket, ``n_train`` / ``n_features`` are
         0-d tensors with the real counts and ``num_classes`` is passed in (reading it from the
         labels would synchronise with the host).
+
+        ``row_prefix`` ``(P, E)``: the output is the row stage's input instead, ``(B, T, P + H,
+        E)``, every row led by these tokens (its CLS tokens). Where the fused feed-forward
+        serves the last block, it writes that layout itself: no pass transposes the cells and
+        concatenates them with the prefix.
         """
         cells = self.cells(X, n_features)
         rows = y_train.shape[1]
@@ -228,15 +246,14 @@ class ColumnEmbedding(nn.Module):
             num_classes = int(y_train.max().item()) + 1 if self.max_classes > 0 else 0
         if num_classes <= self.max_classes:
             labelled = self._with_labels(cells, y_train, n_train)
-            out, _ = self._set_transformer(labelled, rows, n_train)
-        else:
-            bases = mixed_radix_bases(num_classes, self.max_classes)
-            out = torch.zeros_like(cells)
-            for digit in mixed_radix_digits(y_train, bases):
-                labelled = self._with_labels(cells, digit, n_train)
-                out = out + self._set_transformer(labelled, rows, n_train)[0]
-            out = out / len(bases)
-        return out.transpose(1, 2)
+            out = self._set_transformer(labelled, rows, n_train, row_prefix)[0]
+            return out.transpose(1, 2) if row_prefix is None else out
+        bases = mixed_radix_bases(num_classes, self.max_classes)
+        out = torch.zeros_like(cells)
+        for digit in mixed_radix_digits(y_train, bases):
+            labelled = self._with_labels(cells, digit, n_train)
+            out = out + self._set_transformer(labelled, rows, n_train)[0]
+        return _as_rows(out / len(bases), row_prefix)
 
     def build_cache(
         self,
@@ -244,25 +261,40 @@ class ColumnEmbedding(nn.Module):
         y_train: Tensor,
         n_train: Tensor | None = None,
         n_features: Tensor | None = None,
+        row_prefix: Tensor | None = None,
     ) -> tuple[Tensor, list[KeyValue]]:
-        """Train-only pass: train embeddings ``(B, N, H, E)`` and the column K/V cache."""
+        """Train-only pass: train embeddings ``(B, N, H, E)`` (``row_prefix``: as
+        :meth:`forward`) and the column K/V cache."""
         out, summaries = self._set_transformer(
             self._with_labels(self.cells(X_train, n_features), y_train, n_train),
             y_train.shape[1],
             n_train,
+            row_prefix,
         )
-        return out.transpose(1, 2), summaries
+        return (out.transpose(1, 2) if row_prefix is None else out), summaries
 
     def forward_cached(
-        self, X_test: Tensor, summaries: Sequence[KeyValue], n_features: Tensor | None = None
+        self,
+        X_test: Tensor,
+        summaries: Sequence[KeyValue],
+        n_features: Tensor | None = None,
+        row_prefix: Tensor | None = None,
     ) -> Tensor:
-        """Test-only pass against the column cache: ``(B, M, H) -> (B, M, H, E)``."""
+        """Test-only pass against the column cache: ``(B, M, H) -> (B, M, H, E)``
+        (``row_prefix``: as :meth:`forward`)."""
         cells = self.cells(X_test, n_features)
         chunks = self._group_chunks(cells)
-        if len(chunks) == 1:
-            return self.tf_col.forward_cached(cells, summaries).transpose(1, 2)
+        if len(chunks) == 1 and len(self.tf_col.blocks):
+            out = self.tf_col.forward_cached(cells, summaries, row_prefix)
+            return out.transpose(1, 2) if row_prefix is None else out
         parts = [
             self.tf_col.forward_cached(cells[:, c], [(k[:, c], v[:, c]) for k, v in summaries])
             for c in chunks
         ]
-        return torch.cat(parts, dim=1).transpose(1, 2)
+        return _as_rows(torch.cat(parts, dim=1), row_prefix)
+
+
+def _as_rows(cells: Tensor, row_prefix: Tensor | None) -> Tensor:
+    """Cells ``(B, H, T, E)`` as the column stage hands them on: ``(B, T, H, E)``, or with
+    ``row_prefix`` the row stage's tokens (:func:`tabserve.kernels.feed_forward.to_rows`)."""
+    return cells.transpose(1, 2) if row_prefix is None else to_rows(cells, row_prefix)

@@ -60,25 +60,44 @@ class RowInteraction(nn.Module):
         self.out_ln = nn.LayerNorm(dim, bias=ln_bias)
         #: Per-instance chunking threshold (tests lower it).
         self.max_tokens = ROW_STAGE_MAX_TOKENS
+        #: Whether the column stage hands this stage its tokens with the CLS tokens already in
+        #: front (:meth:`column_prefix`), written by the column stage's last fused feed-forward;
+        #: a serving recipe sets it (``fused_row_tokens``).
+        self.tokens_from_column_stage = False
 
-    def forward(self, embeddings: Tensor, n_features: Tensor | None = None) -> Tensor:
+    def column_prefix(self) -> Tensor | None:
+        """The CLS tokens, for the column stage to put in front of every row of its output
+        (``ColumnEmbedding``'s ``row_prefix``), or None where this stage prepends them."""
+        return self.cls_tokens if self.tokens_from_column_stage else None
+
+    def forward(
+        self, embeddings: Tensor, n_features: Tensor | None = None, prefixed: bool = False
+    ) -> Tensor:
         """``n_features`` (padded serving, 0-d tensor): the real column tokens; the tokens past
         ``num_cls + n_features`` are feature padding and are masked out as keys. They sit after
         every real token, so the real tokens keep their RoPE positions.
 
+        ``prefixed``: ``embeddings`` are this stage's tokens ``(B, T, num_cls + H, E)``, CLS
+        tokens first (the column stage's output with :meth:`column_prefix`).
+
         Inputs of more than ``max_tokens`` tokens run in chunks of rows (chunk bounds are shapes:
         a compiled or captured graph holds them fixed)."""
         batch, rows, columns = embeddings.shape[:3]
-        chunks = chunk_slices(rows, batch * (columns + self.num_cls), self.max_tokens)
+        tokens = columns if prefixed else columns + self.num_cls
+        chunks = chunk_slices(rows, batch * tokens, self.max_tokens)
         if len(chunks) == 1:
-            return self._rows(embeddings, n_features)
-        return torch.cat([self._rows(embeddings[:, c], n_features) for c in chunks], dim=1)
+            return self._rows(embeddings, n_features, prefixed)
+        return torch.cat(
+            [self._rows(embeddings[:, c], n_features, prefixed) for c in chunks], dim=1
+        )
 
-    def _rows(self, embeddings: Tensor, n_features: Tensor | None) -> Tensor:
+    def _rows(self, embeddings: Tensor, n_features: Tensor | None, prefixed: bool) -> Tensor:
         batch, rows = embeddings.shape[:2]
         n_keys = None if n_features is None else n_features + self.num_cls
-        cls = self.cls_tokens.to(embeddings.dtype).expand(batch, rows, *self.cls_tokens.shape)
-        tokens = torch.cat([cls, embeddings], dim=2)
+        tokens = embeddings
+        if not prefixed:
+            cls = self.cls_tokens.to(embeddings.dtype).expand(batch, rows, *self.cls_tokens.shape)
+            tokens = torch.cat([cls, embeddings], dim=2)
         rope = self.tf_row.rope
         *inner, last = self.tf_row.blocks
         for block in inner:

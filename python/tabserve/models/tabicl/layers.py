@@ -18,6 +18,7 @@ from torch import Tensor, nn
 
 from tabserve.kernels import feed_forward as fused_ffn
 from tabserve.kernels import norm_linear as fused_norm_linear
+from tabserve.kernels.feed_forward import to_rows
 
 #: Value that marks a skipped token in the reference (CLS placeholders, padded features).
 SKIP_VALUE = -100.0
@@ -433,6 +434,7 @@ class AttentionBlock(nn.Module):
         return_kv: bool = False,
         n_keys: Tensor | None = None,
         skip: Tensor | None = None,
+        row_prefix: Tensor | None = None,
     ):
         """Attend from raw query tokens ``q (..., Lq, E)``.
 
@@ -441,6 +443,8 @@ class AttentionBlock(nn.Module):
         ``return_kv`` also returns the K/V pair used. ``n_keys``: padded keys, see
         :meth:`Attention.forward`. ``skip``: bool over ``q``'s leading dims (without Lq, E):
         the outputs of each marked set are ``SKIP_VALUE`` (see :meth:`feed_forward`).
+        ``row_prefix``: the output laid out as rows led by these tokens (see
+        :meth:`feed_forward`).
         """
         norm = self._projection_norm(q)  # fused: the projections normalise q themselves
         q_in = q if norm is not None else self.norm1(q)
@@ -462,7 +466,7 @@ class AttentionBlock(nn.Module):
         )
         if fold and update.shape != q.shape:  # broadcast queries: projected before the sum
             update, fold = self.attn.out_proj(update), False
-        x = self.feed_forward(q, update, skip, self.attn.out_proj if fold else None)
+        x = self.feed_forward(q, update, skip, self.attn.out_proj if fold else None, row_prefix)
         return (x, keys_values) if return_kv else x
 
     def _folds_out_projection(self, x: Tensor) -> bool:
@@ -479,13 +483,16 @@ class AttentionBlock(nn.Module):
         update: Tensor | None = None,
         skip: Tensor | None = None,
         out_proj: nn.Linear | None = None,
+        row_prefix: Tensor | None = None,
     ) -> Tensor:
         """``s + FFN(LN2(s))`` with ``s = x (+ update)``; with :attr:`fused_feed_forward` in one
         pass of the fused operator (same roundings as autocast), else as the modules. ``skip``
         (bool over x's leading dims, without the token and embedding dims): the outputs of each
         marked set are ``SKIP_VALUE``, written by the fused operator itself. ``out_proj``: the
         update is the attention's output before its out-projection, which the fused operator
-        applies itself (the modules: first)."""
+        applies itself (the modules: first). ``row_prefix`` ``(P, E)``, for x ``(B, S, L, E)``:
+        the output is ``(B, L, P + S, E)``, rows of the prefix's tokens and then the sets'
+        (:func:`tabserve.ops.feed_forward`'s layout; the fused operator writes it directly)."""
         if update is not None and update.shape != x.shape:  # broadcast queries (inducing points)
             update = update if out_proj is None else out_proj(update)
             x, update, out_proj = x + update, None, None
@@ -496,15 +503,16 @@ class AttentionBlock(nn.Module):
             return fused_ffn.feed_forward(
                 x, update, norm.weight, norm.bias, linear1.weight, linear1.bias,
                 linear2.weight, linear2.bias, norm.eps, dtype, skip, SKIP_VALUE, *projection,
+                row_prefix,
             )  # fmt: skip
         if out_proj is not None:
             update = out_proj(update)
         if update is not None:
             x = x + update
         out = x + self.linear2(F.gelu(self.linear1(self.norm2(x))))
-        if skip is None:
-            return out
-        return out.masked_fill_(skip[..., None, None], SKIP_VALUE)  # one pass, in place
+        if skip is not None:
+            out = out.masked_fill_(skip[..., None, None], SKIP_VALUE)  # one pass, in place
+        return to_rows(out, row_prefix)
 
 
 def _autocast_matmul_dtype(x: Tensor) -> torch.dtype | None:

@@ -312,7 +312,9 @@ class TabICLv2(nn.Module):
     def _representations(self, X: Tensor, y_train: Tensor, num_classes: int) -> Tensor:
         # num_classes comes from the label checks: reading it again from the labels in the
         # column stage would stall the host on the GPU.
-        return self.row_interactor(self.col_embedder(X, y_train, num_classes=num_classes))
+        prefix = self.row_interactor.column_prefix()
+        E = self.col_embedder(X, y_train, num_classes=num_classes, row_prefix=prefix)
+        return self.row_interactor(E, prefixed=prefix is not None)
 
     def _classify(
         self, raw: Tensor, num_classes: int, return_logits: bool, temperature: float
@@ -399,8 +401,9 @@ class TabICLv2(nn.Module):
         """
         if num_classes is None:
             num_classes = self.config.max_classes
-        E = self.col_embedder(X, y_train, n_train, n_features, num_classes)
-        return self.row_interactor(E, n_features)
+        prefix = self.row_interactor.column_prefix()
+        E = self.col_embedder(X, y_train, n_train, n_features, num_classes, prefix)
+        return self.row_interactor(E, n_features, prefixed=prefix is not None)
 
     def padded_forward(
         self, X: Tensor, y_train: Tensor, n_train: Tensor, n_features: Tensor
@@ -414,8 +417,11 @@ class TabICLv2(nn.Module):
         self, X_train: Tensor, y_train: Tensor, n_train: Tensor, n_features: Tensor
     ) -> tuple[list[KeyValue], list[KeyValue]]:
         """Column and ICL K/V of a padded train block ``(B, Nb, Hb)`` (padded keys included)."""
-        embeddings, col = self.col_embedder.build_cache(X_train, y_train, n_train, n_features)
-        R = self.row_interactor(embeddings, n_features)
+        prefix = self.row_interactor.column_prefix()
+        embeddings, col = self.col_embedder.build_cache(
+            X_train, y_train, n_train, n_features, prefix
+        )
+        R = self.row_interactor(embeddings, n_features, prefixed=prefix is not None)
         return col, self.icl_predictor.build_cache(R, y_train, n_train)
 
     def padded_forward_cached(
@@ -427,8 +433,9 @@ class TabICLv2(nn.Module):
         n_features: Tensor,
     ) -> Tensor:
         """Raw head outputs ``(B, Mb, out_dim)`` of padded test rows against a padded cache."""
-        embeddings = self.col_embedder.forward_cached(X_test, col, n_features)
-        R = self.row_interactor(embeddings, n_features)
+        prefix = self.row_interactor.column_prefix()
+        embeddings = self.col_embedder.forward_cached(X_test, col, n_features, prefix)
+        R = self.row_interactor(embeddings, n_features, prefixed=prefix is not None)
         return self.icl_predictor.forward_cached(R, icl, n_train)
 
     # ------------------------------------------------------------------ KV cache
@@ -450,8 +457,10 @@ class TabICLv2(nn.Module):
                 f"the KV cache does not support {num_classes} classes (> max_classes={self.config.max_classes})"
             )
         y_train = y_train.to(X_train.dtype)
-        embeddings, col = self.col_embedder.build_cache(X_train, y_train)
-        icl = self.icl_predictor.build_cache(self.row_interactor(embeddings), y_train)
+        prefix = self.row_interactor.column_prefix()
+        embeddings, col = self.col_embedder.build_cache(X_train, y_train, row_prefix=prefix)
+        R = self.row_interactor(embeddings, prefixed=prefix is not None)
+        icl = self.icl_predictor.build_cache(R, y_train)
         return TabICLv2Cache(col, icl, y_train.shape[1], X_train.shape[2], num_classes)
 
     @torch.no_grad()
@@ -485,7 +494,9 @@ class TabICLv2(nn.Module):
         """The network's raw output for test rows ``(B, M, H)`` (in the model's dtype) from a
         cache's column and ICL parts: no checks, no host work (a graph serving captures).
         Test rows never attend to each other: each row's output depends on that row alone."""
-        R = self.row_interactor(self.col_embedder.forward_cached(X_test, col))
+        prefix = self.row_interactor.column_prefix()
+        embeddings = self.col_embedder.forward_cached(X_test, col, row_prefix=prefix)
+        R = self.row_interactor(embeddings, prefixed=prefix is not None)
         return self.icl_predictor.forward_cached(R, icl)
 
     @torch.no_grad()

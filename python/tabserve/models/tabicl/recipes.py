@@ -41,6 +41,9 @@ Fields:
     fused_out_projection: with ``fused_ffn``, each block's attention out-projection inside the
         fused feed-forward operator's Triton kernel (its ``update_weight``), so the projected
         attention output is never written.
+    fused_row_tokens: with ``fused_ffn``, the column stage's last feed-forward writes the row
+        stage's tokens itself, CLS tokens first (the operator's ``row_prefix``), so no pass
+        transposes the column stage's output and concatenates it with the CLS tokens.
     freeze: Inductor's freezing (``torch._inductor.config.freezing``) for the compiled graphs:
         the weights become constants of each graph, so what depends on weights alone (their
         casts to fp16 / bf16 under autocast, ...) is computed once at compile time instead of at
@@ -115,6 +118,7 @@ class Recipe:
     fused_norm_linear: bool = False
     rope_in_projection: bool = False
     fused_out_projection: bool = False
+    fused_row_tokens: bool = False
     freeze: bool = False
     compile_backend: str = "inductor"
     description: str = ""
@@ -137,11 +141,12 @@ class Recipe:
                 f"recipe {self.name}: rope_in_projection rotates inside the fused projection: "
                 f"it needs fused_norm_linear"
             )
-        if self.fused_out_projection and not self.fused_ffn:
-            raise ValueError(
-                f"recipe {self.name}: fused_out_projection folds into the fused feed-forward: "
-                f"it needs fused_ffn"
-            )
+        for folded in ("fused_out_projection", "fused_row_tokens"):
+            if getattr(self, folded) and not self.fused_ffn:
+                raise ValueError(
+                    f"recipe {self.name}: {folded} folds into the fused feed-forward: "
+                    f"it needs fused_ffn"
+                )
         if self.freeze and (not self.compiled or self.compile_backend != "inductor"):
             raise ValueError(
                 f"recipe {self.name}: freeze is Inductor's freezing: it needs a compiled recipe "
@@ -347,6 +352,14 @@ def set_fused_out_projection(module: torch.nn.Module, fused: bool) -> None:
     from .layers import AttentionBlock
 
     _set_flag(module, AttentionBlock, "fused_out_projection", fused)
+
+
+def set_fused_row_tokens(module: torch.nn.Module, fused: bool) -> None:
+    """Points the row stage of ``module`` at its tokens written by the column stage's last
+    fused feed-forward (``fused``) or at prepending its CLS tokens itself."""
+    from .interaction import RowInteraction
+
+    _set_flag(module, RowInteraction, "tokens_from_column_stage", fused)
 
 
 def set_rope_in_projection(module: torch.nn.Module, on: bool) -> None:
@@ -558,24 +571,41 @@ RECIPES["fp16-compile-head16-fused-frozen-kvgraphs"] = RECIPES[
     "per cache and test-row bucket (cell c42; the cache unpadded: no masks)",
     kv_graphs=True,
 )
-#: c40, c42 and c41 with the row stage's RoPE inside the fused projection (cells c43-c45), and
-#: c43 / c44 with the out-projections inside the fused feed-forward too (c46 / c47).
+
+
+def _variant(base: str, suffix: str, what: str, **fields) -> None:
+    """Adds the recipe ``base + suffix``: ``RECIPES[base]`` with ``fields``, described as
+    ``base`` ``what``."""
+    name = base + suffix
+    RECIPES[name] = RECIPES[base].replace(name=name, description=f"{base} {what}", **fields)
+
+
+#: c40, c42 and c41 with the row stage's RoPE inside the fused projection (cells c43-c45);
+#: c43 / c44 with the out-projections inside the fused feed-forward too (c46 / c47); c46 / c47
+#: with the row stage's tokens written by the column stage's last feed-forward (c48 / c49).
 for _base in (
     "fp16-compile-head16-fused-frozen",
     "fp16-compile-head16-fused-frozen-kvgraphs",
     "fp16-buckets-compile-cudagraphs-head16-fused-frozen",
 ):
-    RECIPES[f"{_base}-ropeproj"] = RECIPES[_base].replace(
-        name=f"{_base}-ropeproj",
-        description=f"{_base} with the row stage's RoPE inside the fused LayerNorm + projection",
+    _variant(
+        _base,
+        "-ropeproj",
+        "with the row stage's RoPE inside the fused LayerNorm + projection",
         rope_in_projection=True,
     )
 for _base in ("fp16-compile-head16-fused-frozen", "fp16-compile-head16-fused-frozen-kvgraphs"):
-    RECIPES[f"{_base}-ropeproj-outproj"] = RECIPES[f"{_base}-ropeproj"].replace(
-        name=f"{_base}-ropeproj-outproj",
-        description=f"{_base}-ropeproj with each block's out-projection inside the fused "
-        "feed-forward",
+    _variant(
+        f"{_base}-ropeproj",
+        "-outproj",
+        "with each block's out-projection inside the fused feed-forward",
         fused_out_projection=True,
+    )
+    _variant(
+        f"{_base}-ropeproj-outproj",
+        "-rowtokens",
+        "with the row stage's tokens written by the column stage's last fused feed-forward",
+        fused_row_tokens=True,
     )
 del _base
 DEFAULT_RECIPE = "fp32-eager"
@@ -614,6 +644,7 @@ def recipe_from_cell(fields: dict, name: str | None = None) -> Recipe:
         fused_norm_linear=bool(fields.get("fused_norm_linear")),
         rope_in_projection=bool(fields.get("rope_in_projection")),
         fused_out_projection=bool(fields.get("fused_out_projection")),
+        fused_row_tokens=bool(fields.get("fused_row_tokens")),
         freeze=bool(fields.get("freeze")),
         description="promoted by the benchmark driver",
     )
