@@ -116,6 +116,54 @@ def interpreter_cases() -> None:
     print(json.dumps(out))
 
 
+#: Views of x the kernel reads in place or copies: (full shape, view of it, reads in place).
+STRIDED_VIEWS = [
+    ((2, 3, 50, 32), lambda t: t[..., :37, :], True),  # the inducing points' train rows
+    ((2, 5, 12, 32), lambda t: t[..., :4, :], True),  # the row stage's CLS tokens
+    ((4, 1, 9, 32), lambda t: t[1:3], True),  # a leading slice, a size-1 dimension
+    ((3, 9, 32), lambda t: t.transpose(0, 1), False),  # rows not contiguous along L
+    ((3, 6, 9, 32), lambda t: t[:, ::2], True),  # every other slab: one stride still
+    ((3, 6, 9, 32), lambda t: t[:, :4], False),  # leading dimensions that do not collapse
+]
+
+
+@pytest.mark.parametrize("shape, view, in_place", STRIDED_VIEWS, ids=range(len(STRIDED_VIEWS)))
+def test_strided_rows_reads_slices_in_place_and_copies_the_rest(shape, view, in_place):
+    """``strided_rows``: x itself (no copy) with the stride between its slabs of rows where the
+    kernel's addressing (slab * stride + row * width) reaches every token, else a contiguous
+    copy; either way that addressing gives x's tokens in order."""
+    x = view(torch.randn(shape))
+    got, stride = nl.strided_rows(x)
+    assert (got.data_ptr() == x.data_ptr() and got.stride() == x.stride()) == in_place
+    length, dim = x.shape[-2:]
+    rows = torch.arange(x.numel() // dim)
+    starts = (rows // length) * stride + (rows % length) * dim
+    flat = got.as_strided((got.untyped_storage().nbytes() // 4,), (1,), 0)
+    offset = got.storage_offset()
+    gathered = flat[offset + starts[:, None] + torch.arange(dim)[None, :]]
+    assert torch.equal(gathered, x.reshape(-1, dim))
+
+
+@requires_triton
+def test_kernel_reads_strided_views_under_the_interpreter():
+    """The Triton program on the views above (with RoPE on the CLS tokens' view): bit for bit
+    the kernel on a contiguous copy."""
+    results = interpreter_child("import test_norm_linear as t; t.interpreter_strided_cases()")
+    assert results == [True] * len(STRIDED_VIEWS)
+
+
+def interpreter_strided_cases() -> None:
+    out = []
+    for shape, view, _ in STRIDED_VIEWS:
+        full, *params = make_inputs(shape[:-1], shape[-1], 128, torch.float16, True)
+        x = view(full)
+        rope = (*rope_tables(x.shape[-2], 16), 64) if x.shape[-2] == 4 else ()
+        got = nl.run_kernel(x, *params, 1e-5, torch.float16, *rope)
+        want = nl.run_kernel(x.contiguous(), *params, 1e-5, torch.float16, *rope)
+        out.append(bool(torch.equal(got, want)))
+    print(json.dumps(out))
+
+
 @requires_triton
 @pytest.mark.parametrize("rotation", nl.ROTATIONS)
 def test_kernel_with_rope_under_the_interpreter_agrees_with_the_composite(rotation):
@@ -369,6 +417,24 @@ def test_cuda_kernel_with_rope_agrees_with_the_composite(case, compute):
         by_dot = torch.ops.tabserve.norm_linear(*args, 1e-5, compute, cos, sin, rotary)
     equal, worst = projection_agreement(by_dot, want)
     assert equal >= 0.9 and worst <= bound, ("dot", equal, worst)
+
+
+@requires_cuda
+@requires_triton
+@pytest.mark.parametrize("shape, view, in_place", STRIDED_VIEWS, ids=range(len(STRIDED_VIEWS)))
+def test_cuda_kernel_reads_strided_views_as_their_copies(shape, view, in_place):
+    """On CUDA, eager and compiled: the operator on the views above (RoPE on the CLS tokens'
+    view) equals it on contiguous copies bit for bit."""
+    full, *params = make_inputs(shape[:-1], shape[-1], 128, torch.float16, True, device="cuda")
+    x = view(full)
+    rope = (*rope_tables(x.shape[-2], 16, device="cuda"), 64) if x.shape[-2] == 4 else ()
+    want = nl.norm_linear_op(x.contiguous(), *params, 1e-5, torch.float16, *rope)
+    assert torch.equal(nl.norm_linear_op(x, *params, 1e-5, torch.float16, *rope), want)
+    torch._dynamo.reset()
+    compiled = torch.compile(
+        lambda t: nl.norm_linear_op(view(t), *params, 1e-5, torch.float16, *rope), fullgraph=True
+    )
+    assert torch.equal(compiled(full), want)
 
 
 @requires_cuda

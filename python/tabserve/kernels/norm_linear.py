@@ -172,6 +172,24 @@ def kernel_applies(
     )
 
 
+def strided_rows(x: Tensor) -> tuple[Tensor, int]:
+    """``(x, stride)`` where the kernel can read x in place: its tokens are contiguous rows
+    along its second-to-last axis and its leading dimensions step by one stride together (a
+    slice along that axis of a contiguous tensor: the inducing points' train rows
+    ``cells[..., :n_train, :]``, the row stage's CLS tokens); else ``(x.contiguous(), rows x
+    width)``. Strides only: static under compile."""
+    if x.dim() < 2:
+        return x.contiguous(), 0
+    length, dim = x.shape[-2:]
+    lead = [(size, stride) for size, stride in zip(x.shape[:-2], x.stride()[:-2]) if size > 1]
+    rows_in_place = x.stride(-1) == 1 and (length == 1 or x.stride(-2) == dim)
+    steps = [stride for _, stride in lead]
+    collapses = all(outer == inner * size for outer, (size, inner) in zip(steps, lead[1:]))
+    if rows_in_place and collapses:
+        return x, steps[-1] if steps else length * dim
+    return x.contiguous(), length * dim
+
+
 if triton is not None:
 
     @triton.jit
@@ -227,6 +245,8 @@ if triton is not None:
         sin_ptr,
         tokens,
         period,
+        length,
+        x_outer_stride,
         EPS: tl.constexpr,  # a runtime float would reach the kernel as fp64 through Inductor
         DIM: tl.constexpr,
         OUT_FEATURES: tl.constexpr,
@@ -242,7 +262,9 @@ if triton is not None:
         rows = tl.program_id(0).to(tl.int64) * BLOCK_TOKENS + tl.arange(0, BLOCK_TOKENS)
         cols = tl.arange(0, DIM)
         in_range = rows[:, None] < tokens
-        x = tl.load(x_ptr + rows[:, None] * DIM + cols[None, :], mask=in_range, other=0.0)
+        # Token r is row r % length of slab r // length of x (slabs x_outer_stride apart).
+        x_rows = (rows // length) * x_outer_stride + (rows % length) * DIM
+        x = tl.load(x_ptr + x_rows[:, None] + cols[None, :], mask=in_range, other=0.0)
         x = x.to(tl.float32)
         normed = layer_norm_rows(
             x, norm_weight_ptr, norm_bias_ptr, cols, DIM, EPS, HAS_NORM_BIAS, BF16
@@ -280,10 +302,11 @@ if triton is not None:
         dim, out_features = x.shape[-1], weight.shape[0]
         tokens = x.numel() // dim
         out = torch.empty((*x.shape[:-1], out_features), dtype=compute_dtype, device=x.device)
+        x, outer_stride = strided_rows(x)
         # Tiles: LONG_CONFIG (its own sweep) on long streams, the shared short-stream tile else.
         block_tokens, num_warps, num_stages = tile_config(tokens, LONG_CONFIG)
         launcher(_norm_linear_kernel)[(triton.cdiv(tokens, block_tokens),)](
-            x.contiguous(),
+            x,
             out,
             norm_weight.contiguous(),
             norm_weight if norm_bias is None else norm_bias.contiguous(),
@@ -293,6 +316,8 @@ if triton is not None:
             norm_weight if sin is None else sin.contiguous(),
             tokens,
             x.shape[-2] if cos is not None else 1,
+            x.shape[-2] if x.dim() > 1 else max(1, tokens),
+            outer_stride,
             EPS=eps,
             DIM=dim,
             OUT_FEATURES=out_features,
