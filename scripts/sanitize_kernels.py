@@ -146,6 +146,17 @@ def feed_forward_cases(dtype) -> None:
             x.to("cuda"), *device_params, 1e-5, dtype, None, 0.0, *on_device
         )
         check(f"feed_forward {dtype} case {i} with the out-projection", got, want, 5e-2)
+        # The rows layout (row_prefix): 2 tables x 5 sets x 100 tokens, 4 leading tokens.
+        if tokens % 10 == 0:
+            sets = [t.view(2, 5, tokens // 10, dim) for t in (x, update)]
+            prefix = host(4, dim, seed=45)
+            extra = (None, 0.0, *fold, prefix)
+            want = ff.feed_forward_composite(sets[0], sets[1], *params, 1e-5, torch.float32, *extra)
+            got = torch.ops.tabserve.feed_forward(
+                sets[0].to("cuda"), sets[1].to("cuda"), *device_params[1:], 1e-5, dtype,
+                None, 0.0, *on_device, prefix.to("cuda"),
+            )  # fmt: skip
+            check(f"feed_forward {dtype} case {i} in the rows layout", got, want, 5e-2)
 
 
 def feed_forward_resident_cases(dtype) -> None:
@@ -231,6 +242,14 @@ def norm_linear_cases(dtype) -> None:
                 (cos.to("cuda"), sin.to("cuda")), rotary,
             )  # fmt: skip
         check(f"norm_linear {dtype} case {i} with RoPE, dot rotation", got, want, 5e-2)
+        # A slice along L read in place (the inducing points' train rows).
+        if tokens % 20 == 0:
+            part = rows[:, :13]
+            want = ops.norm_linear(part.contiguous(), *params, 1e-5, torch.float32)
+            got = ops.norm_linear(
+                rows.to("cuda")[:, :13], *(p.to("cuda") for p in params), 1e-5, dtype
+            )
+            check(f"norm_linear {dtype} case {i} on a slice", got, want, 5e-2)
 
 
 def table_checks_cases() -> None:
