@@ -98,6 +98,46 @@ def test_cell_validation_selection_and_recipe():
     assert cell_by_name("c9-fp16-flash-cudnn-icl").uniform_attention is None
 
 
+def test_ffn_projecting_tile_is_a_checked_per_process_measurement_knob(tmp_path, monkeypatch):
+    """``ffn_projecting_tile``: refused without the folded out-projection or with a malformed
+    tile; left out of the recipe a promoted cell rebuilds (a measurement knob); set in the
+    cell's own process when its engine is prepared; refused by ABBA between cells whose tiles
+    differ (one process for both)."""
+    import dataclasses
+
+    from tabserve.bench.engines import TabserveEngine
+    from tabserve.kernels import feed_forward
+
+    c50 = next(c for c in CELLS if c.ffn_projecting_tile is not None)
+    assert c50.ffn_projecting_tile == (32, 4, 2) and "ffn_projecting_tile" not in c50.recipe()
+    bad_fields = [
+        {"fused_out_projection": False},
+        {"ffn_projecting_tile": (48, 4, 2)},
+        {"ffn_projecting_tile": (32, 0, 2)},
+        {"ffn_projecting_tile": (32, 4)},
+    ]
+    for bad in bad_fields:
+        with pytest.raises(ValueError, match="ffn_projecting_tile is"):
+            dataclasses.replace(c50, **bad)
+    monkeypatch.setattr(feed_forward, "PROJECTING_LONG_CONFIG", feed_forward.LONG_CONFIG)
+    checkpoint = make_checkpoint("clf", tmp_path / "tiny.ckpt", size="tiny")
+    on_cpu = dataclasses.replace(
+        c50, precision="bf16", compile=None, freeze=False, kv_graphs=False, devices=("cpu",),
+        attention={},
+    )  # fmt: skip
+    TabserveEngine(on_cpu, workload_by_name("small-quick"), checkpoint, torch.device("cpu"))
+    assert feed_forward.PROJECTING_LONG_CONFIG == (32, 4, 2)
+    ab = runner.run_ab(
+        [c50, dataclasses.replace(c50, ffn_projecting_tile=None)],
+        workload_by_name("small-quick"),
+        run_dir=tmp_path,
+        device="cuda",
+        checkpoint=checkpoint,
+        timeout_s=10,
+    )
+    assert ab["status"] == "skipped" and "tile is process-wide" in ab["reason"]
+
+
 def test_workloads_match_the_issue():
     shapes = {w.name: (w.members, w.n_train, w.n_test, w.n_features) for w in WORKLOADS}
     assert shapes["small"] == (8, 512, 64, 8)

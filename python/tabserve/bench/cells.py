@@ -64,6 +64,10 @@ class Cell:
             feed-forward's Triton kernel (``Recipe.fused_out_projection``).
         fused_row_tokens: with ``fused_ffn``, the row stage's tokens written by the column
             stage's last fused feed-forward (``Recipe.fused_row_tokens``).
+        ffn_projecting_tile: with ``fused_out_projection``, the fused feed-forward's long-stream
+            tile (tokens, warps, stages) for the launches that fold the out-projection
+            (``kernels.feed_forward.PROJECTING_LONG_CONFIG``), to measure a tile in the whole
+            model; a measurement knob, not a recipe field (a promoted cell serves the default).
         freeze: Inductor's freezing for the compiled graphs (weights as constants: their casts
             are folded at compile time; ``Recipe.freeze``).
         warm_cache: a server restart: a priming process compiles the workload's bucket and saves
@@ -95,6 +99,7 @@ class Cell:
     rope_in_projection: bool = False
     fused_out_projection: bool = False
     fused_row_tokens: bool = False
+    ffn_projecting_tile: tuple | None = None
     freeze: bool = False
     warm_cache: bool = False
     aot: bool = False
@@ -120,6 +125,19 @@ class Cell:
         for folded in ("fused_out_projection", "fused_row_tokens"):
             if getattr(self, folded) and not self.fused_ffn:
                 raise ValueError(f"{self.name}: {folded} needs fused_ffn")
+        if self.ffn_projecting_tile is not None:
+            tile = tuple(self.ffn_projecting_tile)
+            tokens = tile[0] if len(tile) == 3 else 0
+            if (
+                not self.fused_out_projection
+                or len(tile) != 3
+                or min(tile) < 1
+                or tokens & (tokens - 1)
+            ):
+                raise ValueError(
+                    f"{self.name}: ffn_projecting_tile is (tokens: a power of two, warps, "
+                    f"stages) of launches that fold the out-projection (fused_out_projection)"
+                )
         if self.freeze and not (self.compile or self.regional):
             raise ValueError(f"{self.name}: freeze is Inductor's freezing of compiled graphs")
         if self.kv_graphs and self.buckets:
@@ -139,7 +157,10 @@ class Cell:
 
     def recipe(self) -> dict:
         """The recipe fields (what ``recipe="auto"`` needs to rebuild this cell)."""
-        skip = {"name", "description", "devices", "pending", "baseline", "warm_cache", "aot"}
+        skip = {
+            "name", "description", "devices", "pending", "baseline", "warm_cache", "aot",
+            "ffn_projecting_tile",
+        }  # fmt: skip
         return {
             f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in skip
         }
@@ -548,6 +569,20 @@ CELLS: tuple[Cell, ...] = (
             fused_row_tokens=True,
         )
         for number, base in ((48, _C40), (49, _C42))
+    ),
+    # c49 with the folding launches' tile that led benchmarks/feed_forward.py's sweep on the
+    # folded out-projection (32 tokens x 4 warps x 2 stages: 7.34 ms against the default's
+    # 7.90 on the large row stream, 1.46 / 1.63 on the KV-cached one; H200, thirteenth
+    # session, fp32 stream): does it carry over to the model's fp16 streams?
+    dataclasses.replace(
+        _C42,
+        name="c50-fp16-compile-head16-fused-frozen-kvgraphs-ropeproj-outproj-rowtokens-tile32",
+        description="c49 with 32-token tiles (4 warps, 2 stages) where the feed-forward folds "
+        "the out-projection",
+        rope_in_projection=True,
+        fused_out_projection=True,
+        fused_row_tokens=True,
+        ffn_projecting_tile=(32, 4, 2),
     ),
 )
 

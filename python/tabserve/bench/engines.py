@@ -260,6 +260,10 @@ class TabserveEngine(Engine):
         set_rope_in_projection(model, self.cell.rope_in_projection)
         set_fused_out_projection(model, self.cell.fused_out_projection)
         set_fused_row_tokens(model, self.cell.fused_row_tokens)
+        if self.cell.ffn_projecting_tile is not None:  # this cell's own process: global is fine
+            from tabserve.kernels import feed_forward
+
+            feed_forward.PROJECTING_LONG_CONFIG = tuple(self.cell.ffn_projecting_tile)
         for stage, backend in self.cell.attention.items():
             set_stage_kernels(getattr(model, _STAGE_MODULES[stage]), backend)
             if not self.cell.uniform_attention:

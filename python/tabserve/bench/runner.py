@@ -213,6 +213,13 @@ def run_ab(
     seed: int = 0,
 ) -> dict:
     """ABBA comparison of two cells in one subprocess (see :func:`measure.run_ab`)."""
+    if len({c.ffn_projecting_tile for c in cells}) > 1:
+        return {
+            "cells": [c.name for c in cells],
+            "status": "skipped",
+            "reason": "the cells' ffn_projecting_tile differ: a kernel tile is process-wide, "
+            "so compare tiles as separate cells",
+        }
     for cell in cells:
         reason = skip_reason(cell, device)
         if reason is not None:

@@ -31,6 +31,7 @@ from torch import Tensor
 from tabserve.ops import RESIDENT_DIM, RESIDENT_HIDDEN
 
 from ._common import (
+    LONG_CONFIG,
     STREAM_DTYPES,
     apply_skip,
     check_arguments,
@@ -51,6 +52,11 @@ if triton is not None:
 HIDDEN_STEP = 64
 #: Set by the benchmark's sweep (:func:`hidden_step_override`) to time another step everywhere.
 HIDDEN_STEP_OVERRIDE = None
+#: Long-stream tile (tokens, warps, stages) of the launches that fold the out-projection (one
+#: more matmul per tile, the sum held in the output): the plain launches' tile until the whole
+#: model measures another better; a benchmark-driver cell may set it
+#: (``Cell.ffn_projecting_tile``).
+PROJECTING_LONG_CONFIG = LONG_CONFIG
 
 
 @contextlib.contextmanager
@@ -313,7 +319,9 @@ if triton is not None:
             out = torch.empty((batch, length, lead + sets, dim), dtype=out_dtype, device=x.device)
             out[:, :, :lead] = row_prefix.to(out_dtype)
             layout = (length, sets, lead)
-        block_tokens, num_warps, num_stages = tile_config(tokens)
+        block_tokens, num_warps, num_stages = tile_config(
+            tokens, PROJECTING_LONG_CONFIG if project else LONG_CONFIG
+        )
         step = HIDDEN_STEP_OVERRIDE or HIDDEN_STEP
         if hidden % step:
             raise ValueError(f"feed_forward: hidden width {hidden} is not a multiple of {step}")
