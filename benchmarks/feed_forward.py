@@ -81,10 +81,11 @@ def resident_op():
     return run
 
 
-def inputs(tokens: int, device):
-    """x (fp32 stream), update (the attention half's fp16 output) and the block's parameters."""
+def inputs(tokens: int, device, stream_dtype=torch.float32):
+    """x (the stream, ``stream_dtype``), update (the attention half's fp16 output) and the
+    block's parameters."""
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(tokens, DIM, generator=g).to(device)
+    x = torch.randn(tokens, DIM, generator=g).to(device, stream_dtype)
     update = torch.randn(tokens, DIM, generator=g).half().to(device)
     params = [
         1 + 0.1 * torch.randn(DIM, generator=g),
@@ -124,7 +125,7 @@ def main(argv=None) -> int:
     cuda = torch.device(device).type == "cuda"
     records, rows = [], []
     for name, tokens, fold in QUICK_CASES if args.quick else CASES:
-        x, update, (nw, nb, w1, b1, w2, b2) = inputs(tokens, device)
+        x, update, (nw, nb, w1, b1, w2, b2) = inputs(tokens, device, args.stream_dtype)
         call = (x, update, nw, nb, w1, b1, w2, b2, 1e-5, dtype)
         timed = methods | ({"resident op": resident_op()} if cuda else {})
         stream = x + update
@@ -144,7 +145,7 @@ def main(argv=None) -> int:
         del x, update, want, ulp
     report_kernel_benchmark(
         "feed_forward",
-        f"feed_forward, fp32 stream, {dtype} matmuls on {device}",
+        f"feed_forward, {args.stream_dtype} stream, {dtype} matmuls on {device}",
         args,
         device,
         dtype,

@@ -278,7 +278,8 @@ def compare_and_time(
 
 def kernel_benchmark_args(doc: str, argv=None):
     """The command line the fused-operator benchmarks share (``--device``, ``--quick``,
-    ``--sweep``, ``--dtype``, ``--budget``, ``--json``); returns (args, device, matmul dtype)."""
+    ``--sweep``, ``--dtype``, ``--stream``, ``--budget``, ``--json``); returns (args, device,
+    matmul dtype). ``args.stream_dtype``: the token stream's dtype (``--stream``)."""
     import argparse
 
     parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
@@ -286,10 +287,19 @@ def kernel_benchmark_args(doc: str, argv=None):
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--sweep", action="store_true", help="time tile configurations too")
     parser.add_argument("--dtype", choices=("float16", "bfloat16"), default="float16")
+    parser.add_argument(
+        "--stream",
+        choices=("float32", "matmul"),
+        default="float32",
+        help="the token stream's dtype: float32, or the matmul dtype (TabICLv2's column and row "
+        "streams under fp16 / bf16 autocast: the embeddings come out of autocast's linears)",
+    )
     parser.add_argument("--budget", type=float, default=0.3, help="seconds per measurement")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
-    return args, torch.device(args.device), getattr(torch, args.dtype)
+    dtype = getattr(torch, args.dtype)
+    args.stream_dtype = dtype if args.stream == "matmul" else torch.float32
+    return args, torch.device(args.device), dtype
 
 
 def kernel_methods(composite, op, device, sweep: dict | None = None) -> dict:
@@ -331,6 +341,7 @@ def report_kernel_benchmark(
     write_json(
         out,
         {"benchmark": benchmark, "device": str(device), "dtype": str(dtype),
+         "stream_dtype": str(getattr(args, "stream_dtype", torch.float32)),
          "environment": environment(), "records": records},
     )  # fmt: skip
     print(f"wrote {out}")

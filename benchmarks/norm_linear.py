@@ -48,9 +48,9 @@ DIM = 128
 SWEEP = list(itertools.product((32, 64, 128), (4, 8), (1, 2)))
 
 
-def inputs(tokens: int, out_features: int, device):
+def inputs(tokens: int, out_features: int, device, stream_dtype=torch.float32):
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(tokens, DIM, generator=g).to(device)
+    x = torch.randn(tokens, DIM, generator=g).to(device, stream_dtype)
     params = [
         1 + 0.1 * torch.randn(DIM, generator=g),
         0.1 * torch.randn(DIM, generator=g),
@@ -84,7 +84,7 @@ def main(argv=None) -> int:
     )
     records, rows = [], []
     for name, tokens, out_features, rotary in QUICK_CASES if args.quick else CASES:
-        x, (nw, nb, w, b) = inputs(tokens, out_features, device)
+        x, (nw, nb, w, b) = inputs(tokens, out_features, device, args.stream_dtype)
         call = (x, nw, nb, w, b, 1e-5, dtype)
         timed = methods
         if rotary:
@@ -101,7 +101,7 @@ def main(argv=None) -> int:
         del x, want, ulp
     report_kernel_benchmark(
         "norm_linear",
-        f"norm_linear, fp32 stream, {dtype} matmuls on {device}",
+        f"norm_linear, {args.stream_dtype} stream, {dtype} matmuls on {device}",
         args,
         device,
         dtype,

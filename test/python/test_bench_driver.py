@@ -136,6 +136,10 @@ def test_ffn_projecting_tile_is_a_checked_per_process_measurement_knob(tmp_path,
         timeout_s=10,
     )
     assert ab["status"] == "skipped" and "tile is process-wide" in ab["reason"]
+    # Never promoted: "auto" would serve the recipe without the tile.
+    passed = {"status": "ok", "gate": {"passed": True}}
+    assert not gates.promotable(passed, c50)
+    assert gates.promotable(passed, dataclasses.replace(c50, ffn_projecting_tile=None))
 
 
 def test_workloads_match_the_issue():

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
@@ -35,3 +36,18 @@ def test_quick_cpu_run_times_every_method_and_checks_it(bench, tmp_path):
     for record in records:
         assert record["median_ms"] > 0
         assert record["max_error_roundings"] <= 1.0, record
+
+
+@pytest.mark.parametrize("bench", [feed_forward, norm_linear], ids=lambda b: b.__name__)
+def test_stream_in_the_matmul_dtype_is_what_the_benchmark_times(bench, tmp_path):
+    """``--stream matmul``: the token stream in the matmul dtype (the model's streams under
+    autocast), recorded in the JSON; the operator still agrees with the composite."""
+    out = tmp_path / "bench.json"
+    argv = ["--quick", "--device", "cpu", "--budget", "0.01", "--stream", "matmul"]
+    assert bench.main([*argv, "--dtype", "bfloat16", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["stream_dtype"] == "torch.bfloat16" and report["dtype"] == "torch.bfloat16"
+    assert all(r["max_error_roundings"] <= 1.0 for r in report["records"])
+    widths = [384] if bench is norm_linear else []  # norm_linear's inputs take its out width
+    x = bench.inputs(8, *widths, "cpu", torch.bfloat16)[0]
+    assert x.dtype == torch.bfloat16

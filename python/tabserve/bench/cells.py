@@ -67,7 +67,7 @@ class Cell:
         ffn_projecting_tile: with ``fused_out_projection``, the fused feed-forward's long-stream
             tile (tokens, warps, stages) for the launches that fold the out-projection
             (``kernels.feed_forward.PROJECTING_LONG_CONFIG``), to measure a tile in the whole
-            model; a measurement knob, not a recipe field (a promoted cell serves the default).
+            model; a measurement knob, not a recipe field: such a cell is never promoted.
         freeze: Inductor's freezing for the compiled graphs (weights as constants: their casts
             are folded at compile time; ``Recipe.freeze``).
         warm_cache: a server restart: a priming process compiles the workload's bucket and saves
