@@ -492,6 +492,43 @@ def test_stages_run_large_inputs_in_chunks_with_the_same_results(stage, uneven):
     torch.testing.assert_close(chunked(many_X, many_y), whole(many_X, many_y), atol=1e-6, rtol=0)
 
 
+@pytest.mark.parametrize("max_cells", [None, 108], ids=["whole", "chunked"])
+def test_column_stage_hands_the_row_stage_its_tokens_on_every_path(max_cells):
+    """``row_prefix`` / ``tokens_from_column_stage`` (``fused_row_tokens``): the column stage's
+    output with the CLS tokens in front is the row stage's own concatenation, bit for bit, on
+    every path of the column stage (one pass, chunks of feature groups, mixed-radix digits, the
+    KV cache's train and test passes), and the model's predictions do not change (fp32: the
+    modules' route, whose last feed-forward rearranges with ATen)."""
+    import copy
+
+    from tabserve.buckets import BucketGrid
+    from tabserve.models.tabicl.serving import ServedTabICL
+
+    plain = our_model("clf", "tiny")
+    moved = copy.deepcopy(plain)
+    moved.row_interactor.tokens_from_column_stage = True
+    for model in (plain, moved):
+        model.col_embedder.max_cells = max_cells or model.col_embedder.max_cells
+    cls = plain.row_interactor.cls_tokens
+    X, y = random_table(11, 2, 20, 7, 5, 3)
+    many_X, many_y = random_table(12, 2, 40, 5, 4, 13)  # > max_classes: mixed-radix digits
+    with torch.no_grad():
+        for table, labels in ((X, y), (many_X, many_y)):
+            cells = plain.col_embedder(table, labels)
+            rows = moved.col_embedder(table, labels, row_prefix=cls)
+            lead = cls.expand(*cells.shape[:2], *cls.shape)
+            assert torch.equal(rows, torch.cat([lead, cells], dim=2))
+            assert torch.equal(moved(table, labels), plain(table, labels))
+        cache = moved.build_cache(X[:, :20], y)
+        want = plain.forward_with_cache(X[:, 20:], plain.build_cache(X[:, :20], y))
+        assert torch.equal(moved.forward_with_cache(X[:, 20:], cache), want)
+        grid = BucketGrid(train_rows=(24,), test_rows=(8,), features=(6,))
+        served = ServedTabICL(moved, "fp32-buckets", grid)
+        assert moved.row_interactor.tokens_from_column_stage is False  # the recipe's choice
+        moved.row_interactor.tokens_from_column_stage = True
+        assert torch.equal(served(X, y), ServedTabICL(plain, "fp32-buckets", grid)(X, y))
+
+
 @pytest.mark.parametrize(
     "dtype", [torch.int64, torch.int32, torch.uint8, torch.float16, torch.bool]
 )
