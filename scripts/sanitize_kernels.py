@@ -236,12 +236,13 @@ def norm_linear_cases(dtype) -> None:
             (cos.to("cuda"), sin.to("cuda")), rotary,
         )  # fmt: skip
         check(f"norm_linear {dtype} case {i} with RoPE", got, want, 5e-2)
-        with nl.rotation_override("dot"):
-            got = ops.norm_linear(
-                rows.to("cuda"), *(p.to("cuda") for p in params), 1e-5, dtype,
-                (cos.to("cuda"), sin.to("cuda")), rotary,
-            )  # fmt: skip
-        check(f"norm_linear {dtype} case {i} with RoPE, dot rotation", got, want, 5e-2)
+        for rotation in (r for r in nl.ROTATIONS if r != nl.ROTATION):
+            with nl.rotation_override(rotation):
+                got = ops.norm_linear(
+                    rows.to("cuda"), *(p.to("cuda") for p in params), 1e-5, dtype,
+                    (cos.to("cuda"), sin.to("cuda")), rotary,
+                )  # fmt: skip
+            check(f"norm_linear {dtype} case {i} with RoPE, {rotation} rotation", got, want, 5e-2)
         # A slice along L read in place (the inducing points' train rows).
         if tokens % 20 == 0:
             part = rows[:, :13]

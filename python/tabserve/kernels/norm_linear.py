@@ -60,9 +60,14 @@ ROTARY_STEP = 32
 #: ``split`` reshapes the tile and splits the halves apart (measured on the H200, twelfth
 #: session: the row stage's packed projection 2.37 -> 3.34 ms per call with it); ``dot``
 #: multiplies the rounded tile by a signed permutation matrix on the tensor cores (exact: one
-#: +-1 per column), which keeps the tile in its accumulator layout. ``dot`` is not yet timed on
-#: a GPU: ``benchmarks/norm_linear.py`` times both (:func:`rotation_override`).
-ROTATIONS = ("split", "dot")
+#: +-1 per column), which keeps the tile in its accumulator layout, and was slower on the H200
+#: (thirteenth session: 4.27 against split's 3.55 ms); ``partner`` computes the partners
+#: themselves, a second product of the normalised tile with the partner rows of the weight
+#: (the same dot products as the partner outputs', so the same values), in the tile's own
+#: layout: no shuffle, one more matmul on tensor cores that the kernel leaves mostly idle. Not
+#: yet timed on a GPU: ``benchmarks/norm_linear.py`` times every rotation
+#: (:func:`rotation_override`).
+ROTATIONS = ("split", "dot", "partner")
 ROTATION = "split"
 
 
@@ -234,6 +239,27 @@ if triton is not None:
         return round_to(rotated, BF16)
 
     @triton.jit
+    def _rotate_heads_by_partner(
+        normed, y, weight_ptr, bias_ptr, cos_ptr, sin_ptr, positions, features, cols,
+        DIM: tl.constexpr, HEAD_DIM: tl.constexpr, BF16: tl.constexpr,
+    ):  # fmt: skip
+        """:func:`_rotate_heads` with each output's partner (the same position in the other
+        half of its head: feature ``f ^ HEAD_DIM / 2``, heads starting at multiples of the
+        power-of-two HEAD_DIM) projected again from the partner's weight row and bias: the
+        same dot product as the partner output's own, rounded the same way, so the same value,
+        and already in the tile's layout."""
+        HALF: tl.constexpr = HEAD_DIM // 2
+        partners = features ^ HALF
+        w = round_to(tl.load(weight_ptr + partners[None, :] * DIM + cols[:, None]), BF16)
+        b = round_to(tl.load(bias_ptr + partners), BF16).to(tl.float32)
+        partner = round_to(tl.dot(normed, w) + b[None, :], BF16).to(tl.float32)
+        in_head = features % HEAD_DIM
+        signed = tl.where((in_head < HALF)[None, :], -partner, partner)
+        table = positions[:, None] * HEAD_DIM + in_head[None, :]
+        rotated = y.to(tl.float32) * tl.load(cos_ptr + table) + signed * tl.load(sin_ptr + table)
+        return round_to(rotated, BF16)
+
+    @triton.jit
     def _norm_linear_kernel(
         x_ptr,
         out_ptr,
@@ -255,7 +281,7 @@ if triton is not None:
         BLOCK_TOKENS: tl.constexpr,
         OUTPUT_STEP: tl.constexpr,
         ROTARY_STEP: tl.constexpr,
-        ROTATE_BY_DOT: tl.constexpr,
+        ROTATE_BY: tl.constexpr,  # 0 split, 1 dot, 2 partner (ROTATIONS' order)
         HAS_NORM_BIAS: tl.constexpr,
         BF16: tl.constexpr,
     ):
@@ -277,10 +303,15 @@ if triton is not None:
             w = round_to(tl.load(weight_ptr + features[None, :] * DIM + cols[:, None]), BF16)
             b = round_to(tl.load(bias_ptr + features), BF16).to(tl.float32)
             y = round_to(tl.dot(normed, w) + b[None, :], BF16)
-            if ROTATE_BY_DOT:
+            if ROTATE_BY == 1:
                 y = _rotate_heads_by_dot(
                     y, cos_ptr, sin_ptr, positions, ROTARY_STEP, HEAD_DIM, BF16
                 )
+            elif ROTATE_BY == 2:
+                y = _rotate_heads_by_partner(
+                    normed, y, weight_ptr, bias_ptr, cos_ptr, sin_ptr, positions, features,
+                    cols, DIM, HEAD_DIM, BF16,
+                )  # fmt: skip
             else:
                 y = _rotate_heads(
                     y, cos_ptr, sin_ptr, positions, BLOCK_TOKENS, ROTARY_STEP, HEAD_DIM, BF16
@@ -326,7 +357,7 @@ if triton is not None:
             BLOCK_TOKENS=block_tokens,
             OUTPUT_STEP=OUTPUT_STEP,
             ROTARY_STEP=ROTARY_STEP,
-            ROTATE_BY_DOT=ROTATION == "dot",
+            ROTATE_BY=ROTATIONS.index(ROTATION),
             HAS_NORM_BIAS=norm_bias is not None,
             BF16=compute_dtype == torch.bfloat16,
             num_warps=num_warps,
