@@ -22,11 +22,7 @@ from tabserve.models.tabicl.recipes import (
     freezing,
     precision_flags,
     sdpa_context,
-    set_fused_feed_forward,
-    set_fused_norm_linear,
-    set_fused_out_projection,
-    set_fused_row_tokens,
-    set_rope_in_projection,
+    set_fused_operators,
     set_stage_kernels,
 )
 
@@ -255,11 +251,7 @@ class TabserveEngine(Engine):
     def _prepare(self, model):
         """Applies per-stage attention and compilation to ``model`` in place; returns the cached
         predict callable (compiled the same way)."""
-        set_fused_feed_forward(model, self.cell.fused_ffn)
-        set_fused_norm_linear(model, self.cell.fused_norm_linear)
-        set_rope_in_projection(model, self.cell.rope_in_projection)
-        set_fused_out_projection(model, self.cell.fused_out_projection)
-        set_fused_row_tokens(model, self.cell.fused_row_tokens)
+        set_fused_operators(model, self.cell)
         if self.cell.ffn_projecting_tile is not None:  # this cell's own process: global is fine
             from tabserve.kernels import feed_forward
 

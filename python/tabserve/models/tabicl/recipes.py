@@ -362,6 +362,16 @@ def set_fused_row_tokens(module: torch.nn.Module, fused: bool) -> None:
     _set_flag(module, RowInteraction, "tokens_from_column_stage", fused)
 
 
+def set_fused_operators(module: torch.nn.Module, fields) -> None:
+    """Points ``module`` at the fused operators that ``fields`` (a :class:`Recipe`, or a
+    benchmark cell: the same field names) turns on, and at the modules for the rest."""
+    set_fused_feed_forward(module, fields.fused_ffn)
+    set_fused_norm_linear(module, fields.fused_norm_linear)
+    set_rope_in_projection(module, fields.rope_in_projection)
+    set_fused_out_projection(module, fields.fused_out_projection)
+    set_fused_row_tokens(module, fields.fused_row_tokens)
+
+
 def set_rope_in_projection(module: torch.nn.Module, on: bool) -> None:
     """Points every attention layer of ``module`` at RoPE inside the fused projection (``on``)
     or at RoPE of its own (a pass, or the head-dim-16 kernel)."""

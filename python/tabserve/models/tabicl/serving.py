@@ -52,11 +52,7 @@ from .recipes import (
     freezing,
     get_recipe,
     sdpa_context,
-    set_fused_feed_forward,
-    set_fused_norm_linear,
-    set_fused_out_projection,
-    set_fused_row_tokens,
-    set_rope_in_projection,
+    set_fused_operators,
     set_stage_kernels,
 )
 
@@ -171,11 +167,7 @@ class ServedTabICL:
         self._aot: dict = {"forward": {}, "build_cache": {}, "forward_cached": {}}
         self.aot_calls = 0
         self._pin_stage_attention()
-        set_fused_feed_forward(model, self.recipe.fused_ffn)
-        set_fused_norm_linear(model, self.recipe.fused_norm_linear)
-        set_rope_in_projection(model, self.recipe.rope_in_projection)
-        set_fused_out_projection(model, self.recipe.fused_out_projection)
-        set_fused_row_tokens(model, self.recipe.fused_row_tokens)
+        set_fused_operators(model, self.recipe)
         self._forward, self._build_cache, self._forward_cached = self._core_callables()
         self._unpadded_forward_cached = model.forward_with_cache
         self._raw_forward_cached = self._kv_graph_core() if self.recipe.kv_graphs else None
