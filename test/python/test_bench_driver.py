@@ -59,6 +59,7 @@ def test_every_tabserve_cell_is_a_recipe_with_its_fused_operators():
         ), cell.name
         assert recipe.cuda_graphs == cell.cuda_graphs and recipe.attention == cell.attention
         assert recipe.kv_graphs == cell.kv_graphs, cell.name
+        assert recipe.shape_graphs == cell.shape_graphs, cell.name
     assert cell_by_name("c36-fp16-compile-head16-row-fused").fused_norm_linear
     assert cell_by_name("c39-fp16-buckets-compile-cudagraphs-head16-row-fused-frozen").freeze
     with pytest.raises(ValueError, match="freeze is Inductor's freezing of compiled graphs"):
@@ -434,10 +435,14 @@ def test_quick_cpu_run_writes_schema_table_plot_and_recipes(tmp_path, capsys):
     assert recipes["devices"]["cpu"]["workloads"]["small-quick"]["one_shot"]["cell"] == promoted
 
 
-def test_kv_graphs_cells_gate_their_padded_test_rows(tmp_path, monkeypatch):
+@pytest.mark.parametrize(
+    "graphs", [("kv_graphs",), ("shape_graphs",), ("kv_graphs", "shape_graphs")]
+)
+def test_graph_cells_gate_their_padded_test_rows(tmp_path, monkeypatch, graphs):
     """A kv_graphs cell's padding gate compares its KV-cached prediction with test rows padded
-    (one fewer than the workload's, off the test buckets) against the plain model's. The graphs
-    need CUDA: here a served model replays through a CPU stand-in."""
+    (one fewer than the workload's, off the test buckets) against the plain model's; a
+    shape_graphs cell's likewise its one-shot call; a cell with both, both (joined along the
+    test rows). The graphs need CUDA: here a served model replays through a CPU stand-in."""
     import dataclasses
 
     from tabserve.bench.engines import TabserveEngine
@@ -446,9 +451,10 @@ def test_kv_graphs_cells_gate_their_padded_test_rows(tmp_path, monkeypatch):
 
     class ServedOnCPU(serving.ServedTabICL):
         def __init__(self, model, recipe, grid=None):
-            super().__init__(model, recipe.replace(kv_graphs=False), grid)
+            super().__init__(model, recipe.replace(kv_graphs=False, shape_graphs=False), grid)
             self.recipe = recipe
-            self._raw_forward_cached = self._kv_graph_core()
+            self._raw_forward_cached = self._graph_core(self.model.forward_cached_raw)
+            self._raw_forward = self._graph_core(serving._one_shot_core(self.model))
 
     monkeypatch.setattr(serving, "_BucketGraph", _ReplayOnCPU)
     monkeypatch.setattr(serving, "ServedTabICL", ServedOnCPU)
@@ -456,11 +462,12 @@ def test_kv_graphs_cells_gate_their_padded_test_rows(tmp_path, monkeypatch):
     checkpoint = make_checkpoint("clf", tmp_path / "tiny.ckpt", size="tiny")
     engine = TabserveEngine(cell_by_name("c2-fp32"), workload, checkpoint, torch.device("cpu"))
     assert engine.padding_gate(*model_tables(workload, 0, torch.device("cpu"))) is None
-    engine.cell = dataclasses.replace(engine.cell, kv_graphs=True)
+    engine.cell = dataclasses.replace(engine.cell, **dict.fromkeys(graphs, True))
     X, y = model_tables(workload, 0, torch.device("cpu"))
     padded, unpadded = engine.padding_gate(X, y)
     assert padded.shape == unpadded.shape
-    assert padded.shape[:2] == (workload.members, workload.n_test - 1)  # 31 rows: bucket 32
+    rows = (workload.n_test - 1) * len(graphs)  # 31 rows each: bucket 32
+    assert padded.shape[:2] == (workload.members, rows)
     figures = gates.compare("clf", padded, unpadded)
     assert not gates.check(figures, gates.LIMITS["padded"]) and figures["max_prob_diff"] <= 1e-6
 

@@ -286,6 +286,7 @@ def test_recipe_from_benchmark_cell():
         assert recipe.cuda_graphs == cell.cuda_graphs
         assert (recipe.compile == "regional") == cell.regional
         assert recipe.kv_graphs == cell.kv_graphs
+        assert recipe.shape_graphs == cell.shape_graphs
         assert recipe.rope_in_projection == cell.rope_in_projection
 
 
@@ -398,8 +399,20 @@ def _cuda_model(task: str):
         recipes.RECIPES["fp32-buckets-compile"].replace(cuda_graphs=True),
         recipes.RECIPES["fp32-eager"].replace(kv_graphs=True),
         recipes.RECIPES["fp16-compile"].replace(precision="fp32", kv_graphs=True),
+        recipes.RECIPES["fp32-eager"].replace(shape_graphs=True),
+        recipes.RECIPES["fp16-compile"].replace(
+            precision="fp32", kv_graphs=True, shape_graphs=True
+        ),
     ],
-    ids=["eager", "cudagraphs", "compile-cudagraphs", "kv-graphs", "compile-kv-graphs"],
+    ids=[
+        "eager",
+        "cudagraphs",
+        "compile-cudagraphs",
+        "kv-graphs",
+        "compile-kv-graphs",
+        "shape-graphs",
+        "compile-kv-shape-graphs",
+    ],
 )
 def test_cuda_padded_equals_unpadded(recipe):
     """fp32 on the GPU (TF32 off): padded (eager, replayed CUDA graphs, replayed compiled
@@ -425,8 +438,12 @@ def test_cuda_padded_equals_unpadded(recipe):
         # One-shot buckets (16, 8, 6) twice, (16, 4, 6), (4, 1, 1); cache builds on (16, 6) and
         # (4, 1); one cached-predict graph per cache (the flipped rows replay it).
         assert len(served._graphs) == 3 + 2 and served.captures == 3 + 2 + 4
-    if recipe.kv_graphs:  # one cached-predict graph per (unpadded) cache; nothing else captured
-        assert not served._graphs and served.captures == len(served._cached_graphs) == 4
+    if recipe.kv_graphs:  # one cached-predict graph per (unpadded) cache
+        assert not served._graphs and len(served._cached_graphs) == 4
+    if recipe.shape_graphs:  # one one-shot graph per table shape (test rows 8, 4, 8, 1)
+        assert not served._graphs and len(served._shape_graphs) == 4
+    if not recipe.cuda_graphs:  # nothing else captured
+        assert served.captures == len(served._cached_graphs) + len(served._shape_graphs)
 
 
 def test_stage_attention_choice_reaches_padded_attention():
@@ -494,7 +511,7 @@ def test_kv_graphs_replay_unpadded_caches_per_test_bucket(monkeypatch, compiled,
     )
     served = ServedTabICL(copy.deepcopy(model), recipe, GRID)
     served.recipe = served.recipe.replace(kv_graphs=True)  # (CUDA-only: the stand-in replays)
-    served._raw_forward_cached = served._kv_graph_core()
+    served._raw_forward_cached = served._graph_core(served.model.forward_cached_raw)
     classes = 0 if task == "reg" else 3
     X, y = random_table(11, 2, 70, 40, 13, classes)  # 70 train rows and 13 features: past GRID
     cache = served.build_cache(X[:, :70], y)
@@ -517,6 +534,83 @@ def test_kv_graphs_replay_unpadded_caches_per_test_bucket(monkeypatch, compiled,
     with pytest.raises(ValueError, match="X_test contains NaN or infinite values"):
         served.forward_with_cache(bad, cache)
     assert served.forward_with_cache(X[:, 70:70], cache).shape[1] == 0
+
+
+@pytest.mark.parametrize("task", ["clf", "reg"])
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_shape_graphs_replay_unpadded_tables_per_test_bucket(monkeypatch, compiled, task):
+    """shape_graphs (CPU stand-in for the graphs): a table's one-shot call with its test rows
+    padded onto the grid's test buckets (split past 16) equals the model's, train rows and
+    features unpadded; one graph per (tables, train rows, test bucket, features), replayed for
+    every later call of those sizes; the compiled core is one graph (fullgraph); bad input
+    still raises before any replay; more classes than max_classes run the hierarchy."""
+    from tabserve.models.tabicl import serving
+
+    monkeypatch.setattr(serving, "_BucketGraph", _ReplayOnCPU)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    model = our_model(task, "tiny")
+    recipe = recipes.RECIPES["fp32-eager"].replace(
+        compile="default" if compiled else "none", compile_backend="eager"
+    )
+    served = ServedTabICL(copy.deepcopy(model), recipe, GRID)
+    served.recipe = served.recipe.replace(shape_graphs=True)  # (CUDA-only: the stand-in replays)
+    served._raw_forward = served._graph_core(serving._one_shot_core(served.model))
+    classes = 0 if task == "reg" else 3
+    X, y = random_table(12, 2, 70, 40, 13, classes)  # 70 train rows and 13 features: past GRID
+    for n_test in (5, 1, 16, 40, 5):  # buckets 8, 1, 16, then 16 + 16 + 8, then 8 again
+        table = X[:, : 70 + n_test]
+        _assert_same(model(table, y), served(table, y), task == "clf")
+    assert served.captures == 3 and len(served._shape_graphs) == 3  # 8, 1, 16 test rows
+    other = torch.cat([X[:, :70], X[:, 70:75].flip(1)], dim=1)  # same shape: a replay
+    _assert_same(model(other, y), served(other, y), task == "clf")
+    fewer = random_table(13, 2, 20, 3, 13, classes)  # another train count: another graph
+    _assert_same(model(*fewer), served(*fewer), task == "clf")
+    assert served.captures == 4 and not served._graphs and not served._cached_graphs
+    if compiled:  # one frame, no graph break: the core a CUDA graph can capture
+        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1
+        assert not torch._dynamo.utils.counters["graph_break"]
+    bad = other.clone()
+    bad[1, 72, 3] = float("nan")
+    with pytest.raises(ValueError, match="X contains NaN or infinite values"):
+        served(bad, y)
+    assert served(X[:, :70], y).shape[1] == 0
+    if task == "clf":  # 12 classes > max_classes = 10: the hierarchy, not a graph
+        many = random_table(14, 2, 30, 4, 5, 12)
+        _assert_same(model(*many), served(*many), True)
+        assert served.captures == 4
+
+
+def test_shape_graphs_keep_the_most_recent_shapes(monkeypatch):
+    """Past MAX_SHAPE_GRAPHS table shapes, the least recently replayed graph is dropped."""
+    from tabserve.models.tabicl import serving
+
+    monkeypatch.setattr(serving, "_BucketGraph", _ReplayOnCPU)
+    monkeypatch.setattr(serving, "MAX_SHAPE_GRAPHS", 2)
+    model = our_model("clf", "tiny")
+    served = ServedTabICL(copy.deepcopy(model), recipes.RECIPES["fp32-eager"], GRID)
+    served.recipe = served.recipe.replace(shape_graphs=True)
+    served._graph_limits[id(served._shape_graphs)] = serving.MAX_SHAPE_GRAPHS
+    served._raw_forward = serving._one_shot_core(served.model)
+    tables = {n: random_table(n, 1, n, 2, 3, 2) for n in (4, 5, 6)}
+    for n in (4, 5, 4, 6):  # 5 is the least recent when 6 comes
+        _assert_same(model(*tables[n]), served(*tables[n]), True)
+    assert [key[1] for key in served._shape_graphs] == [4, 6]
+    assert served.captures == 3
+
+
+def test_shape_graphs_recipe_rules():
+    with pytest.raises(ValueError, match="shape_graphs are the unpadded tables' graphs"):
+        recipes.RECIPES["fp32-buckets"].replace(shape_graphs=True)
+    name = "fp16-compile-head16-fused-frozen-kvgraphs-ropeproj-outproj-rowtokens-shapegraphs"
+    recipe = recipes.RECIPES[name]
+    assert recipe.shape_graphs and recipe.kv_graphs and recipe.graphs and not recipe.buckets
+    with pytest.raises(ValueError, match="captures CUDA graphs; the model is on cpu"):
+        ServedTabICL(copy.deepcopy(our_model("clf", "tiny")), recipe, GRID)
+    cell = recipes.recipe_from_cell(
+        {"precision": "fp16", "compile": "default", "shape_graphs": True}, name="c51"
+    )
+    assert cell.shape_graphs and not cell.buckets
 
 
 def test_kv_graphs_recipe_rules():

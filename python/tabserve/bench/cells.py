@@ -54,6 +54,8 @@ class Cell:
         cuda_graphs: CUDA graphs captured per bucket.
         kv_graphs: without buckets, the KV-cached prediction replayed from a CUDA graph per cache
             and test-row bucket (the cache unpadded; ``Recipe.kv_graphs``).
+        shape_graphs: without buckets, the one-shot call replayed from a CUDA graph per table
+            shape, the test rows on the grid's test-row buckets (``Recipe.shape_graphs``).
         fused_ffn: the fused feed-forward operator in every block where its kernel applies
             (:func:`tabserve.ops.feed_forward`; bf16 / fp16 only).
         fused_norm_linear: the fused LayerNorm + input projection operator likewise
@@ -94,6 +96,7 @@ class Cell:
     regional: bool = False
     cuda_graphs: bool = False
     kv_graphs: bool = False
+    shape_graphs: bool = False
     fused_ffn: bool = False
     fused_norm_linear: bool = False
     rope_in_projection: bool = False
@@ -142,6 +145,8 @@ class Cell:
             raise ValueError(f"{self.name}: freeze is Inductor's freezing of compiled graphs")
         if self.kv_graphs and self.buckets:
             raise ValueError(f"{self.name}: kv_graphs serve unpadded caches (no buckets)")
+        if self.shape_graphs and self.buckets:
+            raise ValueError(f"{self.name}: shape_graphs serve unpadded tables (no buckets)")
         if self.aot and not (self.warm_cache and self.buckets):
             raise ValueError(f"{self.name}: aot packages are a restart (warm_cache) of buckets")
 
@@ -583,6 +588,19 @@ CELLS: tuple[Cell, ...] = (
         fused_out_projection=True,
         fused_row_tokens=True,
         ffn_projecting_tile=(32, 4, 2),
+    ),
+    # c49 whose one-shot call replays a CUDA graph per table shape: no guard checks, launches
+    # or host syncs between the checks and the last kernel (c46's large one-shot profile,
+    # twelfth session: 1.81 ms of idle gaps and 0.83 ms of host lead in 122.2 ms).
+    dataclasses.replace(
+        _C42,
+        name="c51-fp16-compile-head16-fused-frozen-kvgraphs-ropeproj-outproj-rowtokens-shapegraphs",
+        description="c49 whose one-shot call replays a CUDA graph per table shape (test rows "
+        "on the grid's test-row buckets)",
+        rope_in_projection=True,
+        fused_out_projection=True,
+        fused_row_tokens=True,
+        shape_graphs=True,
     ),
 )
 

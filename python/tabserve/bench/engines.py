@@ -182,7 +182,7 @@ class TabserveEngine(Engine):
 
         if cell.precision == "fp8":
             raise UnsupportedRecipe("not implemented: fp8")
-        if (cell.cuda_graphs or cell.kv_graphs) and self.device.type != "cuda":
+        if (cell.cuda_graphs or cell.kv_graphs or cell.shape_graphs) and self.device.type != "cuda":
             raise UnsupportedRecipe("CUDA graphs need a CUDA device")
         self.model = TabICLv2.from_checkpoint(self.checkpoint, device=self.device)
         self.served = self._serve(self.model) if self._uses_serving else None
@@ -195,7 +195,9 @@ class TabserveEngine(Engine):
     @property
     def _uses_serving(self) -> bool:
         cell = self.cell
-        return bool(cell.buckets or cell.regional or cell.cuda_graphs or cell.kv_graphs)
+        return bool(
+            cell.buckets or cell.regional or cell.cuda_graphs or cell.kv_graphs or cell.shape_graphs
+        )
 
     def _recipe(self):
         from tabserve.models.tabicl.recipes import recipe_from_cell
@@ -209,15 +211,17 @@ class TabserveEngine(Engine):
 
     @property
     def captures(self) -> int | None:
-        return self.served.captures if self.cell.cuda_graphs or self.cell.kv_graphs else None
+        graphs = self.cell.cuda_graphs or self.cell.kv_graphs or self.cell.shape_graphs
+        return self.served.captures if graphs else None
 
     def padding_gate(self, X, y_train):
         """(padded, unpadded) outputs of the cell's padding in fp32 eager, or None when the cell
-        pads nothing: bucketed cells' one-shot call; ``kv_graphs`` cells' KV-cached prediction,
-        whose test rows are padded (one test row fewer than the workload's, so that they do not
-        sit on a test bucket), the graphs replayed as served."""
+        pads nothing: bucketed cells' one-shot call; ``shape_graphs`` cells' one-shot call and
+        ``kv_graphs`` cells' KV-cached prediction, whose test rows are padded (one test row
+        fewer than the workload's, so that they do not sit on a test bucket), the graphs
+        replayed as served; both of a cell with both, joined along the test rows."""
         kv_graphs = self.cell.kv_graphs and self.workload.cacheable
-        if not (self.cell.buckets or kv_graphs):
+        if not (self.cell.buckets or kv_graphs or self.cell.shape_graphs):
             return None
         from tabserve.models.tabicl import TabICLv2
         from tabserve.models.tabicl.serving import ServedTabICL
@@ -237,16 +241,24 @@ class TabserveEngine(Engine):
         )
         padded = ServedTabICL(plain, exact, _bucket_grid(self.cell.buckets))
         kwargs = {} if self.workload.task == "reg" else {"return_logits": False}
+        n_train = y_train.shape[1]
+        X = X[:, : max(n_train + 1, X.shape[1] - 1)]  # test rows off the test buckets
+        pairs = []
         with torch.no_grad(), precision_flags("fp32"):
-            if not kv_graphs:
-                return padded(X, y_train, **kwargs), plain(X, y_train, **kwargs)
-            n_train = y_train.shape[1]
-            cache = plain.build_cache(X[:, :n_train], y_train)
-            X_test = X[:, n_train : max(n_train + 1, X.shape[1] - 1)]
-            return (
-                padded.forward_with_cache(X_test, cache, **kwargs),
-                plain.forward_with_cache(X_test, cache, **kwargs),
-            )
+            if self.cell.buckets or self.cell.shape_graphs:
+                pairs.append((padded(X, y_train, **kwargs), plain(X, y_train, **kwargs)))
+            if kv_graphs:
+                cache = plain.build_cache(X[:, :n_train], y_train)
+                X_test = X[:, n_train:]
+                pairs.append(
+                    (
+                        padded.forward_with_cache(X_test, cache, **kwargs),
+                        plain.forward_with_cache(X_test, cache, **kwargs),
+                    )
+                )
+        if len(pairs) == 1:
+            return pairs[0]
+        return tuple(torch.cat(outputs, dim=1) for outputs in zip(*pairs))
 
     def _prepare(self, model):
         """Applies per-stage attention and compilation to ``model`` in place; returns the cached

@@ -66,9 +66,11 @@ ROTARY_STEP = 32
 #: (thirteenth session: 4.27 against split's 3.55 ms); ``partner`` computes the partners
 #: themselves, a second product of the normalised tile with the partner rows of the weight
 #: (the same dot products as the partner outputs', so the same values), in the tile's own
-#: layout: no shuffle, one more matmul on tensor cores that the kernel leaves mostly idle. Not
-#: yet timed on a GPU: ``benchmarks/norm_linear.py`` times every rotation
-#: (:func:`rotation_override`).
+#: layout: no shuffle, one more matmul on tensor cores that the kernel leaves mostly idle, and
+#: was the slowest on the H200 (fourteenth session, fp16 stream: the row stage's packed
+#: projection 5.07 ms against dot's 4.12 and split's 3.43, 2.50 without RoPE; the CLS block's
+#: key / value 3.18 / 2.73 / 2.36): its second weight read costs more than the shuffle it saves.
+#: ``benchmarks/norm_linear.py`` times every rotation (:func:`rotation_override`).
 ROTATIONS = ("split", "dot", "partner")
 ROTATION = "split"
 

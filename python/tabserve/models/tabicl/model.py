@@ -345,15 +345,15 @@ class TabICLv2(nn.Module):
         if X.shape[1] == y_train.shape[1]:  # no test rows: nothing to predict
             return self._no_predictions(X, num_classes)
         y_train = y_train.to(X.dtype)
-        R = self._representations(X, y_train, num_classes)
         if num_classes > self.config.max_classes:
+            R = self._representations(X, y_train, num_classes)
             probs = self.icl_predictor.hierarchical_probs(R, y_train)
             return (
                 softmax_temperature * torch.log(probs + HIERARCHY_LOG_EPS)
                 if return_logits
                 else probs
             )
-        raw = self.icl_predictor(R, y_train)
+        raw = self.forward_raw(X, y_train)
         return (
             raw
             if self.is_regressor
@@ -489,6 +489,15 @@ class TabICLv2(nn.Module):
             )
         self._raise_unless_all_finite(finite, "X_test")
         return out
+
+    def forward_raw(self, X: Tensor, y_train: Tensor) -> Tensor:
+        """The network's raw output ``(B, M, out_dim)`` for the test rows of ``X (B, N + M, H)``
+        (in the model's dtype) with train labels ``y_train (B, N)`` in X's dtype, for tables of
+        at most ``max_classes`` classes (regression included): no checks, no host work (a graph
+        serving captures). The number of classes does not enter: one output serves any K up to
+        ``max_classes`` (the caller keeps the first K logits)."""
+        R = self._representations(X, y_train, self.config.max_classes)
+        return self.icl_predictor(R, y_train)
 
     def forward_cached_raw(self, X_test: Tensor, col: list, icl: list) -> Tensor:
         """The network's raw output for test rows ``(B, M, H)`` (in the model's dtype) from a

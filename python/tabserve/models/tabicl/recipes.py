@@ -27,6 +27,15 @@ Fields:
         masks in the attention), only the test rows are padded onto the grid's test-row buckets
         (test rows never attend to each other, so padding them changes nothing), and the graph
         reads the cache in place. The one-shot call runs as without it.
+    shape_graphs: without buckets, the one-shot call replays a CUDA graph per table shape (CUDA
+        only): tables, train rows and features as they are (no masks), the test rows padded
+        onto the grid's test-row buckets (split past the largest), so tables of one shape reuse
+        one graph whatever their test-row count within a bucket. The input checks still run on
+        the host before each replay (one kernel, one transfer); a graph is captured at a shape's
+        first call (compiled first under a compiled recipe), and the least recently used ones
+        are dropped past :data:`tabserve.models.tabicl.serving.MAX_SHAPE_GRAPHS`. Tables of
+        more than ``max_classes`` classes run as without it (the class hierarchy is
+        data-dependent).
     dynamic: ``torch.compile(dynamic=True)`` of the unpadded model (whole-model compile, no
         buckets): one graph for every table shape after the first call, no padding; sizes 0 and
         1 still specialise (a one-row test block compiles once more).
@@ -114,6 +123,7 @@ class Recipe:
     buckets: bool = False
     cuda_graphs: bool = False
     kv_graphs: bool = False
+    shape_graphs: bool = False
     fused_ffn: bool = False
     fused_norm_linear: bool = False
     rope_in_projection: bool = False
@@ -159,6 +169,11 @@ class Recipe:
                 f"recipe {self.name}: kv_graphs are the unpadded cache's graphs; a bucketed "
                 f"recipe with cuda_graphs replays its padded cache's graphs"
             )
+        if self.shape_graphs and self.buckets:
+            raise ValueError(
+                f"recipe {self.name}: shape_graphs are the unpadded tables' graphs; a bucketed "
+                f"recipe with cuda_graphs replays its buckets' graphs"
+            )
         if self.dynamic and (self.buckets or self.compile not in WHOLE_MODEL_COMPILE_MODES):
             raise ValueError(
                 f"recipe {self.name}: dynamic shapes are a whole-model compile of unpadded "
@@ -175,15 +190,15 @@ class Recipe:
     @property
     def graphs(self) -> bool:
         """Whether any call of the recipe replays CUDA graphs."""
-        return self.cuda_graphs or self.kv_graphs
+        return self.cuda_graphs or self.kv_graphs or self.shape_graphs
 
     def context(self, device: torch.device | str):
         """Precision flags and autocast every model call of this recipe runs under. With CUDA
         graphs autocast's cast cache is off: cached weight casts live outside the graph's pool
         and die with the autocast context, so a replay would read freed memory. With ``freeze``,
         Inductor's freezing is on (:func:`freezing`), except with CUDA graphs: serving turns it
-        on around the captures, the only calls of those recipes that trace (``kv_graphs``
-        recipes trace their one-shot calls too: freezing stays on)."""
+        on around the captures, the only calls of those recipes that trace (``kv_graphs`` and
+        ``shape_graphs`` recipes trace their other calls too: freezing stays on)."""
         precision = precision_context(
             self.precision, torch.device(device).type, cast_cache=not self.graphs
         )
@@ -617,6 +632,13 @@ for _base in ("fp16-compile-head16-fused-frozen", "fp16-compile-head16-fused-fro
         "with the row stage's tokens written by the column stage's last fused feed-forward",
         fused_row_tokens=True,
     )
+#: c49 whose one-shot call replays a CUDA graph per table shape too (cell c51).
+_variant(
+    "fp16-compile-head16-fused-frozen-kvgraphs-ropeproj-outproj-rowtokens",
+    "-shapegraphs",
+    "whose one-shot call replays a CUDA graph per table shape (test rows on the grid's buckets)",
+    shape_graphs=True,
+)
 del _base
 DEFAULT_RECIPE = "fp32-eager"
 
@@ -650,6 +672,7 @@ def recipe_from_cell(fields: dict, name: str | None = None) -> Recipe:
         buckets=bool(fields.get("buckets")),
         cuda_graphs=bool(fields.get("cuda_graphs")),
         kv_graphs=bool(fields.get("kv_graphs")),
+        shape_graphs=bool(fields.get("shape_graphs")),
         fused_ffn=bool(fields.get("fused_ffn")),
         fused_norm_linear=bool(fields.get("fused_norm_linear")),
         rope_in_projection=bool(fields.get("rope_in_projection")),

@@ -64,6 +64,9 @@ REGIONAL_VARIANTS_PER_BUCKET = 16
 BATCH_SIZES_PER_BUCKET = 4
 #: CUDA graphs of KV-cached prediction kept per served model (each holds its cache alive).
 MAX_CACHED_GRAPHS = 32
+#: CUDA graphs of unpadded one-shot calls (``shape_graphs``) kept per served model, the least
+#: recently replayed dropped first (their memory stays in the shared pool for later captures).
+MAX_SHAPE_GRAPHS = 16
 
 
 def raise_recompile_limit(entries: int) -> None:
@@ -162,6 +165,11 @@ class ServedTabICL:
         self._graph_done: torch.cuda.Event | None = None
         self._graphs: dict = {}
         self._cached_graphs: OrderedDict = OrderedDict()
+        self._shape_graphs: OrderedDict = OrderedDict()
+        self._graph_limits = {
+            id(self._cached_graphs): MAX_CACHED_GRAPHS,
+            id(self._shape_graphs): MAX_SHAPE_GRAPHS,
+        }
         self._pool = torch.cuda.graph_pool_handle() if self.recipe.graphs else None
         # Ahead-of-time bucket packages (load_buckets): kind -> {(bucket, batch): runner}.
         self._aot: dict = {"forward": {}, "build_cache": {}, "forward_cached": {}}
@@ -170,7 +178,12 @@ class ServedTabICL:
         set_fused_operators(model, self.recipe)
         self._forward, self._build_cache, self._forward_cached = self._core_callables()
         self._unpadded_forward_cached = model.forward_with_cache
-        self._raw_forward_cached = self._kv_graph_core() if self.recipe.kv_graphs else None
+        self._raw_forward_cached = (
+            self._graph_core(model.forward_cached_raw) if self.recipe.kv_graphs else None
+        )
+        self._raw_forward = (
+            self._graph_core(_one_shot_core(model)) if self.recipe.shape_graphs else None
+        )
 
     # ------------------------------------------------------------------ recipe -> callables
     def _compile_options(self) -> dict:
@@ -203,14 +216,14 @@ class ServedTabICL:
                 model.compile(**self._compile_options())
         return cores
 
-    def _kv_graph_core(self):
-        """What a ``kv_graphs`` recipe captures: :meth:`TabICLv2.forward_cached_raw`, compiled
-        like the recipe's model (static shapes: one graph per cache shape and test bucket;
-        under regional compile its blocks are compiled already)."""
-        core = self.model.forward_cached_raw
+    def _graph_core(self, core):
+        """What a ``kv_graphs`` / ``shape_graphs`` recipe captures (``core``: the model's
+        :meth:`TabICLv2.forward_cached_raw` / :meth:`TabICLv2.forward_raw`), compiled like the
+        recipe's model (static shapes: one graph per cache shape and test bucket, or per table
+        shape; under regional compile its blocks are compiled already)."""
         if not self.recipe.compiled or self.recipe.compile == "regional":
             return core
-        raise_recompile_limit(MAX_CACHED_GRAPHS)
+        raise_recompile_limit(MAX_CACHED_GRAPHS + MAX_SHAPE_GRAPHS)
         options = {**self._compile_options(), "fullgraph": True, "dynamic": False}
         return torch.compile(core, **options)
 
@@ -232,12 +245,17 @@ class ServedTabICL:
 
                 setattr(module, name, pinned)
 
-    def _run(self, key, fn, inputs: Sequence[Tensor], static: Sequence = (), graphed=None):
+    def _run(
+        self, key, fn, inputs: Sequence[Tensor], static: Sequence = (), graphed=None, store=None
+    ):
         """``fn(*inputs, *static)``, replayed from a per-``key`` CUDA graph with CUDA graphs
         (``graphed``: whether to; default the recipe's ``cuda_graphs``).
 
         ``key`` must pin every input shape (bucket and batch size). A replay's outputs are the
         graph's own buffers, overwritten by the next replay: they are returned as copies.
+        ``store``: the graphs' dictionary (default: the buckets' graphs, or the cached
+        predictions' with ``static`` inputs); all but the buckets' keep their
+        :data:`MAX_CACHED_GRAPHS` / :data:`MAX_SHAPE_GRAPHS` most recently replayed graphs.
         """
         if not (self.recipe.cuda_graphs if graphed is None else graphed):
             return fn(*inputs, *static)
@@ -246,16 +264,18 @@ class ServedTabICL:
             stream = torch.cuda.current_stream(self.device) if on_cuda else None
             if stream is not None and self._graph_done is not None:
                 stream.wait_event(self._graph_done)
-            graphs = self._graphs if not static else self._cached_graphs
+            if store is None:
+                store = self._cached_graphs if static else self._graphs
+            graphs, limit = store, self._graph_limits.get(id(store))
             graph = graphs.get(key)
             if graph is None:
                 with freezing(self.recipe.freeze):  # the capture is where compiled cores trace
                     graph = _BucketGraph(fn, inputs, static, self._pool)
                 graphs[key] = graph
                 self.captures += 1
-                if static and len(graphs) > MAX_CACHED_GRAPHS:
+                if limit is not None and len(graphs) > limit:
                     graphs.popitem(last=False)
-            elif static:
+            elif limit is not None:
                 graphs.move_to_end(key)
             outputs = tree_map(torch.clone, graph(*inputs))
             if stream is not None:
@@ -296,6 +316,8 @@ class ServedTabICL:
     ) -> Tensor:
         """As :meth:`TabICLv2.forward` (same checks, same output), served with the recipe."""
         model = self.model
+        if self.recipe.shape_graphs:
+            return self._graphed_forward(X, y_train, return_logits, softmax_temperature)
         if not self.recipe.buckets:
             with self.recipe.context(self.device):
                 return model(X, y_train, return_logits, softmax_temperature)
@@ -328,6 +350,36 @@ class ServedTabICL:
                 key = (chunk.bucket, padded.shape[0])
                 forward = self._packaged("forward", key, self._forward)
                 raw = self._run(key, forward, (padded, labels, *counts))
+                outputs.append(raw[:, : chunk.stop - chunk.start])
+        return self._finish(torch.cat(outputs, 1), num_classes, return_logits, softmax_temperature)
+
+    def _graphed_forward(self, X, y_train, return_logits, softmax_temperature):
+        """``shape_graphs``: the unpadded table's one-shot call, its test rows padded onto the
+        grid's test-row buckets (split past the largest), each chunk replayed from the CUDA
+        graph of its (tables, train rows, test bucket, features); the train rows and features
+        stay as they are. The checks run first, on the host, as :meth:`TabICLv2.forward`'s."""
+        model = self.model
+        X, num_classes = model._check_inputs(X, y_train)
+        n_train, n_features = y_train.shape[1], X.shape[2]
+        if X.shape[1] == n_train:
+            return model._no_predictions(X, num_classes)
+        if num_classes > self.config.max_classes:  # the class hierarchy: not capturable
+            with self.recipe.context(self.device):
+                return model(X, y_train, return_logits, softmax_temperature)
+        y_train = y_train.to(X.dtype)
+        outputs = []
+        with self.recipe.context(self.device):
+            for chunk in self.grid.plan(1, X.shape[1] - n_train, 1):  # test-row buckets only
+                rows = chunk.bucket.test_rows
+                test = X[:, n_train + chunk.start : n_train + chunk.stop]
+                key = (X.shape[0], n_train, rows, n_features)
+                raw = self._run(
+                    key,
+                    self._raw_forward,
+                    (X[:, :n_train], _pad_test(test, rows, n_features), y_train),
+                    graphed=True,
+                    store=self._shape_graphs,
+                )
                 outputs.append(raw[:, : chunk.stop - chunk.start])
         return self._finish(torch.cat(outputs, 1), num_classes, return_logits, softmax_temperature)
 
@@ -542,6 +594,16 @@ class ServedTabICL:
         from tabserve import compile_cache
 
         return compile_cache.load(path)
+
+
+def _one_shot_core(model: TabICLv2):
+    """:meth:`TabICLv2.forward_raw` of a table given as its train rows and its (padded) test
+    rows: what a ``shape_graphs`` graph captures (the rows are joined inside it)."""
+
+    def one_shot(X_train: Tensor, X_test: Tensor, y_train: Tensor) -> Tensor:
+        return model.forward_raw(torch.cat([X_train, X_test], dim=1), y_train)
+
+    return one_shot
 
 
 def _train_and_test(X: Tensor, n_train: int, chunk) -> Tensor:
