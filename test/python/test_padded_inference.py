@@ -590,7 +590,6 @@ def test_shape_graphs_keep_the_most_recent_shapes(monkeypatch):
     model = our_model("clf", "tiny")
     served = ServedTabICL(copy.deepcopy(model), recipes.RECIPES["fp32-eager"], GRID)
     served.recipe = served.recipe.replace(shape_graphs=True)
-    served._graph_limits[id(served._shape_graphs)] = serving.MAX_SHAPE_GRAPHS
     served._raw_forward = serving._one_shot_core(served.model)
     tables = {n: random_table(n, 1, n, 2, 3, 2) for n in (4, 5, 6)}
     for n in (4, 5, 4, 6):  # 5 is the least recent when 6 comes

@@ -134,6 +134,20 @@ class _BucketGraph:
         return self.output
 
 
+class _RecentGraphs(OrderedDict):
+    """Captured graphs by key, at most ``limit``: :meth:`used` marks one as the most recently
+    replayed and drops the least recently replayed past the limit."""
+
+    def __init__(self, limit: int):
+        super().__init__()
+        self.limit = limit
+
+    def used(self, key) -> None:
+        self.move_to_end(key)
+        while len(self) > self.limit:
+            self.popitem(last=False)
+
+
 class ServedTabICL:
     """A :class:`TabICLv2` served with a :class:`Recipe` (see the module docstring).
 
@@ -164,12 +178,8 @@ class ServedTabICL:
         self._graph_lock = threading.Lock()
         self._graph_done: torch.cuda.Event | None = None
         self._graphs: dict = {}
-        self._cached_graphs: OrderedDict = OrderedDict()
-        self._shape_graphs: OrderedDict = OrderedDict()
-        self._graph_limits = {
-            id(self._cached_graphs): MAX_CACHED_GRAPHS,
-            id(self._shape_graphs): MAX_SHAPE_GRAPHS,
-        }
+        self._cached_graphs = _RecentGraphs(MAX_CACHED_GRAPHS)
+        self._shape_graphs = _RecentGraphs(MAX_SHAPE_GRAPHS)
         self._pool = torch.cuda.graph_pool_handle() if self.recipe.graphs else None
         # Ahead-of-time bucket packages (load_buckets): kind -> {(bucket, batch): runner}.
         self._aot: dict = {"forward": {}, "build_cache": {}, "forward_cached": {}}
@@ -264,19 +274,15 @@ class ServedTabICL:
             stream = torch.cuda.current_stream(self.device) if on_cuda else None
             if stream is not None and self._graph_done is not None:
                 stream.wait_event(self._graph_done)
-            if store is None:
-                store = self._cached_graphs if static else self._graphs
-            graphs, limit = store, self._graph_limits.get(id(store))
+            graphs = store if store is not None else self._cached_graphs if static else self._graphs
             graph = graphs.get(key)
             if graph is None:
                 with freezing(self.recipe.freeze):  # the capture is where compiled cores trace
                     graph = _BucketGraph(fn, inputs, static, self._pool)
                 graphs[key] = graph
                 self.captures += 1
-                if limit is not None and len(graphs) > limit:
-                    graphs.popitem(last=False)
-            elif limit is not None:
-                graphs.move_to_end(key)
+            if isinstance(graphs, _RecentGraphs):
+                graphs.used(key)
             outputs = tree_map(torch.clone, graph(*inputs))
             if stream is not None:
                 self._graph_done = torch.cuda.Event()
