@@ -12,9 +12,12 @@ the kernel's defaults were chosen. Every method's output is checked against the 
 "out-proj" fold the attention's out-projection into the operator (``update_weight``: the update
 is then the heads' unprojected output); on CUDA they also time cuBLAS projecting first and the
 operator adding its output (the route without the fold), and the resident operator is left out
-(it does not fold).
+(it does not fold). The "rows" case is the column stage's last block, which writes the row
+stage's tokens (``row_prefix``: 4 CLS tokens, then each row's 64 feature tokens); it also times
+the route before that, the operator's sets layout rearranged by ATen (``to_rows``).
 
     python benchmarks/feed_forward.py --device cuda --sweep
+    python benchmarks/feed_forward.py --device cuda --sweep --stream matmul --cases out-proj
 """
 
 from __future__ import annotations
@@ -31,25 +34,35 @@ from harness import (
     kernel_benchmark_args,
     kernel_methods,
     report_kernel_benchmark,
+    selected_cases,
     tile_configured,
 )
 from tabserve.kernels import feed_forward as ff
 
-#: (name, tokens, out-projection folded): small / large workloads' row stage (8 tables x rows x
-#: (features + 4 CLS)) and the large workload's column stage (8 tables x 64 features x 10,240
-#: rows), one-shot and KV-cached (test rows only).
+#: (name, tokens, out-projection folded, rows): small / large workloads' row stage (8 tables x
+#: rows x (features + 4 CLS)) and the large workload's column stage (8 tables x 64 features x
+#: 10,240 rows), one-shot and KV-cached (test rows only); ``rows``: (tables, sets, rows per set)
+#: of a case written in the row stage's layout behind ROW_PREFIX CLS tokens, else None.
 CASES = [
-    ("small row", 8 * 576 * 12, False),
-    ("large row", 8 * 10240 * 68, False),
-    ("large col", 8 * 64 * 10240, False),
-    ("large row out-proj", 8 * 10240 * 68, True),
-    ("large col out-proj", 8 * 64 * 10240, True),
+    ("small row", 8 * 576 * 12, False, None),
+    ("large row", 8 * 10240 * 68, False, None),
+    ("large col", 8 * 64 * 10240, False, None),
+    ("large row out-proj", 8 * 10240 * 68, True, None),
+    ("large col out-proj", 8 * 64 * 10240, True, None),
+    ("large col out-proj rows", 8 * 64 * 10240, True, (8, 64, 10240)),
     # KV-cached prediction of the large workload: the 2,048 test rows alone.
-    ("large kv row", 8 * 2048 * 68, False),
-    ("large kv col", 8 * 64 * 2048, False),
-    ("large kv row out-proj", 8 * 2048 * 68, True),
+    ("large kv row", 8 * 2048 * 68, False, None),
+    ("large kv col", 8 * 64 * 2048, False, None),
+    ("large kv row out-proj", 8 * 2048 * 68, True, None),
+    ("large kv col out-proj rows", 8 * 64 * 2048, True, (8, 64, 2048)),
 ]
-QUICK_CASES = [("tiny", 1000, False), ("tiny out-proj", 1000, True)]
+QUICK_CASES = [
+    ("tiny", 1000, False, None),
+    ("tiny out-proj", 1000, True, None),
+    ("tiny out-proj rows", 1000, True, (2, 5, 100)),
+]
+#: The row stage's CLS tokens ahead of each row in the "rows" cases.
+ROW_PREFIX = 4
 DIM, HIDDEN = 128, 256
 SWEEP = list(itertools.product((32, 64, 128), (4, 8), (1, 2, 3)))
 #: Hidden units per loop step tried besides the kernel's 64, on the tiles that led the sweep.
@@ -105,10 +118,20 @@ def out_projection(device):
     return weight.to(device), (0.1 * torch.randn(DIM, generator=g)).to(device)
 
 
-def projected_first(x, update, nw, nb, w1, b1, w2, b2, eps, dtype, skip, skip_value, wo, bo):
+def projected_first(
+    x, update, nw, nb, w1, b1, w2, b2, eps, dtype, skip, skip_value, wo, bo, row_prefix=None
+):  # fmt: skip
     """The route without the fold: cuBLAS projects the update, then the operator adds it."""
     projected = ff.project_update(update, wo, bo, dtype)
-    return torch.ops.tabserve.feed_forward(x, projected, nw, nb, w1, b1, w2, b2, eps, dtype)
+    return torch.ops.tabserve.feed_forward(
+        x, projected, nw, nb, w1, b1, w2, b2, eps, dtype, None, 0.0, None, None, row_prefix
+    )
+
+
+def rows_after(*call):
+    """The route before ``row_prefix``: the operator's sets layout, then ATen's ``to_rows``."""
+    *operands, row_prefix = call
+    return ff.to_rows(torch.ops.tabserve.feed_forward(*operands), row_prefix)
 
 
 def main(argv=None) -> int:
@@ -124,8 +147,10 @@ def main(argv=None) -> int:
     )
     cuda = torch.device(device).type == "cuda"
     records, rows = [], []
-    for name, tokens, fold in QUICK_CASES if args.quick else CASES:
+    for name, tokens, fold, layout in selected_cases(QUICK_CASES if args.quick else CASES, args):
         x, update, (nw, nb, w1, b1, w2, b2) = inputs(tokens, device, args.stream_dtype)
+        if layout is not None:  # the column stage's (tables, sets, rows per set, width) streams
+            x, update = x.view(*layout, DIM), update.view(*layout, DIM)
         call = (x, update, nw, nb, w1, b1, w2, b2, 1e-5, dtype)
         timed = methods | ({"resident op": resident_op()} if cuda else {})
         stream = x + update
@@ -134,11 +159,16 @@ def main(argv=None) -> int:
             call += (None, 0.0, *projection)
             timed = methods | ({"cuBLAS projection + op": projected_first} if cuda else {})
             stream = x + ff.project_update(update, *projection, dtype)
+        if layout is not None:
+            prefix = torch.randn(ROW_PREFIX, DIM, generator=torch.Generator().manual_seed(1))
+            call += (prefix.to(device),)
+            timed = timed | {"op, then ATen to_rows": rows_after}
+            stream = ff.to_rows(stream, call[-1])
         want = composite(*call)
         # One fp16 rounding of the row's scale (as test_feed_forward.py measures agreement).
         ulp = ((want - stream).abs().amax(-1, keepdim=True) + want.abs()) * torch.finfo(dtype).eps
         del stream
-        case = {"case": name, "tokens": tokens, "out_projection": fold}
+        case = {"case": name, "tokens": tokens, "out_projection": fold, "rows": layout}
         found, table = compare_and_time(case, timed, call, want, ulp, device, args.budget)
         records += found
         rows += table

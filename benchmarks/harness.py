@@ -278,8 +278,9 @@ def compare_and_time(
 
 def kernel_benchmark_args(doc: str, argv=None):
     """The command line the fused-operator benchmarks share (``--device``, ``--quick``,
-    ``--sweep``, ``--dtype``, ``--stream``, ``--budget``, ``--json``); returns (args, device,
-    matmul dtype). ``args.stream_dtype``: the token stream's dtype (``--stream``)."""
+    ``--sweep``, ``--dtype``, ``--stream``, ``--budget``, ``--cases``, ``--json``); returns
+    (args, device, matmul dtype). ``args.stream_dtype``: the token stream's dtype
+    (``--stream``); ``args.cases``: see :func:`selected_cases`."""
     import argparse
 
     parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
@@ -295,11 +296,29 @@ def kernel_benchmark_args(doc: str, argv=None):
         "streams under fp16 / bf16 autocast: the embeddings come out of autocast's linears)",
     )
     parser.add_argument("--budget", type=float, default=0.3, help="seconds per measurement")
+    parser.add_argument(
+        "--cases",
+        nargs="+",
+        metavar="TEXT",
+        help="only the cases whose name contains one of these (e.g. out-proj)",
+    )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     dtype = getattr(torch, args.dtype)
     args.stream_dtype = dtype if args.stream == "matmul" else torch.float32
     return args, torch.device(args.device), dtype
+
+
+def selected_cases(cases: list, args) -> list:
+    """The cases (tuples led by their name) that ``--cases`` picks: all without it. Raises
+    SystemExit naming the known cases when it picks none."""
+    if not args.cases:
+        return cases
+    chosen = [case for case in cases if any(text in case[0] for text in args.cases)]
+    if not chosen:
+        names = ", ".join(case[0] for case in cases)
+        raise SystemExit(f"--cases {args.cases} matches no case; the cases: {names}")
+    return chosen
 
 
 def kernel_methods(composite, op, device, sweep: dict | None = None) -> dict:

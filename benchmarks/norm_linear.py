@@ -27,6 +27,7 @@ from harness import (
     kernel_benchmark_args,
     kernel_methods,
     report_kernel_benchmark,
+    selected_cases,
     tile_configured,
 )
 from tabserve.kernels import norm_linear as nl
@@ -83,7 +84,9 @@ def main(argv=None) -> int:
         composite, torch.ops.tabserve.norm_linear, device, sweep if args.sweep else None
     )
     records, rows = [], []
-    for name, tokens, out_features, rotary in QUICK_CASES if args.quick else CASES:
+    for name, tokens, out_features, rotary in selected_cases(
+        QUICK_CASES if args.quick else CASES, args
+    ):
         x, (nw, nb, w, b) = inputs(tokens, out_features, device, args.stream_dtype)
         call = (x, nw, nb, w, b, 1e-5, dtype)
         timed = methods

@@ -28,11 +28,14 @@ def test_quick_cpu_run_times_every_method_and_checks_it(bench, tmp_path):
     assert report["device"] == "cpu" and report["environment"]["torch"]
     records = report["records"]
     # CPU methods: the composite (table_checks: the ATen checks) and the operator, on every
-    # quick case.
+    # quick case; feed_forward's rows case also the route before row_prefix.
     composite = "ATen checks" if bench is table_checks else "composite"
-    assert {(r["case"], r["method"]) for r in records} == {
+    expected = {
         (case[0], method) for case in bench.QUICK_CASES for method in (composite, "tabserve op")
     }
+    if bench is feed_forward:
+        expected.add(("tiny out-proj rows", "op, then ATen to_rows"))
+    assert {(r["case"], r["method"]) for r in records} == expected
     for record in records:
         assert record["median_ms"] > 0
         assert record["max_error_roundings"] <= 1.0, record
@@ -51,3 +54,16 @@ def test_stream_in_the_matmul_dtype_is_what_the_benchmark_times(bench, tmp_path)
     widths = [384] if bench is norm_linear else []  # norm_linear's inputs take its out width
     x = bench.inputs(8, *widths, "cpu", torch.bfloat16)[0]
     assert x.dtype == torch.bfloat16
+
+
+def test_cases_pick_cases_by_their_names(tmp_path):
+    """``--cases TEXT...``: only the cases whose name holds one of the texts; none is an error
+    naming the cases."""
+    out = tmp_path / "bench.json"
+    argv = ["--quick", "--device", "cpu", "--budget", "0.01", "--json", str(out)]
+    assert feed_forward.main([*argv, "--cases", "rows"]) == 0
+    records = json.loads(out.read_text())["records"]
+    assert {r["case"] for r in records} == {"tiny out-proj rows"}
+    assert all(r["rows"] == [2, 5, 100] for r in records)  # (tables, sets, rows per set)
+    with pytest.raises(SystemExit, match="matches no case; the cases: tiny, tiny out-proj"):
+        feed_forward.main([*argv, "--cases", "nothing"])
