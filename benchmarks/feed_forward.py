@@ -12,7 +12,8 @@ the kernel's defaults were chosen. Every method's output is checked against the 
 "out-proj" fold the attention's out-projection into the operator (``update_weight``: the update
 is then the heads' unprojected output); on CUDA they also time cuBLAS projecting first and the
 operator adding its output (the route without the fold), and the resident operator is left out
-(it does not fold). The "rows" case is the column stage's last block, which writes the row
+(it does not fold); on CUDA the operator with each GELU form but the default too
+(``kernels.feed_forward.GELUS``). The "rows" case is the column stage's last block, which writes the row
 stage's tokens (``row_prefix``: 4 CLS tokens, then each row's 64 feature tokens); it also times
 the route before that, the operator's sets layout rearranged by ATen (``to_rows``).
 
@@ -128,6 +129,19 @@ def projected_first(
     )
 
 
+def gelus() -> dict:
+    """The operator with each GELU form but the default (``kernels.feed_forward.GELUS``)."""
+
+    def with_gelu(gelu):
+        def run(*call):
+            with ff.gelu_override(gelu):
+                return torch.ops.tabserve.feed_forward(*call)
+
+        return run
+
+    return {f"op {g} GELU": with_gelu(g) for g in ff.GELUS if g != ff.GELU}
+
+
 def rows_after(*call):
     """The route before ``row_prefix``: the operator's sets layout, then ATen's ``to_rows``."""
     *operands, row_prefix = call
@@ -152,12 +166,14 @@ def main(argv=None) -> int:
         if layout is not None:  # the column stage's (tables, sets, rows per set, width) streams
             x, update = x.view(*layout, DIM), update.view(*layout, DIM)
         call = (x, update, nw, nb, w1, b1, w2, b2, 1e-5, dtype)
-        timed = methods | ({"resident op": resident_op()} if cuda else {})
+        timed = methods | ({"resident op": resident_op()} | gelus() if cuda else {})
         stream = x + update
         if fold:
             projection = out_projection(device)
             call += (None, 0.0, *projection)
-            timed = methods | ({"cuBLAS projection + op": projected_first} if cuda else {})
+            timed = methods | (
+                {"cuBLAS projection + op": projected_first} | gelus() if cuda else {}
+            )
             stream = x + ff.project_update(update, *projection, dtype)
         if layout is not None:
             prefix = torch.randn(ROW_PREFIX, DIM, generator=torch.Generator().manual_seed(1))

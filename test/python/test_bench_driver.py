@@ -128,6 +128,11 @@ def test_ffn_projecting_tile_is_a_checked_per_process_measurement_knob(tmp_path,
     )  # fmt: skip
     TabserveEngine(on_cpu, workload_by_name("small-quick"), checkpoint, torch.device("cpu"))
     assert feed_forward.PROJECTING_LONG_CONFIG == (32, 4, 2)
+    # A served cell (buckets here; c50's kv_graphs on CUDA) sets it too.
+    monkeypatch.setattr(feed_forward, "PROJECTING_LONG_CONFIG", feed_forward.LONG_CONFIG)
+    served = dataclasses.replace(on_cpu, buckets="default")
+    engine = TabserveEngine(served, workload_by_name("small-quick"), checkpoint, torch.device("cpu"))
+    assert engine.served is not None and feed_forward.PROJECTING_LONG_CONFIG == (32, 4, 2)
     ab = runner.run_ab(
         [c50, dataclasses.replace(c50, ffn_projecting_tile=None)],
         workload_by_name("small-quick"),
@@ -136,11 +141,48 @@ def test_ffn_projecting_tile_is_a_checked_per_process_measurement_knob(tmp_path,
         checkpoint=checkpoint,
         timeout_s=10,
     )
-    assert ab["status"] == "skipped" and "tile is process-wide" in ab["reason"]
+    assert ab["status"] == "skipped" and "are process-wide" in ab["reason"]
     # Never promoted: "auto" would serve the recipe without the tile.
     passed = {"status": "ok", "gate": {"passed": True}}
     assert not gates.promotable(passed, c50)
     assert gates.promotable(passed, dataclasses.replace(c50, ffn_projecting_tile=None))
+
+
+def test_ffn_gelu_is_a_checked_per_process_measurement_knob(tmp_path, monkeypatch):
+    """``ffn_gelu``: one of the kernel's GELU forms, with the fused feed-forward only; left out
+    of the recipe; set in the cell's own process (served or not); never promoted; ABBA refuses
+    cells whose forms differ."""
+    import dataclasses
+
+    from tabserve.bench.engines import TabserveEngine
+    from tabserve.kernels import feed_forward
+
+    c52 = next(c for c in CELLS if c.ffn_gelu is not None)
+    assert c52.ffn_gelu == "rational" and "ffn_gelu" not in c52.recipe()
+    assert c52.kernel_knobs() == {"ffn_gelu": "rational"}
+    for bad in ({"ffn_gelu": "tanh"}, {"fused_ffn": False, "fused_out_projection": False,
+                                          "fused_row_tokens": False}):  # fmt: skip
+        with pytest.raises(ValueError, match="ffn_gelu is the fused feed-forward's GELU form"):
+            dataclasses.replace(c52, **bad)
+    monkeypatch.setattr(feed_forward, "GELU", "erf")
+    checkpoint = make_checkpoint("clf", tmp_path / "tiny.ckpt", size="tiny")
+    on_cpu = dataclasses.replace(
+        c52, precision="bf16", compile=None, freeze=False, kv_graphs=False, devices=("cpu",),
+        attention={}, buckets="default",
+    )  # fmt: skip
+    TabserveEngine(on_cpu, workload_by_name("small-quick"), checkpoint, torch.device("cpu"))
+    assert feed_forward.GELU == "rational"
+    passed = {"status": "ok", "gate": {"passed": True}}
+    assert not gates.promotable(passed, c52)
+    ab = runner.run_ab(
+        [c52, dataclasses.replace(c52, ffn_gelu=None)],
+        workload_by_name("small-quick"),
+        run_dir=tmp_path,
+        device="cuda",
+        checkpoint=checkpoint,
+        timeout_s=10,
+    )
+    assert ab["status"] == "skipped" and "ffn_gelu" in ab["reason"]
 
 
 def test_workloads_match_the_issue():

@@ -70,6 +70,9 @@ class Cell:
             tile (tokens, warps, stages) for the launches that fold the out-projection
             (``kernels.feed_forward.PROJECTING_LONG_CONFIG``), to measure a tile in the whole
             model; a measurement knob, not a recipe field: such a cell is never promoted.
+        ffn_gelu: with ``fused_ffn``, the fused feed-forward kernel's GELU form (one of
+            ``kernels.feed_forward.GELUS``), to measure a form in the whole model; a
+            measurement knob like ``ffn_projecting_tile``.
         freeze: Inductor's freezing for the compiled graphs (weights as constants: their casts
             are folded at compile time; ``Recipe.freeze``).
         warm_cache: a server restart: a priming process compiles the workload's bucket and saves
@@ -103,6 +106,7 @@ class Cell:
     fused_out_projection: bool = False
     fused_row_tokens: bool = False
     ffn_projecting_tile: tuple | None = None
+    ffn_gelu: str | None = None
     freeze: bool = False
     warm_cache: bool = False
     aot: bool = False
@@ -141,6 +145,14 @@ class Cell:
                     f"{self.name}: ffn_projecting_tile is (tokens: a power of two, warps, "
                     f"stages) of launches that fold the out-projection (fused_out_projection)"
                 )
+        if self.ffn_gelu is not None:
+            from tabserve.kernels.feed_forward import GELUS
+
+            if not self.fused_ffn or self.ffn_gelu not in GELUS:
+                raise ValueError(
+                    f"{self.name}: ffn_gelu is the fused feed-forward's GELU form (fused_ffn), "
+                    f"one of {GELUS}"
+                )
         if self.freeze and not (self.compile or self.regional):
             raise ValueError(f"{self.name}: freeze is Inductor's freezing of compiled graphs")
         if self.kv_graphs and self.buckets:
@@ -160,11 +172,17 @@ class Cell:
         backends = {self.attention.get(stage) for stage in STAGES}
         return backends.pop() if len(backends) == 1 else None
 
+    def kernel_knobs(self) -> dict:
+        """The measurement knobs this cell sets (``ffn_projecting_tile``, ``ffn_gelu``): module
+        settings of the kernels, set in the cell's own process, which a recipe does not carry."""
+        knobs = {"ffn_projecting_tile": self.ffn_projecting_tile, "ffn_gelu": self.ffn_gelu}
+        return {name: value for name, value in knobs.items() if value is not None}
+
     def recipe(self) -> dict:
         """The recipe fields (what ``recipe="auto"`` needs to rebuild this cell)."""
         skip = {
             "name", "description", "devices", "pending", "baseline", "warm_cache", "aot",
-            "ffn_projecting_tile",
+            "ffn_projecting_tile", "ffn_gelu",
         }  # fmt: skip
         return {
             f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in skip
@@ -578,7 +596,9 @@ CELLS: tuple[Cell, ...] = (
     # c49 with the folding launches' tile that led benchmarks/feed_forward.py's sweep on the
     # folded out-projection (32 tokens x 4 warps x 2 stages: 7.34 ms against the default's
     # 7.90 on the large row stream, 1.46 / 1.63 on the KV-cached one; H200, thirteenth
-    # session, fp32 stream): does it carry over to the model's fp16 streams?
+    # session, fp32 stream): does it carry over to the model's fp16 streams? (Run 17 did not
+    # tell: the tile was set only where the engine prepared a model, and this cell's kv_graphs
+    # model is served, so it ran c49's tile; the engine sets the knobs for every cell now.)
     dataclasses.replace(
         _C42,
         name="c50-fp16-compile-head16-fused-frozen-kvgraphs-ropeproj-outproj-rowtokens-tile32",
@@ -601,6 +621,17 @@ CELLS: tuple[Cell, ...] = (
         fused_out_projection=True,
         fused_row_tokens=True,
         shape_graphs=True,
+    ),
+    # c49 with the fused feed-forward's rational GELU form: 22 instead of 31 SASS instructions
+    # per hidden unit, the erf's share of the kernel's instructions about two thirds.
+    dataclasses.replace(
+        _C42,
+        name="c52-fp16-compile-head16-fused-frozen-kvgraphs-ropeproj-outproj-rowtokens-gelu",
+        description="c49 with the fused feed-forward's rational GELU form",
+        rope_in_projection=True,
+        fused_out_projection=True,
+        fused_row_tokens=True,
+        ffn_gelu="rational",
     ),
 )
 

@@ -184,6 +184,7 @@ class TabserveEngine(Engine):
             raise UnsupportedRecipe("not implemented: fp8")
         if (cell.cuda_graphs or cell.kv_graphs or cell.shape_graphs) and self.device.type != "cuda":
             raise UnsupportedRecipe("CUDA graphs need a CUDA device")
+        self._set_kernel_knobs()
         self.model = TabICLv2.from_checkpoint(self.checkpoint, device=self.device)
         self.served = self._serve(self.model) if self._uses_serving else None
         if self.served is not None:
@@ -198,6 +199,18 @@ class TabserveEngine(Engine):
         return bool(
             cell.buckets or cell.regional or cell.cuda_graphs or cell.kv_graphs or cell.shape_graphs
         )
+
+    def _set_kernel_knobs(self) -> None:
+        """The cell's kernel knobs (:meth:`Cell.kernel_knobs`), module settings of the kernels:
+        this process is the cell's own. Served cells and prepared models alike (c50's tile,
+        set only where a model was prepared, never reached its served kv_graphs model)."""
+        from tabserve.kernels import feed_forward
+
+        knobs = self.cell.kernel_knobs()
+        if "ffn_projecting_tile" in knobs:
+            feed_forward.PROJECTING_LONG_CONFIG = tuple(knobs["ffn_projecting_tile"])
+        if "ffn_gelu" in knobs:
+            feed_forward.GELU = knobs["ffn_gelu"]
 
     def _recipe(self):
         from tabserve.models.tabicl.recipes import recipe_from_cell
@@ -264,10 +277,6 @@ class TabserveEngine(Engine):
         """Applies per-stage attention and compilation to ``model`` in place; returns the cached
         predict callable (compiled the same way)."""
         set_fused_operators(model, self.cell)
-        if self.cell.ffn_projecting_tile is not None:  # this cell's own process: global is fine
-            from tabserve.kernels import feed_forward
-
-            feed_forward.PROJECTING_LONG_CONFIG = tuple(self.cell.ffn_projecting_tile)
         for stage, backend in self.cell.attention.items():
             set_stage_kernels(getattr(model, _STAGE_MODULES[stage]), backend)
             if not self.cell.uniform_attention:

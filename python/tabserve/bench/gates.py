@@ -133,13 +133,13 @@ def latency(result: dict, route: str) -> float | None:
 def promotable(result: dict, cell: Cell) -> bool:
     """Ran (measured, not gate-only), passed its gate and is a tabserve recipe (baselines are
     never promoted, nor bucket-package cells: their speed needs packages exported for the
-    deployment, which a recipe name cannot bring; nor cells with a kernel tile of their own,
-    which a recipe does not carry either)."""
+    deployment, which a recipe name cannot bring; nor cells with kernel knobs of their own, a
+    tile or a GELU form, which a recipe does not carry either)."""
     return (
         result.get("status") == "ok"
         and not cell.baseline
         and not cell.aot
-        and cell.ffn_projecting_tile is None
+        and not cell.kernel_knobs()
         and not result.get("gate_only")
         and result.get("gate", {}).get("passed") is True
     )

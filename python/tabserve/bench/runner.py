@@ -213,12 +213,12 @@ def run_ab(
     seed: int = 0,
 ) -> dict:
     """ABBA comparison of two cells in one subprocess (see :func:`measure.run_ab`)."""
-    if len({c.ffn_projecting_tile for c in cells}) > 1:
+    if len({tuple(sorted(c.kernel_knobs().items())) for c in cells}) > 1:
         return {
             "cells": [c.name for c in cells],
             "status": "skipped",
-            "reason": "the cells' ffn_projecting_tile differ: a kernel tile is process-wide, "
-            "so compare tiles as separate cells",
+            "reason": "the cells' kernel knobs (ffn_projecting_tile, ffn_gelu) differ: they are "
+            "process-wide, so compare them as separate cells",
         }
     for cell in cells:
         reason = skip_reason(cell, device)
