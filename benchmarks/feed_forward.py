@@ -34,6 +34,7 @@ from harness import (
     compare_and_time,
     kernel_benchmark_args,
     kernel_methods,
+    overridden,
     report_kernel_benchmark,
     selected_cases,
     tile_configured,
@@ -131,15 +132,8 @@ def projected_first(
 
 def gelus() -> dict:
     """The operator with each GELU form but the default (``kernels.feed_forward.GELUS``)."""
-
-    def with_gelu(gelu):
-        def run(*call):
-            with ff.gelu_override(gelu):
-                return torch.ops.tabserve.feed_forward(*call)
-
-        return run
-
-    return {f"op {g} GELU": with_gelu(g) for g in ff.GELUS if g != ff.GELU}
+    op = torch.ops.tabserve.feed_forward
+    return overridden(op, ff.gelu_override, ff.GELUS, ff.GELU, "GELU")
 
 
 def rows_after(*call):

@@ -321,6 +321,20 @@ def selected_cases(cases: list, args) -> list:
     return chosen
 
 
+def overridden(op, override, choices, default, label: str) -> dict:
+    """``op`` run under ``override(choice)`` for each of ``choices`` but ``default`` (a kernel
+    setting's alternatives, timed beside the default): ``{"op <choice> <label>": callable}``."""
+
+    def under(choice):
+        def run(*call):
+            with override(choice):
+                return op(*call)
+
+        return run
+
+    return {f"op {choice} {label}": under(choice) for choice in choices if choice != default}
+
+
 def kernel_methods(composite, op, device, sweep: dict | None = None) -> dict:
     """The methods a fused-operator benchmark times: the composite, the operator, on CUDA the
     composite under torch.compile and, with ``sweep``, the operator per tile configuration."""

@@ -26,6 +26,7 @@ from harness import (
     compare_and_time,
     kernel_benchmark_args,
     kernel_methods,
+    overridden,
     report_kernel_benchmark,
     selected_cases,
     tile_configured,
@@ -65,15 +66,8 @@ def rotations(device) -> dict:
     """On CUDA, the operator with each way of pairing the rotated halves but the default."""
     if torch.device(device).type != "cuda":
         return {}
-
-    def rotating(rotation):
-        def run(*args):
-            with nl.rotation_override(rotation):
-                return torch.ops.tabserve.norm_linear(*args)
-
-        return run
-
-    return {f"op {r} rotation": rotating(r) for r in nl.ROTATIONS if r != nl.ROTATION}
+    op = torch.ops.tabserve.norm_linear
+    return overridden(op, nl.rotation_override, nl.ROTATIONS, nl.ROTATION, "rotation")
 
 
 def main(argv=None) -> int:

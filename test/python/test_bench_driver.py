@@ -133,14 +133,7 @@ def test_ffn_projecting_tile_is_a_checked_per_process_measurement_knob(tmp_path,
     served = dataclasses.replace(on_cpu, buckets="default")
     engine = TabserveEngine(served, workload_by_name("small-quick"), checkpoint, torch.device("cpu"))
     assert engine.served is not None and feed_forward.PROJECTING_LONG_CONFIG == (32, 4, 2)
-    ab = runner.run_ab(
-        [c50, dataclasses.replace(c50, ffn_projecting_tile=None)],
-        workload_by_name("small-quick"),
-        run_dir=tmp_path,
-        device="cuda",
-        checkpoint=checkpoint,
-        timeout_s=10,
-    )
+    ab = _ab_of(c50, dataclasses.replace(c50, ffn_projecting_tile=None), tmp_path, checkpoint)
     assert ab["status"] == "skipped" and "are process-wide" in ab["reason"]
     # Never promoted: "auto" would serve the recipe without the tile.
     passed = {"status": "ok", "gate": {"passed": True}}
@@ -174,15 +167,21 @@ def test_ffn_gelu_is_a_checked_per_process_measurement_knob(tmp_path, monkeypatc
     assert feed_forward.GELU == "rational"
     passed = {"status": "ok", "gate": {"passed": True}}
     assert not gates.promotable(passed, c52)
-    ab = runner.run_ab(
-        [c52, dataclasses.replace(c52, ffn_gelu=None)],
+    ab = _ab_of(c52, dataclasses.replace(c52, ffn_gelu=None), tmp_path, checkpoint)
+    assert ab["status"] == "skipped" and "ffn_gelu" in ab["reason"]
+
+
+def _ab_of(cell_a, cell_b, tmp_path, checkpoint) -> dict:
+    """ABBA of two cells on the quick workload (CUDA: refused before any job where the cells
+    cannot share a process)."""
+    return runner.run_ab(
+        [cell_a, cell_b],
         workload_by_name("small-quick"),
         run_dir=tmp_path,
         device="cuda",
         checkpoint=checkpoint,
         timeout_s=10,
     )
-    assert ab["status"] == "skipped" and "ffn_gelu" in ab["reason"]
 
 
 def test_workloads_match_the_issue():
