@@ -136,6 +136,10 @@ def feed_forward_cases(dtype) -> None:
         device_params = [None if p is None else p.to("cuda") for p in (update, *params)]
         got = torch.ops.tabserve.feed_forward(x.to("cuda"), *device_params, 1e-5, dtype)
         check(f"feed_forward {dtype} case {i}", got, want, 5e-2)
+        for gelu in (g for g in ff.GELUS if g != ff.GELU):  # the other GELU forms
+            with ff.gelu_override(gelu):
+                got = torch.ops.tabserve.feed_forward(x.to("cuda"), *device_params, 1e-5, dtype)
+            check(f"feed_forward {dtype} case {i}, {gelu} GELU", got, want, 5e-2)
         if update is None:
             continue
         # The out-projection folded in: the sum held in the output across a block barrier.
