@@ -135,7 +135,8 @@ def test_ffn_projecting_tile_is_a_checked_per_process_measurement_knob(tmp_path,
     assert engine.served is not None and feed_forward.PROJECTING_LONG_CONFIG == (32, 4, 2)
     ab = _ab_of(c50, dataclasses.replace(c50, ffn_projecting_tile=None), tmp_path, checkpoint)
     assert ab["status"] == "skipped" and "are process-wide" in ab["reason"]
-    # Never promoted: "auto" would serve the recipe without the tile.
+    # Never promoted while the tile is not the default: "auto" would serve the recipe without it.
+    monkeypatch.setattr(feed_forward, "PROJECTING_LONG_CONFIG", feed_forward.LONG_CONFIG)
     passed = {"status": "ok", "gate": {"passed": True}}
     assert not gates.promotable(passed, c50)
     assert gates.promotable(passed, dataclasses.replace(c50, ffn_projecting_tile=None))
@@ -143,8 +144,8 @@ def test_ffn_projecting_tile_is_a_checked_per_process_measurement_knob(tmp_path,
 
 def test_ffn_gelu_is_a_checked_per_process_measurement_knob(tmp_path, monkeypatch):
     """``ffn_gelu``: one of the kernel's GELU forms, with the fused feed-forward only; left out
-    of the recipe; set in the cell's own process (served or not); never promoted; ABBA refuses
-    cells whose forms differ."""
+    of the recipe; set in the cell's own process (served or not); promoted only while its form
+    is the kernel's default; ABBA refuses cells whose forms differ."""
     import dataclasses
 
     from tabserve.bench.engines import TabserveEngine
@@ -165,7 +166,10 @@ def test_ffn_gelu_is_a_checked_per_process_measurement_knob(tmp_path, monkeypatc
     )  # fmt: skip
     TabserveEngine(on_cpu, workload_by_name("small-quick"), checkpoint, torch.device("cpu"))
     assert feed_forward.GELU == "rational"
+    # Promoted only while its form is the kernel's default: a recipe then runs what it ran.
     passed = {"status": "ok", "gate": {"passed": True}}
+    assert gates.promotable(passed, c52)
+    monkeypatch.setattr(feed_forward, "GELU", "erf")
     assert not gates.promotable(passed, c52)
     ab = _ab_of(c52, dataclasses.replace(c52, ffn_gelu=None), tmp_path, checkpoint)
     assert ab["status"] == "skipped" and "ffn_gelu" in ab["reason"]

@@ -393,13 +393,15 @@ def gelu_table(device: str = "cpu") -> dict:
 
 
 def _assert_gelu_forms_agree(table: dict) -> None:
-    """The rational form rounds as erff does on all but a few numbers, one unit apart at most,
-    and is no further from float64 maths than erff (both off where ATen's ``1 + erf`` cancels,
-    the left tail)."""
+    """The rational form rounds as erff does on all but a few numbers (< 0.1%), and is no
+    further from float64 maths than erff: on hardly more numbers, by no more units (at most
+    2). Where they differ, they differ by no more than their two distances from float64 (the
+    left tail, where ``1 + erf`` cancels and one fp32 unit of erf is a few fp16 units of the
+    GELU: 3 on the H200)."""
     for dtype, row in table.items():
-        changed, worst = row["between"]
-        assert changed <= row["numbers"] // 1000 and worst <= 1, (dtype, row)
         erf, rational = row["erf"], row["rational"]
+        changed, worst = row["between"]
+        assert changed <= row["numbers"] // 1000 and worst <= erf[2] + rational[2], (dtype, row)
         assert rational[1] <= erf[1] + row["numbers"] // 1000, (dtype, row)
         assert rational[2] <= max(erf[2], 2), (dtype, row)
 

@@ -133,15 +133,32 @@ def latency(result: dict, route: str) -> float | None:
 def promotable(result: dict, cell: Cell) -> bool:
     """Ran (measured, not gate-only), passed its gate and is a tabserve recipe (baselines are
     never promoted, nor bucket-package cells: their speed needs packages exported for the
-    deployment, which a recipe name cannot bring; nor cells with kernel knobs of their own, a
-    tile or a GELU form, which a recipe does not carry either)."""
+    deployment, which a recipe name cannot bring; nor cells whose kernel knobs, a tile or a
+    GELU form, differ from the kernels' defaults, which a recipe does not carry either)."""
     return (
         result.get("status") == "ok"
         and not cell.baseline
         and not cell.aot
-        and not cell.kernel_knobs()
+        and knobs_are_defaults(cell)
         and not result.get("gate_only")
         and result.get("gate", {}).get("passed") is True
+    )
+
+
+def knobs_are_defaults(cell: Cell) -> bool:
+    """Whether every kernel knob the cell sets (:meth:`Cell.kernel_knobs`) is the kernels'
+    default in this process, so that its recipe alone runs what the cell measured (c52's
+    rational GELU became the default after its run)."""
+    from tabserve.kernels import feed_forward
+
+    defaults = {
+        "ffn_projecting_tile": tuple(feed_forward.PROJECTING_LONG_CONFIG),
+        "ffn_gelu": feed_forward.GELU,
+    }
+    knobs = cell.kernel_knobs()
+    return all(
+        (tuple(value) if name == "ffn_projecting_tile" else value) == defaults[name]
+        for name, value in knobs.items()
     )
 
 
