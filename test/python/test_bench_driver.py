@@ -670,6 +670,13 @@ def test_targets_read_the_promoted_cells_and_never_call_unmeasured_met():
     restart = rows["restart from compile-cache artifacts, s"]  # the timed-out restart is ignored
     assert (restart["cell"], restart["workload"], restart["value"], restart["verdict"]) == (
         "c20", "small", 21.7, "met")
+    # A cell that captures graphs: its timed replays' peak misses the pool, the cold call's not.
+    graphed = ok("c5", "xlarge", one_shot=memory(30), cold={"memory": {"peak_allocated_bytes": 90}},
+                 captures=1, speedup={"one_shot": {"ref16": 3.5}})  # fmt: skip
+    rows = {r["target"]: r for r in targets.evaluate(
+        {"results": [*results[:2], graphed, *results[3:]], "promotion": promotion})}  # fmt: skip
+    assert rows["xlarge peak memory over reference fp16"]["value"] == pytest.approx(0.9)
+    assert targets.peak_allocated(dict(graphed, captures=None), "one_shot") == 30
     printed = report.render({"settings": {"device": "cuda", "checkpoint_note": "x"},
                              "environment": {"gpu": "G", "torch": "t", "tabicl": "2", "tabserve": "0"},
                              "results": results, "promotion": promotion})
