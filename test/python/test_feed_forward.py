@@ -406,6 +406,14 @@ def _assert_gelu_forms_agree(table: dict) -> None:
         assert rational[2] <= max(erf[2], 2), (dtype, row)
 
 
+def test_gelu_override_takes_the_known_forms_only():
+    with pytest.raises(ValueError, match="gelu must be one of"), ff.gelu_override("tanh"):
+        pass
+    with ff.gelu_override("erf"):
+        assert ff.GELU == "erf"
+    assert ff.GELU == "rational"
+
+
 def test_gelu_forms_round_alike_on_every_half_precision_number():
     """The kernel's two GELU forms on all 63,488 finite fp16 and 65,280 finite bf16 numbers,
     under Triton's interpreter (numpy's fp32 maths)."""

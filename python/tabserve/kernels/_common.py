@@ -162,6 +162,20 @@ def tile_override(config: tuple[int, int, int]):
         CONFIG_OVERRIDE = saved
 
 
+@contextlib.contextmanager
+def choice_override(module, name: str, value, choices: tuple, operator: str):
+    """``module.<name>`` (a kernel setting among ``choices``) is ``value`` inside, and what it
+    was after. Raises ValueError naming the setting when ``value`` is not one of ``choices``."""
+    if value not in choices:
+        raise ValueError(f"{operator}: {name.lower()} must be one of {choices}, got {value!r}")
+    saved = getattr(module, name)
+    setattr(module, name, value)
+    try:
+        yield
+    finally:
+        setattr(module, name, saved)
+
+
 def define_operator(name: str, fn):
     """Registers ``fn`` as the operator ``name``: a ``triton_op`` (torch.compile traces the
     Triton program inside into its own graph; ``fn`` is also the fake kernel), or without

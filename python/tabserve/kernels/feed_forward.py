@@ -23,6 +23,7 @@ docs/ops.md gives the contract.
 from __future__ import annotations
 
 import contextlib
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +37,7 @@ from ._common import (
     apply_skip,
     check_arguments,
     check_skip,
+    choice_override,
     define_operator,
     kernel_takes,
     matmul_operand,
@@ -90,17 +92,9 @@ GELUS = ("erf", "rational")
 GELU = "rational"
 
 
-@contextlib.contextmanager
 def gelu_override(gelu: str):
     """Every launch inside evaluates the GELU's erf by ``gelu`` (one of :data:`GELUS`)."""
-    global GELU
-    if gelu not in GELUS:
-        raise ValueError(f"feed_forward: gelu must be one of {GELUS}, got {gelu!r}")
-    saved, GELU = GELU, gelu
-    try:
-        yield
-    finally:
-        GELU = saved
+    return choice_override(sys.modules[__name__], "GELU", gelu, GELUS, "feed_forward")
 
 
 _OPERATOR = "tabserve::feed_forward"

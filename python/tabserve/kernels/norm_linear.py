@@ -24,7 +24,7 @@ kernel (the traced function). docs/ops.md gives the contract.
 
 from __future__ import annotations
 
-import contextlib
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +32,7 @@ from torch import Tensor
 
 from ._common import (
     check_arguments,
+    choice_override,
     define_operator,
     kernel_takes,
     matmul_operand,
@@ -75,17 +76,9 @@ ROTATIONS = ("split", "dot", "partner")
 ROTATION = "split"
 
 
-@contextlib.contextmanager
 def rotation_override(rotation: str):
     """Every launch inside pairs rotated outputs by ``rotation`` (one of :data:`ROTATIONS`)."""
-    global ROTATION
-    if rotation not in ROTATIONS:
-        raise ValueError(f"norm_linear: rotation must be one of {ROTATIONS}, got {rotation!r}")
-    saved, ROTATION = ROTATION, rotation
-    try:
-        yield
-    finally:
-        ROTATION = saved
+    return choice_override(sys.modules[__name__], "ROTATION", rotation, ROTATIONS, "norm_linear")
 
 
 _OPERATOR = "tabserve::norm_linear"

@@ -83,10 +83,10 @@ class SetTransformer(nn.Module):
     ) -> tuple[Tensor, list[KeyValue]]:
         """Returns the embedded cells and the per-block K/V summaries (the column cache).
         ``row_prefix``: the last block writes the cells in the row stage's layout."""
-        summaries = []
+        summaries, last = [], len(self.blocks) - 1
         for i, block in enumerate(self.blocks):
             summary = block.summary(cells, n_train, n_keys)
-            cells = block(cells, summary, row_prefix if i == len(self.blocks) - 1 else None)
+            cells = block(cells, summary, row_prefix if i == last else None)
             summaries.append(summary)
         return cells, summaries
 
