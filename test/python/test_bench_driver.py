@@ -134,7 +134,7 @@ def test_ffn_projecting_tile_is_a_checked_per_process_measurement_knob(tmp_path,
     engine = TabserveEngine(served, workload_by_name("small-quick"), checkpoint, torch.device("cpu"))
     assert engine.served is not None and feed_forward.PROJECTING_LONG_CONFIG == (32, 4, 2)
     ab = _ab_of(c50, dataclasses.replace(c50, ffn_projecting_tile=None), tmp_path, checkpoint)
-    assert ab["status"] == "skipped" and "are process-wide" in ab["reason"]
+    assert ab["status"] == "skipped" and "process or model" in ab["reason"]
     # Never promoted while the tile is not the default: "auto" would serve the recipe without it.
     monkeypatch.setattr(feed_forward, "PROJECTING_LONG_CONFIG", feed_forward.LONG_CONFIG)
     passed = {"status": "ok", "gate": {"passed": True}}
@@ -173,6 +173,37 @@ def test_ffn_gelu_is_a_checked_per_process_measurement_knob(tmp_path, monkeypatc
     assert not gates.promotable(passed, c52)
     ab = _ab_of(c52, dataclasses.replace(c52, ffn_gelu=None), tmp_path, checkpoint)
     assert ab["status"] == "skipped" and "ffn_gelu" in ab["reason"]
+
+
+def test_checks_first_is_a_per_model_measurement_knob(tmp_path):
+    """``checks_first`` (c53): the model reads its checks' verdict before the network; a knob
+    of tabserve's model only, left out of the recipe, set on the cell's model, never promoted
+    while deferring is the default, refused by ABBA against a cell without it."""
+    import dataclasses
+
+    from tabserve.bench.engines import TabserveEngine
+
+    c53 = next(c for c in CELLS if c.checks_first)
+    c52 = next(c for c in CELLS if c.name.startswith("c52-"))
+    assert c53 == dataclasses.replace(c52, name=c53.name, description=c53.description,
+                                      checks_first=True)  # fmt: skip
+    assert c53.kernel_knobs() == {"ffn_gelu": "rational", "checks_first": True}
+    assert c53.recipe() == c52.recipe()
+    with pytest.raises(ValueError, match="checks_first is a setting of tabserve's model"):
+        dataclasses.replace(CELLS[0], checks_first=True)
+    checkpoint = make_checkpoint("clf", tmp_path / "tiny.ckpt", size="tiny")
+    for cell, defers in ((c53, False), (c52, True)):
+        on_cpu = dataclasses.replace(
+            cell, precision="bf16", compile=None, freeze=False, kv_graphs=False,
+            devices=("cpu",), attention={},
+        )  # fmt: skip
+        engine = TabserveEngine(on_cpu, workload_by_name("small-quick"), checkpoint,
+                                torch.device("cpu"))  # fmt: skip
+        assert engine.model.defer_checks is defers
+    passed = {"status": "ok", "gate": {"passed": True}}
+    assert gates.promotable(passed, c52) and not gates.promotable(passed, c53)
+    ab = _ab_of(c52, c53, tmp_path, checkpoint)
+    assert ab["status"] == "skipped" and "checks_first" in ab["reason"]
 
 
 def _ab_of(cell_a, cell_b, tmp_path, checkpoint) -> dict:

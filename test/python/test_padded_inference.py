@@ -543,7 +543,8 @@ def test_shape_graphs_replay_unpadded_tables_per_test_bucket(monkeypatch, compil
     padded onto the grid's test buckets (split past 16) equals the model's, train rows and
     features unpadded; one graph per (tables, train rows, test bucket, features), replayed for
     every later call of those sizes; the compiled core is one graph (fullgraph); bad input
-    still raises before any replay; more classes than max_classes run the hierarchy."""
+    still raises (after the replay where its shape's graph exists, before any capture where
+    not); more classes than max_classes run the hierarchy and capture nothing."""
     from tabserve.models.tabicl import serving
 
     monkeypatch.setattr(serving, "_BucketGraph", _ReplayOnCPU)
@@ -573,7 +574,10 @@ def test_shape_graphs_replay_unpadded_tables_per_test_bucket(monkeypatch, compil
     bad = other.clone()
     bad[1, 72, 3] = float("nan")
     with pytest.raises(ValueError, match="X contains NaN or infinite values"):
-        served(bad, y)
+        served(bad, y)  # a captured shape: replayed, then refused
+    with pytest.raises(ValueError, match="X contains NaN or infinite values"):
+        served(bad[:, :, :12], y)  # 12 features: a shape still to capture, refused before it
+    assert served.captures == 4
     assert served(X[:, :70], y).shape[1] == 0
     if task == "clf":  # 12 classes > max_classes = 10: the hierarchy, not a graph
         many = random_table(14, 2, 30, 4, 5, 12)

@@ -192,3 +192,94 @@ def test_the_model_accepts_through_the_operator_and_names_faults_through_aten(mo
     X[0, 3, 1] = math.nan
     with pytest.raises(ValueError, match="NaN"):
         model._check_inputs(X, y)
+
+
+def _deferred_and_read_first(model, X, y, **kwargs):
+    """The model's output with its checks' verdict read after the network is queued, then
+    read first (``defer_checks`` off), from the same model."""
+    model.defer_checks, model._last_call_many_classes = True, False
+    deferred = model(X, y, **kwargs)
+    model.defer_checks = False
+    try:
+        read_first = model(X, y, **kwargs)
+    finally:
+        model.defer_checks = True
+    return deferred, read_first
+
+
+@pytest.mark.parametrize("task", ["clf", "reg"])
+def test_forward_queues_the_network_before_it_reads_the_verdict(monkeypatch, task):
+    from tabicl_helpers import our_model, random_table
+
+    model = our_model(task, "tiny")
+    X, y = random_table(21, 2, 40, 7, 5, 0 if task == "reg" else 4)
+    events = []
+    raw, verdict = model.forward_raw, model._classes_from_verdict
+    monkeypatch.setattr(model, "forward_raw", lambda *a: events.append("network") or raw(*a))
+    monkeypatch.setattr(
+        model, "_classes_from_verdict", lambda s: events.append("verdict") or verdict(s)
+    )
+    deferred, read_first = _deferred_and_read_first(model, X, y, return_logits=False)
+    # Read first, the verdict comes before the network (and the network runs once per call).
+    assert events == ["network", "verdict", "verdict", "network"]
+    assert torch.equal(deferred, read_first)
+    assert deferred.shape == (2, 7, model.config.num_quantiles if task == "reg" else 4)
+
+
+@pytest.mark.parametrize(
+    ("labels", "message"),
+    [
+        (lambda y: y - 1, "non-negative integers"),  # -1 would index before the one-hot
+        (lambda y: y * 1e19, "non-negative integers|exactly 0..K-1"),  # wraps as int64
+        (lambda y: y + 20, "exactly 0..K-1"),  # past max_classes
+        (lambda y: torch.where(y == 1, math.nan, y), "NaN"),
+        (lambda y: y + 0.5, "non-negative integers"),
+        (lambda y: torch.stack([y[0], y[1] % 2]), "same number of classes"),
+    ],
+)
+def test_deferred_checks_raise_what_reading_first_raises(monkeypatch, labels, message):
+    """Each bad table raises the read-first path's error after the network ran on labels moved
+    inside the one-hot's width (an index outside it fails the CPU kernel with another error)."""
+    from tabicl_helpers import our_model, random_table
+
+    model = our_model("clf", "tiny")
+    X, y = random_table(22, 2, 30, 4, 3, 3)
+    bad = labels(y)
+    seen = []
+    raw = model.forward_raw
+    monkeypatch.setattr(model, "forward_raw", lambda X, y: seen.append(y.clone()) or raw(X, y))
+    model.defer_checks, model._last_call_many_classes = True, False
+    with pytest.raises(ValueError, match=message):
+        model(X, bad)
+    assert len(seen) == 1 and seen[0].min() >= 0 and seen[0].max() <= model.config.max_classes - 1
+    valid = torch.isfinite(bad) & (bad >= 0) & (bad < model.config.max_classes)
+    assert torch.equal(seen[0][valid], bad[valid])  # labels in range are left as they are
+    model.defer_checks = False
+    try:
+        with pytest.raises(ValueError, match=message):
+            model(X, bad)
+    finally:
+        model.defer_checks = True
+    X[1, 2, 0] = math.inf
+    with pytest.raises(ValueError, match="X contains NaN"):
+        model(X, y)
+
+
+def test_a_table_of_many_classes_runs_again_and_the_next_call_reads_first(monkeypatch):
+    from tabicl_helpers import our_model, random_table
+
+    model = our_model("clf", "tiny")
+    many_X, many_y = random_table(23, 2, 40, 5, 4, 13)  # > max_classes: the class hierarchy
+    X, y = random_table(24, 2, 30, 4, 4, 3)
+    calls = []
+    raw = model.forward_raw
+    monkeypatch.setattr(model, "forward_raw", lambda *a: calls.append(1) or raw(*a))
+    deferred, read_first = _deferred_and_read_first(model, many_X, many_y)
+    assert torch.equal(deferred, read_first) and deferred.shape == (2, 5, 13)
+    assert len(calls) == 1  # only the deferred call ran the one-output network, in vain
+    model.defer_checks = True
+    model(many_X, many_y)  # follows a table of many classes: reads first
+    assert len(calls) == 1 and model._last_call_many_classes
+    model(X, y)  # reads first once more, then defers again
+    model(X, y)
+    assert len(calls) == 3 and not model._last_call_many_classes

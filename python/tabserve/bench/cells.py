@@ -73,6 +73,9 @@ class Cell:
         ffn_gelu: with ``fused_ffn``, the fused feed-forward kernel's GELU form (one of
             ``kernels.feed_forward.GELUS``), to measure a form in the whole model; a
             measurement knob like ``ffn_projecting_tile``.
+        checks_first: the model reads its input checks' verdict before it queues the network
+            (``TabICLv2.defer_checks`` off: the one-shot path before the fifteenth session), to
+            measure what deferring the read saves; a measurement knob like ``ffn_gelu``.
         freeze: Inductor's freezing for the compiled graphs (weights as constants: their casts
             are folded at compile time; ``Recipe.freeze``).
         warm_cache: a server restart: a priming process compiles the workload's bucket and saves
@@ -107,6 +110,7 @@ class Cell:
     fused_row_tokens: bool = False
     ffn_projecting_tile: tuple | None = None
     ffn_gelu: str | None = None
+    checks_first: bool = False
     freeze: bool = False
     warm_cache: bool = False
     aot: bool = False
@@ -153,6 +157,8 @@ class Cell:
                     f"{self.name}: ffn_gelu is the fused feed-forward's GELU form (fused_ffn), "
                     f"one of {GELUS}"
                 )
+        if self.checks_first and self.engine != "tabserve":
+            raise ValueError(f"{self.name}: checks_first is a setting of tabserve's model")
         if self.freeze and not (self.compile or self.regional):
             raise ValueError(f"{self.name}: freeze is Inductor's freezing of compiled graphs")
         if self.kv_graphs and self.buckets:
@@ -173,16 +179,21 @@ class Cell:
         return backends.pop() if len(backends) == 1 else None
 
     def kernel_knobs(self) -> dict:
-        """The measurement knobs this cell sets (``ffn_projecting_tile``, ``ffn_gelu``): module
-        settings of the kernels, set in the cell's own process, which a recipe does not carry."""
-        knobs = {"ffn_projecting_tile": self.ffn_projecting_tile, "ffn_gelu": self.ffn_gelu}
+        """The measurement knobs this cell sets (``ffn_projecting_tile``, ``ffn_gelu``,
+        ``checks_first``): settings of the kernels and the model, set in the cell's own process,
+        which a recipe does not carry."""
+        knobs = {
+            "ffn_projecting_tile": self.ffn_projecting_tile,
+            "ffn_gelu": self.ffn_gelu,
+            "checks_first": self.checks_first or None,
+        }
         return {name: value for name, value in knobs.items() if value is not None}
 
     def recipe(self) -> dict:
         """The recipe fields (what ``recipe="auto"`` needs to rebuild this cell)."""
         skip = {
             "name", "description", "devices", "pending", "baseline", "warm_cache", "aot",
-            "ffn_projecting_tile", "ffn_gelu",
+            "ffn_projecting_tile", "ffn_gelu", "checks_first",
         }  # fmt: skip
         return {
             f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in skip
@@ -634,6 +645,21 @@ CELLS: tuple[Cell, ...] = (
         fused_out_projection=True,
         fused_row_tokens=True,
         ffn_gelu="rational",
+    ),
+    # c52 reading its input checks' verdict before it queues the network, as every one-shot
+    # call did before the fifteenth session: c49's large profile (fourteenth session) showed
+    # the device idle for 1.13 ms after the checks' kernel while the host read the verdict,
+    # checked the compiled frame's guards and launched. c52 now queues first and reads after.
+    dataclasses.replace(
+        _C42,
+        name="c53-fp16-compile-head16-fused-frozen-kvgraphs-ropeproj-outproj-rowtokens-gelu"
+        "-checksfirst",
+        description="c52 reading the input checks' verdict before the network",
+        rope_in_projection=True,
+        fused_out_projection=True,
+        fused_row_tokens=True,
+        ffn_gelu="rational",
+        checks_first=True,
     ),
 )
 

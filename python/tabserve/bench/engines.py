@@ -186,6 +186,8 @@ class TabserveEngine(Engine):
             raise UnsupportedRecipe("CUDA graphs need a CUDA device")
         self._set_kernel_knobs()
         self.model = TabICLv2.from_checkpoint(self.checkpoint, device=self.device)
+        if cell.checks_first:
+            self.model.defer_checks = False
         self.served = self._serve(self.model) if self._uses_serving else None
         if self.served is not None:
             self.model = self.served

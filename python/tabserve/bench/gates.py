@@ -150,10 +150,12 @@ def knobs_are_defaults(cell: Cell) -> bool:
     default in this process, so that its recipe alone runs what the cell measured (c52's
     rational GELU became the default after its run)."""
     from tabserve.kernels import feed_forward
+    from tabserve.models.tabicl import TabICLv2
 
     defaults = {
         "ffn_projecting_tile": tuple(feed_forward.PROJECTING_LONG_CONFIG),
         "ffn_gelu": feed_forward.GELU,
+        "checks_first": not TabICLv2.defer_checks,
     }
     knobs = cell.kernel_knobs()
     return all(

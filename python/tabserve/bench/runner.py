@@ -217,8 +217,9 @@ def run_ab(
         return {
             "cells": [c.name for c in cells],
             "status": "skipped",
-            "reason": "the cells' kernel knobs (ffn_projecting_tile, ffn_gelu) differ: they are "
-            "process-wide, so compare them as separate cells",
+            "reason": "the cells' knobs (ffn_projecting_tile, ffn_gelu, checks_first) differ: "
+            "they are settings of the cell's process or model, so compare them as separate "
+            "cells",
         }
     for cell in cells:
         reason = skip_reason(cell, device)

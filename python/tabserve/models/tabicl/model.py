@@ -86,6 +86,12 @@ class TabICLv2(nn.Module):
     ``icl_predictor``. CPU and CUDA; no masks, no dropout; runs under ``torch.no_grad``.
     """
 
+    #: Whether :meth:`forward` queues the network before it reads the input checks' verdict
+    #: (:meth:`_queue_checks`): the device then never idles while the host reads it and
+    #: launches the rest. False (per model, or here for every model) reads the verdict first,
+    #: the behaviour before the fifteenth session.
+    defer_checks = True
+
     def __init__(self, config: TabICLv2Config):
         super().__init__()
         self.config = config
@@ -120,6 +126,11 @@ class TabICLv2(nn.Module):
             config.max_classes,
             config.out_dim,
         )
+        #: Whether the last call checked had more classes than one output holds (the class
+        #: hierarchy): the next call then reads its verdict first rather than run a network
+        #: whose output it would discard. A flag, not K: Dynamo guards on it, and a stream of
+        #: tables of varying K must not recompile.
+        self._last_call_many_classes = False
         self.eval()
 
     # ------------------------------------------------------------------ checkpoints
@@ -219,23 +230,32 @@ class TabICLv2(nn.Module):
         K the number of classes (0 for regression).
 
         Every check that reads values is one ``tabserve::table_checks`` kernel whose verdict
-        reaches the host in one transfer (:meth:`_accepted_in_one_kernel`); only a call it
-        finds fault with (or a build without the extension) runs the ATen checks below, which
-        name the fault and also end in one transfer: on a GPU the checks cost one
-        synchronisation, not the eight of checking each rule on its own (the H200 profile of a
-        small table showed 8 reads and 10 stream synchronisations per call before that).
+        reaches the host in one transfer (:meth:`_classes_from_verdict`); only a call it finds
+        fault with (or a build without the extension) runs the ATen checks
+        (:meth:`_checks_in_aten`), which name the fault and also end in one transfer: on a GPU
+        the checks cost one synchronisation, not the eight of checking each rule on its own
+        (the H200 profile of a small table showed 8 reads and 10 stream synchronisations per
+        call before that).
         """
         X = self._check_table_shape(X, name)
         self._check_label_shape(X, y_train)
-        accepted = self._accepted_in_one_kernel(X, y_train)
-        if accepted is not None:
-            return X.to(self._device_dtype()[1]), accepted
-        # The operator is missing or found a fault: the ATen checks name it.
+        ops = extension_ops()
+        accepted = None
+        if ops is not None and y_train.dtype in ops.TABLE_CHECK_LABEL_DTYPES:
+            summary = ops.table_checks(X, y_train, not self.is_regressor).tolist()
+            accepted = self._classes_from_verdict(summary)
+        num_classes = self._checks_in_aten(X, y_train, name) if accepted is None else accepted
+        self._last_call_many_classes = num_classes > self.config.max_classes
+        return X.to(self._device_dtype()[1]), num_classes
+
+    def _checks_in_aten(self, X: Tensor, y_train: Tensor, name: str) -> int:
+        """The value checks as ATen ops, for a call the operator found fault with or could not
+        check: raises the precise error, else returns K (0 for regression)."""
         flags = [torch.isfinite(X).all(), torch.isfinite(y_train).all()]
         if self.is_regressor:
             x_finite, y_finite = torch.stack(flags).tolist()
             self._raise_unless_finite(name, x_finite, y_finite)
-            return X.to(self._device_dtype()[1]), 0
+            return 0
         # Labels 0..K-1 in every table: the distinct labels per table (from the sorted rows)
         # and each table's largest label, in float64: a cast to int64 would wrap labels past
         # 2^63 (1e19 became a negative number and passed these checks, then failed in one_hot).
@@ -261,18 +281,14 @@ class TabICLv2(nn.Module):
             raise ValueError(
                 f"labels of every table must be exactly 0..K-1 (K={num_classes}); re-encode them"
             )
-        return X.to(self._device_dtype()[1]), num_classes
+        return num_classes
 
-    def _accepted_in_one_kernel(self, X: Tensor, y_train: Tensor) -> int | None:
-        """K (0 for regression) when ``tabserve::table_checks`` finds nothing wrong with the
-        call: one kernel and one transfer instead of the fifteen-odd ATen ops of the checks
-        below (most of a small table's time before its replayed graph, H200 profile of c39).
-        None without the compiled extension, for label dtypes it does not take, and whenever it
-        finds a fault: the ATen checks then raise the precise error."""
-        ops = extension_ops()
-        if ops is None or y_train.dtype not in ops.TABLE_CHECK_LABEL_DTYPES:
-            return None
-        summary = ops.table_checks(X, y_train, not self.is_regressor).tolist()
+    def _classes_from_verdict(self, summary: list) -> int | None:
+        """K (0 for regression) when ``tabserve::table_checks``' verdict (read to the host)
+        finds nothing wrong with the call: one kernel and one transfer instead of the
+        fifteen-odd ATen ops of :meth:`_checks_in_aten` (most of a small table's time before
+        its replayed graph, H200 profile of c39). None whenever it finds a fault: the ATen
+        checks then raise the precise error."""
         if summary[0] or summary[1]:
             return None
         if self.is_regressor:
@@ -283,6 +299,49 @@ class TabICLv2(nn.Module):
             return None
         if any(label != num_classes - 1 for label in largest):
             return None
+        return num_classes
+
+    def _queue_checks(self, X: Tensor, y_train: Tensor) -> tuple[Tensor, Tensor, Tensor] | None:
+        """For a table that passed the shape checks: ``(X in the model's dtype, its labels as
+        the network reads them, the table_checks verdict on the device)``, without reading the
+        verdict, when this call defers it (:attr:`defer_checks`; the extension built; labels of
+        a dtype the operator takes; test rows to predict; the last call's K within one
+        output). The caller queues the network, then :meth:`_settle_checks` reads the verdict:
+        one synchronisation, after every kernel is queued, where reading it first left the
+        device idle while the host took the verdict and launched the network (about 1 ms of
+        the large workload's one-shot call in the H200 profile of c49). None: read it first
+        (:meth:`_check_inputs`)."""
+        ops = extension_ops()
+        if (
+            not self.defer_checks
+            or self._last_call_many_classes
+            or ops is None
+            or y_train.dtype not in ops.TABLE_CHECK_LABEL_DTYPES
+            or X.shape[1] == y_train.shape[1]
+        ):
+            return None
+        verdict = ops.table_checks(X, y_train, not self.is_regressor)
+        X = X.to(self._device_dtype()[1])
+        return X, self._indexable_labels(y_train, X.dtype), verdict
+
+    def _indexable_labels(self, y_train: Tensor, dtype: torch.dtype) -> Tensor:
+        """The train labels in ``dtype``, made safe for the network to index with before their
+        checks are read: classification labels outside ``0..max_classes - 1`` (NaN, inf,
+        negative, too large) are moved inside, valid ones stay as they are. A call with such
+        labels raises in :meth:`_settle_checks`, so nothing computed from them is returned;
+        without this a label past the one-hot width would fault the device."""
+        labels = y_train.to(dtype)
+        if self.is_regressor:  # regression targets are never indices
+            return labels
+        labels = torch.nan_to_num(labels, nan=0.0, posinf=0.0, neginf=0.0)
+        return labels.clamp(0, self.config.max_classes - 1)
+
+    def _settle_checks(self, X: Tensor, y_train: Tensor, verdict: Tensor, name: str = "X") -> int:
+        """Reads a queued verdict (:meth:`_queue_checks`; ``X`` and ``y_train`` as the caller
+        gave them): K (0 for regression), or the ATen checks' precise error."""
+        accepted = self._classes_from_verdict(verdict.tolist())
+        num_classes = self._checks_in_aten(X, y_train, name) if accepted is None else accepted
+        self._last_call_many_classes = num_classes > self.config.max_classes
         return num_classes
 
     def _check_label_shape(self, X: Tensor, y_train: Tensor) -> None:
@@ -337,10 +396,28 @@ class TabICLv2(nn.Module):
         class hierarchy (logits are then ``T * log(p + 1e-6)``). Regression: raw quantiles
         ``(B, M, num_quantiles)`` (unsorted, as the network outputs them).
 
+        The checks that read values are queued with the network and read once it is queued
+        (:meth:`_queue_checks`): a bad table still raises, after its kernels ran on labels made
+        safe to index with; a table of more classes than one output holds then runs again
+        through the class hierarchy, and the next call reads its verdict first.
+
         Raises:
             TypeError: non-tensor or non-float X / y_train. ValueError: bad shapes, NaN/inf, zero
             train rows, device mismatch, labels that are not 0..K-1 in every table.
         """
+        X = self._check_table_shape(X, "X")
+        self._check_label_shape(X, y_train)
+        queued = self._queue_checks(X, y_train)
+        if queued is not None:  # the network first, then the verdict
+            raw = self.forward_raw(queued[0], queued[1])
+            num_classes = self._settle_checks(X, y_train, queued[2])
+            if num_classes <= self.config.max_classes:
+                return (
+                    raw
+                    if self.is_regressor
+                    else self._classify(raw, num_classes, return_logits, softmax_temperature)
+                )
+            # More classes than one output holds: the class hierarchy below (raw discarded).
         X, num_classes = self._check_inputs(X, y_train)
         if X.shape[1] == y_train.shape[1]:  # no test rows: nothing to predict
             return self._no_predictions(X, num_classes)

@@ -363,22 +363,40 @@ class ServedTabICL:
         """``shape_graphs``: the unpadded table's one-shot call, its test rows padded onto the
         grid's test-row buckets (split past the largest), each chunk replayed from the CUDA
         graph of its (tables, train rows, test bucket, features); the train rows and features
-        stay as they are. The checks run first, on the host, as :meth:`TabICLv2.forward`'s."""
+        stay as they are. Where every chunk's graph exists, the checks are queued before the
+        replays and read after them, as :meth:`TabICLv2.forward`'s; a shape still to capture
+        reads them first (so no table that raises, nor one of more classes than one output
+        holds, leaves a graph behind)."""
         model = self.model
-        X, num_classes = model._check_inputs(X, y_train)
-        n_train, n_features = y_train.shape[1], X.shape[2]
-        if X.shape[1] == n_train:
+        given = model._check_table_shape(X, "X")
+        model._check_label_shape(given, y_train)
+        n_train = y_train.shape[1]
+        captured = given.shape[1] > n_train and all(
+            key in self._shape_graphs for key, _ in self._shape_chunks(given, n_train)
+        )
+        queued = model._queue_checks(given, y_train) if captured else None
+        if queued is not None:
+            raw = self._replay_shape_graphs(queued[0], queued[1])
+            num_classes = model._settle_checks(given, y_train, queued[2])
+            if num_classes <= self.config.max_classes:
+                return self._finish(raw, num_classes, return_logits, softmax_temperature)
+        X, num_classes = model._check_inputs(given, y_train)
+        if X.shape[1] == y_train.shape[1]:
             return model._no_predictions(X, num_classes)
         if num_classes > self.config.max_classes:  # the class hierarchy: not capturable
             with self.recipe.context(self.device):
                 return model(X, y_train, return_logits, softmax_temperature)
-        y_train = y_train.to(X.dtype)
+        raw = self._replay_shape_graphs(X, y_train.to(X.dtype))
+        return self._finish(raw, num_classes, return_logits, softmax_temperature)
+
+    def _replay_shape_graphs(self, X: Tensor, y_train: Tensor) -> Tensor:
+        """The raw output of ``X``'s test rows (``y_train`` in X's dtype), chunk by chunk."""
+        n_train, n_features = y_train.shape[1], X.shape[2]
         outputs = []
         with self.recipe.context(self.device):
-            for chunk in self.grid.plan(1, X.shape[1] - n_train, 1):  # test-row buckets only
+            for key, chunk in self._shape_chunks(X, n_train):
                 rows = chunk.bucket.test_rows
                 test = X[:, n_train + chunk.start : n_train + chunk.stop]
-                key = (X.shape[0], n_train, rows, n_features)
                 raw = self._run(
                     key,
                     self._raw_forward,
@@ -387,7 +405,14 @@ class ServedTabICL:
                     store=self._shape_graphs,
                 )
                 outputs.append(raw[:, : chunk.stop - chunk.start])
-        return self._finish(torch.cat(outputs, 1), num_classes, return_logits, softmax_temperature)
+        return torch.cat(outputs, 1)
+
+    def _shape_chunks(self, X: Tensor, n_train: int) -> list:
+        """``(graph key, chunk)`` of each test-row chunk of ``X``: its rows on the grid's
+        test-row buckets (split past the largest), the key (tables, train rows, test bucket,
+        features)."""
+        plan = self.grid.plan(1, X.shape[1] - n_train, 1)  # test-row buckets only
+        return [((X.shape[0], n_train, c.bucket.test_rows, X.shape[2]), c) for c in plan]
 
     def _pad(self, X: Tensor, y_train: Tensor, bucket: Bucket) -> tuple[Tensor, Tensor]:
         from tabserve import ops
