@@ -85,6 +85,30 @@ def test_dynamic_recipe_serves_fresh_unpadded_shapes_without_recompiles():
     assert _graphs() == first, "a new table shape recompiled under dynamic=True"
 
 
+@pytest.mark.parametrize("defer", [True, False])
+def test_a_new_class_count_recaptures_only_the_logits_slice(defer):
+    """The unpadded compiled model (whole-model compile): with the checks' verdict read after
+    the network (``defer_checks``), the network's graph does not depend on K, so a table of
+    another class count recaptures only the few operations after the read; read first, K was a
+    Python int inside the network's frame and the whole network was traced again."""
+    torch._dynamo.reset()
+    counters.clear()
+    model = copy.deepcopy(our_model("clf", "tiny"))
+    model.defer_checks = defer
+    model.compile(backend="eager")
+    for seed, classes in ((1, 3), (2, 4)):
+        X, y = random_table(600 + seed, TABLES, 30, 6, 5, classes)
+        out = model(X, y)
+        assert out.shape == (TABLES, 6, classes)
+        if seed == 1:
+            first = counters["stats"]["calls_captured"]
+    again = counters["stats"]["calls_captured"] - first
+    if defer:
+        assert again <= 5, f"another class count retraced {again} operations"
+    else:
+        assert again > first / 2  # what deferring saves: the whole network again
+
+
 def test_frozen_recipe_keeps_the_weights_it_compiled_with():
     """``Recipe.freeze`` (Inductor's freezing, code generation on): the feed-forward weights'
     fp16 casts are folded into the graph as constants, so the served answers stay those of the
