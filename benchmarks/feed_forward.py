@@ -35,6 +35,7 @@ from harness import (
     kernel_benchmark_args,
     kernel_methods,
     overridden,
+    register_limited,
     report_kernel_benchmark,
     selected_cases,
     tile_configured,
@@ -153,6 +154,8 @@ def main(argv=None) -> int:
     methods = kernel_methods(
         composite, torch.ops.tabserve.feed_forward, device, sweep if args.sweep else None
     )
+    if torch.device(device).type == "cuda":
+        methods |= register_limited(ff.run_kernel, args.max_registers)
     cuda = torch.device(device).type == "cuda"
     records, rows = [], []
     for name, tokens, fold, layout in selected_cases(QUICK_CASES if args.quick else CASES, args):

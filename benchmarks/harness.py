@@ -278,7 +278,8 @@ def compare_and_time(
 
 def kernel_benchmark_args(doc: str, argv=None):
     """The command line the fused-operator benchmarks share (``--device``, ``--quick``,
-    ``--sweep``, ``--dtype``, ``--stream``, ``--budget``, ``--cases``, ``--json``); returns
+    ``--sweep``, ``--dtype``, ``--stream``, ``--budget``, ``--cases``, ``--max-registers``,
+    ``--json``); returns
     (args, device, matmul dtype). ``args.stream_dtype``: the token stream's dtype
     (``--stream``); ``args.cases``: see :func:`selected_cases`."""
     import argparse
@@ -301,6 +302,15 @@ def kernel_benchmark_args(doc: str, argv=None):
         nargs="+",
         metavar="TEXT",
         help="only the cases whose name contains one of these (e.g. out-proj)",
+    )
+    parser.add_argument(
+        "--max-registers",
+        type=int,
+        nargs="+",
+        default=[],
+        metavar="N",
+        help="also time the operator's kernel limited to N registers per thread (Triton's "
+        "maxnreg: more programs per SM, maybe spills), each N",
     )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
@@ -343,6 +353,21 @@ def kernel_methods(composite, op, device, sweep: dict | None = None) -> dict:
         methods["composite compiled"] = torch.compile(composite, fullgraph=True)
         methods |= sweep or {}
     return methods
+
+
+def register_limited(run_kernel, limits) -> dict:
+    """``run_kernel`` (a Triton operator's direct launcher) with each register limit of
+    ``limits`` for every launch (``--max-registers``): ``{"op <= N regs": callable}``."""
+    from tabserve.kernels._common import register_limit_override
+
+    def limited(limit):
+        def run(*args):
+            with register_limit_override(limit):
+                return run_kernel(*args)
+
+        return run
+
+    return {f"op <= {limit} regs": limited(limit) for limit in limits}
 
 
 def tile_configured(run_kernel, config):

@@ -27,6 +27,7 @@ from harness import (
     kernel_benchmark_args,
     kernel_methods,
     overridden,
+    register_limited,
     report_kernel_benchmark,
     selected_cases,
     tile_configured,
@@ -77,6 +78,8 @@ def main(argv=None) -> int:
     methods = kernel_methods(
         composite, torch.ops.tabserve.norm_linear, device, sweep if args.sweep else None
     )
+    if torch.device(device).type == "cuda":
+        methods |= register_limited(nl.run_kernel, args.max_registers)
     records, rows = [], []
     for name, tokens, out_features, rotary in selected_cases(
         QUICK_CASES if args.quick else CASES, args

@@ -120,3 +120,42 @@ print(json.dumps(out))
 """
     results = interpreter_child(code, timeout=600)
     assert len(results) >= 10 and all(results), results
+
+
+@pytest.mark.parametrize("limit", [16, 100, 256])
+def test_register_limit_takes_what_ptxas_takes_only(limit):
+    from tabserve.kernels import _common
+
+    with pytest.raises(ValueError, match="register limit must be a multiple of 8"):
+        with _common.register_limit_override(limit):
+            pass
+    assert _common.launch_limits() == {}
+
+
+def test_a_register_limit_reaches_the_launch_and_changes_no_result():
+    """Under ``register_limit_override`` every launch of both kernels carries ``maxnreg`` (the
+    compiled graphs never see it: outside, no launch option is added) and computes the same
+    bits (under ``TRITON_INTERPRET=1``, which takes the option and ignores it; on the GPU the
+    benchmarks' ``--max-registers`` check each limited kernel against the composite)."""
+    code = """
+import json, torch, test_feed_forward as tf, test_norm_linear as tn
+from tabserve.kernels import _common, feed_forward as ff, norm_linear as nl
+seen = []
+original = _common.launch_limits
+def recording():
+    seen.append(original())
+    return seen[-1]
+ff.launch_limits = nl.launch_limits = recording
+_, leading, dim, hidden, x_dtype, bias, update = tf.KERNEL_CASES[0]
+ff_args = tf.make_inputs(leading, dim, hidden, x_dtype, bias, update)
+nl_args = tn.make_inputs(*tn.KERNEL_CASES[0])
+runs = (lambda: ff.run_kernel(*ff_args, 1e-5, torch.float16),
+        lambda: nl.run_kernel(*nl_args, 1e-5, torch.float16))
+plain = [run() for run in runs]
+with _common.register_limit_override(128):
+    limited = [run() for run in runs]
+print(json.dumps({"equal": [torch.equal(a, b) for a, b in zip(plain, limited)], "seen": seen}))
+"""
+    result = interpreter_child(code, timeout=600)
+    assert result["equal"] == [True, True]
+    assert result["seen"] == [{}, {}, {"maxnreg": 128}, {"maxnreg": 128}]

@@ -162,6 +162,32 @@ def tile_override(config: tuple[int, int, int]):
         CONFIG_OVERRIDE = saved
 
 
+#: Most registers per thread of every kernel launched while set (Triton's ``maxnreg``; None:
+#: the compiler's choice). Set by the benchmarks (:func:`register_limit_override`) to time
+#: occupancy against spills: the fused kernels use 100-245 registers, so 2 programs share an SM.
+REGISTER_LIMIT = None
+
+
+def launch_limits() -> dict:
+    """The launch options :data:`REGISTER_LIMIT` adds (none while it is None, so compiled
+    graphs, which pass no other launch options than warps and stages, never see one)."""
+    return {} if REGISTER_LIMIT is None else {"maxnreg": REGISTER_LIMIT}
+
+
+@contextlib.contextmanager
+def register_limit_override(limit: int):
+    """Every kernel launched inside uses at most ``limit`` registers per thread (a multiple of
+    8 from 24 to 255, as ptxas takes them). Raises ValueError for another number."""
+    global REGISTER_LIMIT
+    if not 24 <= limit <= 255 or limit % 8:
+        raise ValueError(f"register limit must be a multiple of 8 in [24, 255], got {limit}")
+    saved, REGISTER_LIMIT = REGISTER_LIMIT, limit
+    try:
+        yield
+    finally:
+        REGISTER_LIMIT = saved
+
+
 @contextlib.contextmanager
 def choice_override(module, name: str, value, choices: tuple, operator: str):
     """``module.<name>`` (a kernel setting among ``choices``) is ``value`` inside, and what it

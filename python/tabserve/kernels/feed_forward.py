@@ -40,6 +40,7 @@ from ._common import (
     choice_override,
     define_operator,
     kernel_takes,
+    launch_limits,
     matmul_operand,
     tile_config,
     triton,
@@ -411,6 +412,7 @@ if triton is not None:
             GELU_BY=GELUS.index(GELU),
             num_warps=num_warps,
             num_stages=num_stages,
+            **launch_limits(),
         )
         return out
 

@@ -35,6 +35,7 @@ from ._common import (
     choice_override,
     define_operator,
     kernel_takes,
+    launch_limits,
     matmul_operand,
     tile_config,
     triton,
@@ -359,6 +360,7 @@ if triton is not None:
             BF16=compute_dtype == torch.bfloat16,
             num_warps=num_warps,
             num_stages=num_stages,
+            **launch_limits(),
         )
         return out
 
