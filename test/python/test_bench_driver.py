@@ -774,6 +774,26 @@ def test_merged_reference_history_and_the_fastest_reference_column(tmp_path, cap
     assert small["vs_fastest_reference"] == pytest.approx(30.0 / 3.5)
     assert small["reference_runs"] == 2
     assert "8.57 (2 runs)" in capsys.readouterr().out
+    # A later run of the reference alone (or of other cells) leaves the cell's speedup the one
+    # of its own run: 50 / 3.5, not 20 / 3.5 against the later, faster reference.
+    later = run(20.0, 3.0, "2")
+    later["results"] = later["results"][:1]
+    paths.append(tmp_path / "run2.json")
+    paths[-1].write_text(json.dumps(later))
+    assert main(["--merge", str(merged), str(paths[2]), "--out", str(again), "--no-plot"]) == 0
+    by_cell = {r["cell"]: r for r in json.loads(again.read_text())["results"]}
+    assert by_cell[FAST]["speedup"]["one_shot"]["ref16"] == pytest.approx(50.0 / 3.5)
+    # A run without a reference cell takes the merged document's.
+    alone = run(99.0, 5.0, "3")
+    alone["results"] = alone["results"][1:]
+    alone["results"][0]["cell"] = "c33-fp16-buckets-compile-cudagraphs-head16-row"
+    paths.append(tmp_path / "run3.json")
+    paths[-1].write_text(json.dumps(alone))
+    assert main(["--merge", str(again), str(paths[3]), "--out", str(again), "--no-plot"]) == 0
+    by_cell = {r["cell"]: r for r in json.loads(again.read_text())["results"]}
+    assert by_cell[FAST]["speedup"]["one_shot"]["ref16"] == pytest.approx(50.0 / 3.5)
+    new = by_cell["c33-fp16-buckets-compile-cudagraphs-head16-row"]["speedup"]
+    assert new["one_shot"]["ref16"] == pytest.approx(20.0 / 5.0)
 
 
 def test_stream_reports_fresh_over_warm_and_recompiles(tmp_path, capsys):

@@ -303,8 +303,10 @@ def _run_ab(args, cells, workload, device, checkpoints, run_dir, settings) -> in
 
 
 def _merge(args) -> int:
-    """One document from several runs' JSON (gates were computed in each run; a later file's
-    result for the same cell and workload replaces an earlier one, unless it is gate-only)."""
+    """One document from several runs' JSON (gates and speedups were computed in each run: a
+    cell's speedup stays the one against its own run's reference, whatever reference a later
+    run measured; a later file's result for the same cell and workload replaces an earlier one,
+    unless it is gate-only)."""
     documents = [json.loads(path.read_text()) for path in args.merge]
     # Every merged run's reference medians (a merged document brings those of its own runs).
     history: dict = {}
@@ -320,7 +322,7 @@ def _merge(args) -> int:
                 continue  # a gate-only job never replaces a measured result
             results[key] = result
     merged = list(results.values())
-    report.add_speedups(merged)
+    report.add_speedups(merged, keep=True)
     names = {r["cell"] for r in merged}
     workloads = {w["name"]: workload_by_name(w["name"]) for d in documents for w in d["workloads"]}
     settings = dict(documents[-1]["settings"], merged_from=[str(p) for p in args.merge])

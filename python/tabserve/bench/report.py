@@ -135,8 +135,11 @@ def _phase_ms(result: dict, phase: str) -> float | None:
     return value.get("median_ms") if isinstance(value, dict) else None
 
 
-def add_speedups(results: list) -> None:
-    """``speedup[route][label]`` = baseline median / this cell's median, per workload, in place."""
+def add_speedups(results: list, keep: bool = False) -> None:
+    """``speedup[route][label]`` = baseline median / this cell's median, per workload, in place.
+    ``keep``: a figure a result already has stays (a merge keeps each run's own figures, against
+    the reference of the same run; only what a run could not compute, having no reference cell,
+    comes from the merged results' reference)."""
     by_key = {(r["workload"], r["cell"]): r for r in results}
     for result in results:
         if result.get("status") != "ok":
@@ -149,6 +152,9 @@ def add_speedups(results: list) -> None:
                 theirs = _phase_ms(base, phase) if base and base.get("status") == "ok" else None
                 if mine and theirs:
                     speedup.setdefault(phase, {})[label] = theirs / mine
+        if keep:
+            for phase, figures in result.get("speedup", {}).items():
+                speedup.setdefault(phase, {}).update(figures)
         result["speedup"] = speedup
 
 
