@@ -400,9 +400,14 @@ def test_gate_limits_by_precision():
 
 def test_gate_regression_padding_and_missing_reference():
     cell = cell_by_name("c4-bf16")
-    mean = torch.randn(2, 50) + 3
+    mean = torch.randn(2, 50, generator=torch.Generator().manual_seed(0)) + 3
     verdict = gates.gate(cell, "reg", {"one_shot": mean * 1.001}, "c2-fp32", {"one_shot": mean})
-    assert verdict["passed"] is True and verdict["one_shot"]["mean_rel_error"] < 2e-3
+    # The largest error over the reference's root mean square (it was unseeded, and a bound of
+    # 2e-3 on this figure failed now and then).
+    error = (mean * 1.001).double() - mean.double()
+    expected = error.abs().max() / mean.double().pow(2).mean().sqrt()
+    assert verdict["passed"] is True
+    assert verdict["one_shot"]["mean_rel_error"] == pytest.approx(float(expected), rel=1e-6)
     verdict = gates.gate(cell, "reg", {"one_shot": mean * 1.1}, "c2-fp32", {"one_shot": mean})
     assert verdict["passed"] is False
     padded = {"one_shot": mean, "padded": mean, "unpadded": mean + 1e-5}

@@ -650,6 +650,8 @@ CELLS: tuple[Cell, ...] = (
     # call did before the fifteenth session: c49's large profile (fourteenth session) showed
     # the device idle for 1.13 ms after the checks' kernel while the host read the verdict,
     # checked the compiled frame's guards and launched. c52 now queues first and reads after.
+    # Run 20 (H200, fifteenth session): 120.1 ms one-shot both (p20-p80 119.9-121.1 / 119.6-
+    # 120.4): unprofiled, that idle time was not on the critical path.
     dataclasses.replace(
         _C42,
         name="c53-fp16-compile-head16-fused-frozen-kvgraphs-ropeproj-outproj-rowtokens-gelu"

@@ -87,9 +87,12 @@ class TabICLv2(nn.Module):
     """
 
     #: Whether :meth:`forward` queues the network before it reads the input checks' verdict
-    #: (:meth:`_queue_checks`): the device then never idles while the host reads it and
-    #: launches the rest. False (per model, or here for every model) reads the verdict first,
-    #: the behaviour before the fifteenth session.
+    #: (:meth:`_queue_checks`). What it buys: the network's compiled graph no longer depends on
+    #: the class count K, which the host learns from the verdict, so a table of a new K
+    #: recompiles a slice, not the network (under whole-model compile); no device idling
+    #: between the checks and the network. What it did not buy: latency on the large workload
+    #: (H200, fifteenth session: 120.1 ms either way, cells c52 / c53). False (per model, or
+    #: here for every model) reads the verdict first, the behaviour before that session.
     defer_checks = True
 
     def __init__(self, config: TabICLv2Config):
@@ -307,10 +310,9 @@ class TabICLv2(nn.Module):
         verdict, when this call defers it (:attr:`defer_checks`; the extension built; labels of
         a dtype the operator takes; test rows to predict; the last call's K within one
         output). The caller queues the network, then :meth:`_settle_checks` reads the verdict:
-        one synchronisation, after every kernel is queued, where reading it first left the
-        device idle while the host took the verdict and launched the network (about 1 ms of
-        the large workload's one-shot call in the H200 profile of c49). None: read it first
-        (:meth:`_check_inputs`)."""
+        one synchronisation, after every kernel is queued (reading it first left the device
+        idle for 1.13 ms in the profiled large call of c49, though not in unprofiled ones).
+        None: read it first (:meth:`_check_inputs`)."""
         ops = extension_ops()
         if (
             not self.defer_checks

@@ -1,0 +1,163 @@
+"""The ICL stage's attention (head dimension 64) on PyTorch's SDPA backends, large and xlarge.
+
+The ICL stage's 12 blocks attend over the train rows with 8 heads of 64 dimensions (width 512):
+at ``fit`` the train rows attend to each other (the first 11 blocks), then the test rows attend
+to the train rows (every block). On the xlarge workload (8 tables, 50,000 train + 1,000 test
+rows) cuDNN's attention took 1,183 ms of the 1,850 ms one-shot call of cell c52 (H200 profile,
+fifteenth session), most of it the 11 train-row self-attentions. This benchmark times each of
+those calls per backend (cuDNN, flash, memory-efficient, PyTorch's own choice), and cuDNN run on
+fewer tables per call, with each method's error against fp32 maths on a few query rows, and the
+rate in TFLOP/s (4 x tables x heads x queries x keys x 64 FLOP per call).
+
+    python benchmarks/icl_attention.py --device cuda
+    python benchmarks/icl_attention.py --quick        # CPU, small shapes (math backend only)
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import measure, print_table, write_json
+
+HEADS, HEAD_DIM = 8, 64
+#: (name, tables, queries, keys): the ICL stage's calls of the large and xlarge workloads.
+CASES = [
+    ("large train", 8, 8192, 8192),
+    ("large test", 8, 2048, 8192),
+    ("xlarge train", 8, 50000, 50000),
+    ("xlarge test", 8, 1000, 50000),
+]
+QUICK_CASES = [("tiny train", 2, 96, 96), ("tiny test", 2, 16, 96)]
+#: Query rows of the first table and head whose output is checked against fp32 maths.
+CHECKED_ROWS = 64
+BACKENDS = {
+    "cudnn": SDPBackend.CUDNN_ATTENTION,
+    "flash": SDPBackend.FLASH_ATTENTION,
+    "efficient": SDPBackend.EFFICIENT_ATTENTION,
+    "math": SDPBackend.MATH,
+}
+
+
+def inputs(tables, queries, keys, dtype, device):
+    """q (tables, heads, queries, 64) and k, v (tables, heads, keys, 64), standard normal scaled
+    as LayerNorm-ed projections are (unit variance per element)."""
+    g = torch.Generator(device=device).manual_seed(0)
+    shape = (tables, HEADS)
+    q = torch.randn(*shape, queries, HEAD_DIM, generator=g, device=device, dtype=dtype)
+    k = torch.randn(*shape, keys, HEAD_DIM, generator=g, device=device, dtype=dtype)
+    v = torch.randn(*shape, keys, HEAD_DIM, generator=g, device=device, dtype=dtype)
+    return q, k, v
+
+
+def methods(device) -> dict:
+    """``{name: attend(q, k, v)}``: each backend alone, PyTorch's choice, and on CUDA cuDNN on
+    one and two tables per call (the rest of the batch in further calls)."""
+
+    def on(backend):
+        def attend(q, k, v):
+            with sdpa_kernel(BACKENDS[backend]):
+                return F.scaled_dot_product_attention(q, k, v)
+
+        return attend
+
+    if device.type != "cuda":
+        return {"sdpa math": on("math")}
+    found = {f"sdpa {name}": on(name) for name in ("cudnn", "flash", "efficient")}
+    found["sdpa default"] = F.scaled_dot_product_attention
+
+    def split(per_call):
+        def attend(q, k, v):
+            with sdpa_kernel(BACKENDS["cudnn"]):
+                parts = [
+                    F.scaled_dot_product_attention(
+                        q[i : i + per_call], k[i : i + per_call], v[i : i + per_call]
+                    )
+                    for i in range(0, q.shape[0], per_call)
+                ]
+            return torch.cat(parts)
+
+        return attend
+
+    found |= {f"sdpa cudnn, {n} tables per call": split(n) for n in (1, 2)}
+    return found
+
+
+def max_error(out, q, k, v) -> float:
+    """Largest |difference| from fp32 maths on the first CHECKED_ROWS queries of table 0, head 0."""
+    q0, k0, v0 = (t[0, 0].float().cpu() for t in (q[:, :, :CHECKED_ROWS], k, v))
+    want = torch.softmax(q0 @ k0.T / HEAD_DIM**0.5, -1) @ v0
+    return (out[0, 0, :CHECKED_ROWS].float().cpu() - want).abs().max().item()
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--dtype", choices=("float16", "bfloat16"), default="float16")
+    parser.add_argument("--budget", type=float, default=0.5, help="seconds per measurement")
+    parser.add_argument(
+        "--cases", nargs="+", metavar="TEXT", help="only the cases whose name contains one"
+    )
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    dtype = getattr(torch, args.dtype) if device.type == "cuda" else torch.float32
+    cases = QUICK_CASES if args.quick else CASES
+    if args.cases:
+        cases = [c for c in cases if any(text in c[0] for text in args.cases)]
+        if not cases:
+            raise SystemExit(f"--cases {args.cases} matches no case")
+    records, rows = [], []
+    for name, tables, queries, keys in cases:
+        q, k, v = inputs(tables, queries, keys, dtype, device)
+        flop = 4 * tables * HEADS * queries * keys * HEAD_DIM
+        for method, attend in methods(device).items():
+            try:
+                error = max_error(attend(q, k, v), q, k, v)
+                run = lambda f=attend, q=q, k=k, v=v: f(q, k, v)
+                m = measure(run, device, budget_s=args.budget)
+            except RuntimeError as failure:  # a backend that refuses the shape is a result
+                records.append({"case": name, "method": method, "error": str(failure)[:300]})
+                rows.append([name, method, "failed", "", "", "", str(failure).split("\n")[0][:50]])
+                continue
+            tflops = flop / (m.median_ms / 1e3) / 1e12
+            records.append(
+                {
+                    "case": name,
+                    "shape": [tables, HEADS, queries, keys, HEAD_DIM],
+                    "method": method,
+                    "max_abs_error_vs_fp32": error,
+                    "tflop_per_s": tflops,
+                    **m.as_dict(),
+                }
+            )
+            rows.append([name, method, *m.table_cells(), f"{tflops:.0f}", f"{error:.2e}"])
+        del q, k, v
+    print_table(
+        f"ICL attention (head dim {HEAD_DIM}), {dtype} on {device}",
+        ["case", "method", "median ms", "p20-p80", "peak extra MiB", "TFLOP/s", "max |err|"],
+        rows,
+    )
+    out = args.json or Path(__file__).parent / "results" / f"icl-attention-{device.type}.json"
+    write_json(
+        out,
+        {
+            "benchmark": "icl_attention",
+            "device": str(device),
+            "dtype": str(dtype),
+            "records": records,
+        },
+    )
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
