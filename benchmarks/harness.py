@@ -276,6 +276,20 @@ def compare_and_time(
     return records, rows
 
 
+def attention_benchmark_parser(doc: str):
+    """The options the attention benchmarks share (``--device``, ``--quick``, ``--dtype``,
+    ``--budget``, ``--json``); each adds its own."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--dtype", choices=("float16", "bfloat16"), default="float16")
+    parser.add_argument("--budget", type=float, default=0.5, help="seconds per measurement")
+    parser.add_argument("--json", type=Path)
+    return parser
+
+
 def kernel_benchmark_args(doc: str, argv=None):
     """The command line the fused-operator benchmarks share (``--device``, ``--quick``,
     ``--sweep``, ``--dtype``, ``--stream``, ``--budget``, ``--cases``, ``--max-registers``,

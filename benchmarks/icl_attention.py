@@ -15,7 +15,6 @@ rate in TFLOP/s (4 x tables x heads x queries x keys x 64 FLOP per call).
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -24,7 +23,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import measure, print_table, write_json
+from harness import attention_benchmark_parser, measure, print_table, write_json
 
 HEADS, HEAD_DIM = 8, 64
 #: (name, tables, queries, keys): the ICL stage's calls of the large and xlarge workloads.
@@ -97,15 +96,10 @@ def max_error(out, q, k, v) -> float:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--dtype", choices=("float16", "bfloat16"), default="float16")
-    parser.add_argument("--budget", type=float, default=0.5, help="seconds per measurement")
+    parser = attention_benchmark_parser(__doc__)
     parser.add_argument(
         "--cases", nargs="+", metavar="TEXT", help="only the cases whose name contains one"
     )
-    parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype) if device.type == "cuda" else torch.float32

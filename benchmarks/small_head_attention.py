@@ -15,7 +15,6 @@ method's error against fp32 maths on the first batch entries is reported next to
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -23,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import environment, measure, print_table, write_json
+from harness import attention_benchmark_parser, environment, measure, print_table, write_json
 from tabserve import ops
 from tabserve.models.tabicl.layers import _in_cuda_batch_chunks
 from tabserve.models.tabicl.recipes import sdpa_context
@@ -103,12 +102,7 @@ def max_error(out, q, k, v):
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--dtype", choices=("float16", "bfloat16"), default="float16")
-    parser.add_argument("--budget", type=float, default=0.5, help="seconds per measurement")
-    parser.add_argument("--json", type=Path)
+    parser = attention_benchmark_parser(__doc__)
     parser.add_argument(
         "--methods", nargs="+", metavar="NAME", help="only these methods (as the table names them)"
     )
