@@ -6,7 +6,7 @@
 #   bash scripts/device_bench.sh large            # one part per call is the safe plan
 #   bash scripts/device_bench.sh medium stream
 # Parts: small, large, compiled, medium, xlarge, stream, restart, soak, sanitize, profile, cudatests,
-# align, pytest, attention, ffn, norm, qassmax, checks, allequal, ncu, patch (PATCH_FILE: later
+# align, pytest, attention, icl, ffn, norm, qassmax, checks, allequal, ncu, patch (PATCH_FILE: later
 # parts run patched).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -70,6 +70,11 @@ for part in "$@"; do
       timeout "$(left $((LIMIT - 10)))" python3 benchmarks/small_head_attention.py --device cuda \
         ${ATTENTION_METHODS:+--methods "${attention_methods[@]}"} --budget 0.3 --json "$OUT/small-head-attention-cuda.json" >"$LOG/attention.log" 2>&1
       echo "attention rc=$?"; tail -25 "$LOG/attention.log" ;;
+    icl)  # the ICL stage's head-dim-64 attention per SDPA backend (benchmarks/icl_attention.py;
+          # ICL_ARGS, e.g. "--cases xlarge")
+      timeout "$(left $((LIMIT - 10)))" python3 benchmarks/icl_attention.py --device cuda --budget 0.3 \
+        ${ICL_ARGS:-} --json "$OUT/icl-attention-cuda.json" >"$LOG/icl.log" 2>&1
+      echo "icl bench rc=$?"; tail -30 "$LOG/icl.log" | cut -c1-160 ;;
     ffn)  # the fused feed-forward operators: their CUDA tests (FFN_TESTS=0 skips them), then the
           # benchmark (FFN_ARGS, default --sweep: the Triton kernel's tiles; FFN_ARGS= methods only)
       if [ "${FFN_TESTS:-1}" = 1 ]; then
@@ -184,7 +189,7 @@ PY
     sanitize)
       SKIP_BUILD=1 STAGES=sanitize SAN_TOOLS="${SAN_TOOLS:-synccheck racecheck memcheck initcheck}" SAN_TIMEOUT=${SAN_TIMEOUT:-120} \
         DEADLINE=$(left $((LIMIT - 120))) OUT="$LOG/sanitize" bash scripts/device_check.sh 2>&1 | tail -8 ;;
-    *) echo "unknown part $part (small, large, compiled, medium, xlarge, stream, restart, soak, sanitize, profile, cudatests, align, pytest, attention, ffn, norm, qassmax, checks, allequal, patch, ncu)"; exit 2 ;;
+    *) echo "unknown part $part (small, large, compiled, medium, xlarge, stream, restart, soak, sanitize, profile, cudatests, align, pytest, attention, icl, ffn, norm, qassmax, checks, allequal, patch, ncu)"; exit 2 ;;
   esac
 done
 tar czf "$OUT/logs.tgz" -C "$LOG" . 2>/dev/null
