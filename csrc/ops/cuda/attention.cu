@@ -128,27 +128,38 @@ __device__ __forceinline__ void wait_copies() {
 // zero rows up to `padded`; the block's threads split the 16-byte halves of the rows (rows of
 // one token's heads are contiguous: consecutive threads read consecutive 16 bytes). Aligned rows
 // go through cp.async (the caller commits and waits), others through registers.
+// A thread walks its halves with a fixed step (a row and a remainder, carried), so no division
+// runs per copy: the first version's per-copy divisions by `heads` were a sizeable part of the
+// row stage's instructions, where a block stages a new unit for every 40 query tiles.
 template <typename T>
 __device__ __forceinline__ void stage(const Params& p, const T* k, const T* v, int64_t start,
                                       int count, int padded, int heads, T* keys, T* values) {
-  const int halves = 2 * padded * heads;
-  for (int i = static_cast<int>(threadIdx.x); i < 2 * halves; i += kThreads) {
-    const bool is_value = i >= halves;
-    const int j = is_value ? i - halves : i;
-    const int half = j & 1, head = (j >> 1) % heads, key = (j >> 1) / heads;
-    T* dst = (is_value ? values : keys) + head * p.staged_rows * kD + swizzled(key, half);
-    if (key >= count) {
-      *reinterpret_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0);
-      continue;
-    }
-    const Operand& o = is_value ? p.v : p.k;
-    const T* src =
-        (is_value ? v : k) + head * o.head_stride + (start + key) * o.row_stride + half * 8;
-    if (p.aligned) {
-      copy_async_16(dst, src);
-    } else {
+  const int per_row = 2 * heads;  // 16-byte halves of one token's heads
+  const int row_step = kThreads / per_row, rest_step = kThreads % per_row;
+  const int first_row = static_cast<int>(threadIdx.x) / per_row;
+  const int first_rest = static_cast<int>(threadIdx.x) % per_row;
 #pragma unroll
-      for (int e = 0; e < 8; ++e) dst[e] = src[e];
+  for (int is_value = 0; is_value < 2; ++is_value) {
+    const Operand& o = is_value ? p.v : p.k;
+    const T* base = (is_value ? v : k) + start * o.row_stride;
+    T* staged = is_value ? values : keys;
+    for (int key = first_row, rest = first_rest; key < padded;) {
+      const int half = rest & 1, head = rest >> 1;
+      T* dst = staged + head * p.staged_rows * kD + swizzled(key, half);
+      if (key >= count) {
+        *reinterpret_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0);
+      } else {
+        const T* src = base + head * o.head_stride + key * o.row_stride + half * 8;
+        if (p.aligned) {
+          copy_async_16(dst, src);
+        } else {
+#pragma unroll
+          for (int e = 0; e < 8; ++e) dst[e] = src[e];
+        }
+      }
+      key += row_step;  // rest + rest_step < 2 per_row: one carry at most
+      rest += rest_step;
+      if (rest >= per_row) rest -= per_row, ++key;
     }
   }
 }
@@ -219,9 +230,13 @@ __device__ __forceinline__ void rotate_query(const Params& p, int64_t first, uin
 
 // Online-softmax state of a warp's 16 query rows: lane (g, t) holds rows g and g + 8.
 struct TileState {
-  float max[2] = {-INFINITY, -INFINITY};  // running max of the scaled scores (log2 domain)
-  float sum[2] = {0.f, 0.f};              // this lane's part of the running sum of exp2(s - max)
-  float out[2][4] = {};                   // [dims 0-7 | 8-15] accumulator fragments
+  float max[2] = {-INFINITY, -INFINITY};  // running max of the raw scores
+  // Running sum of the probabilities as the P V product takes them (rounded to T), summed by the
+  // tensor cores: P times a 16 x 8 matrix of ones, so every column of the accumulator fragment
+  // is the row's sum (sum[0] = sum[1]: row g, sum[2] = sum[3]: row g + 8). No shuffles, and no
+  // fp32 add per score.
+  float sum[4] = {};
+  float out[2][4] = {};  // [dims 0-7 | 8-15] accumulator fragments
 };
 
 // 2^x with denormal results flushed to zero: one MUFU.EX2 (exp2f also rescales arguments below
@@ -266,28 +281,37 @@ __device__ __forceinline__ void attend_tiles(const uint32_t (&query)[4], const T
     }
   }
 
-  float chunk_max[2] = {-INFINITY, -INFINITY};
+  // The row maxima as 4 independent chains per row (a tile's two columns x even / odd tiles),
+  // joined at the end: a chain of 2 kTiles dependent FMNMX would stall on each one's latency.
+  float partial[2][4];
 #pragma unroll
-  for (int n = 0; n < 2 * kTiles; ++n) {
+  for (int i = 0; i < 4; ++i) partial[i >> 1][i & 1] = s[0][i], partial[i >> 1][2 + (i & 1)] = s[1][i];
 #pragma unroll
-    for (int i = 0; i < 4; ++i) chunk_max[i >> 1] = fmaxf(chunk_max[i >> 1], s[n][i]);
+  for (int n = 2; n < 2 * kTiles; ++n) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      float& m = partial[i >> 1][(n & 1) * 2 + (i & 1)];
+      m = fmaxf(m, s[n][i]);
+    }
   }
-  float rescale[2], offset[2];
+  float chunk_max[2], rescale[2], offset[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
+    chunk_max[r] = fmaxf(fmaxf(partial[r][0], partial[r][1]), fmaxf(partial[r][2], partial[r][3]));
     chunk_max[r] = fmaxf(chunk_max[r], __shfl_xor_sync(0xffffffffu, chunk_max[r], 1));
     chunk_max[r] = fmaxf(chunk_max[r], __shfl_xor_sync(0xffffffffu, chunk_max[r], 2));
     const float new_max = fmaxf(st.max[r], chunk_max[r]);  // finite: the chunk has a used key
     rescale[r] = st.max[r] == -INFINITY ? 0.f : exp2_ftz((st.max[r] - new_max) * scale_log2);
     st.max[r] = new_max;
-    st.sum[r] *= rescale[r];
     offset[r] = new_max * scale_log2;
   }
 #pragma unroll
-  for (int d = 0; d < 2; ++d) {
-#pragma unroll
-    for (int i = 0; i < 4; ++i) st.out[d][i] *= rescale[i >> 1];
+  for (int i = 0; i < 4; ++i) {
+    st.sum[i] *= rescale[i >> 1];
+    st.out[0][i] *= rescale[i >> 1];
+    st.out[1][i] *= rescale[i >> 1];
   }
+  const uint32_t ones = pack_two<T>(1.f, 1.f);  // B fragment of a matrix of ones
 
 #pragma unroll
   for (int kt = 0; kt < kTiles; ++kt) {
@@ -298,7 +322,6 @@ __device__ __forceinline__ void attend_tiles(const uint32_t (&query)[4], const T
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         s[n][i] = exp2_ftz(fmaf(s[n][i], scale_log2, -offset[i >> 1]));  // 0 for masked keys
-        st.sum[i >> 1] += s[n][i];
       }
       a[2 * half] = pack_two<T>(s[n][0], s[n][1]);      // row g
       a[2 * half + 1] = pack_two<T>(s[n][2], s[n][3]);  // row g + 8
@@ -309,6 +332,7 @@ __device__ __forceinline__ void attend_tiles(const uint32_t (&query)[4], const T
     ldmatrix_x4_trans(b, values + swizzled(kt * 16 + row + 8 * (matrix & 1), matrix >> 1));
     mma<T>(st.out[0], a, b[0], b[1]);
     mma<T>(st.out[1], a, b[2], b[3]);
+    mma<T>(st.sum, a, ones, ones);
   }
 }
 
@@ -355,14 +379,9 @@ __device__ __forceinline__ void write_tile(const Params& p, int64_t b, int64_t h
   const int g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    st.sum[r] += __shfl_xor_sync(0xffffffffu, st.sum[r], 1);
-    st.sum[r] += __shfl_xor_sync(0xffffffffu, st.sum[r], 2);
-  }
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
     const int64_t query = first + g + 8 * r;
     if (query >= p.queries) continue;
-    const float inverse = 1.f / st.sum[r];
+    const float inverse = 1.f / st.sum[2 * r];
     T* dst = static_cast<T*>(p.out) + ((b * p.queries + query) * p.heads + h) * kD + 2 * t;
 #pragma unroll
     for (int d = 0; d < 2; ++d) {
@@ -378,13 +397,17 @@ struct Unit {
   int64_t b, h0, first_tile, tiles, used;
 };
 
+// In 32-bit arithmetic (the host checks that the units fit): a 64-bit division is a long
+// software routine on the GPU.
 __device__ __forceinline__ Unit unit_at(const Params& p, int64_t unit) {
   Unit u;
-  const int64_t group = unit / p.blocks_per_group;  // (batch entry, head group)
-  const int64_t groups_per_entry = p.heads / p.heads_per_block;
+  const auto index = static_cast<uint32_t>(unit);
+  const auto blocks_per_group = static_cast<uint32_t>(p.blocks_per_group);
+  const uint32_t group = index / blocks_per_group;  // (batch entry, head group)
+  const auto groups_per_entry = static_cast<uint32_t>(p.heads / p.heads_per_block);
   u.b = group / groups_per_entry;
-  u.h0 = group % groups_per_entry * p.heads_per_block;
-  u.first_tile = unit % p.blocks_per_group * p.tiles_per_block;
+  u.h0 = static_cast<int64_t>(group % groups_per_entry) * p.heads_per_block;
+  u.first_tile = static_cast<int64_t>(index % blocks_per_group) * p.tiles_per_block;
   u.tiles = smaller(p.tiles_per_block, (p.queries + 15) / 16 - u.first_tile);
   u.used = p.keys;
   if (p.n_keys != nullptr) {
@@ -440,27 +463,31 @@ __global__ void __launch_bounds__(kThreads, 2) one_chunk_kernel(Params p) {
       }
       const T* q = head_base<T>(p.q, u);
       const int tiles = static_cast<int>(u.tiles);  // <= kMaxOneChunkTiles
-      const int items = heads * tiles;
-      const auto first_query = [&](int item) { return (u.first_tile + item % tiles) * 16; };
+      // The warp's items are warp, warp + kWarps, ...: item = head * tiles + tile, walked with a
+      // carried (head, tile) pair rather than a division per item.
+      int head = warp / tiles, tile = warp % tiles;
+      const auto first_query = [&](int at) { return (u.first_tile + at) * 16; };
       uint32_t next[4];
-      if (warp < items) {
-        load_query<T>(q + warp / tiles * p.q.head_stride, p.q.row_stride, first_query(warp),
-                      p.queries, p.aligned, next);
+      if (head < heads) {
+        load_query<T>(q + head * p.q.head_stride, p.q.row_stride, first_query(tile), p.queries,
+                      p.aligned, next);
       }
-      for (int item = warp; item < items; item += kWarps) {
+      while (head < heads) {
         uint32_t query[4] = {next[0], next[1], next[2], next[3]};
-        const int later = item + kWarps;
-        if (later < items) {
-          load_query<T>(q + later / tiles * p.q.head_stride, p.q.row_stride, first_query(later),
-                        p.queries, p.aligned, next);
+        int later_head = head, later_tile = tile + kWarps;
+        while (later_tile >= tiles) later_tile -= tiles, ++later_head;
+        if (later_head < heads) {
+          load_query<T>(q + later_head * p.q.head_stride, p.q.row_stride,
+                        first_query(later_tile), p.queries, p.aligned, next);
         }
-        const int head = item / tiles;
-        const int64_t first = first_query(item);
+        const int64_t first = first_query(tile);
         prepare_query<T, kRotate>(p, first, query);
         TileState st;
         attend<T>(query, keys + head * p.staged_rows * kD, values + head * p.staged_rows * kD,
                   count, p.scale_log2, st);
         write_tile<T>(p, u.b, u.h0 + head, first, st);
+        head = later_head;
+        tile = later_tile;
       }
       __syncthreads();  // every warp is done with this buffer before it is staged into again
     }
@@ -555,7 +582,9 @@ at::Tensor small_head_attention_cuda(const at::Tensor& q_in, const at::Tensor& k
   params.tiles_per_block = (tiles + params.blocks_per_group - 1) / params.blocks_per_group;
   params.units = batch * (heads / params.heads_per_block) * params.blocks_per_group;
   const bool one_chunk = keys <= kChunk;
-  TORCH_CHECK(one_chunk || params.units <= std::numeric_limits<int32_t>::max(),
+  // Both kernels split unit indices in 32-bit arithmetic (and the streaming grid has one block
+  // per unit).
+  TORCH_CHECK(params.units <= std::numeric_limits<int32_t>::max(),
               "small_head_attention: batch * heads * query blocks must fit the grid (2^31 - 1), ",
               "got ", params.units);
 
