@@ -331,6 +331,42 @@ def test_auto_recipe_reads_measurements(tmp_path):
         assert recipes.auto_recipe("cpu", 400, 10, kv_cache=True, path=path).name == "c13"
 
 
+
+def test_auto_recipe_matches_task_and_class_regime(tmp_path):
+    """Workloads of one shape but another task or class regime (the H200 document's medium,
+    regression and many-class) must not stand in for each other; a criterion no workload meets
+    is dropped."""
+    import json
+
+    def workload(cell, n_train, task="clf", n_classes=4):
+        return {
+            "one_shot": {"cell": cell, "median_ms": 1.0, "recipe": {"engine": "tabserve", "precision": "fp32"}},
+            "shape": {"n_train": n_train, "n_features": 20, "task": task, "n_classes": n_classes},
+        }
+
+    path = tmp_path / "recipes.json"
+    path.write_text(json.dumps({"schema": "tabserve.recipes/1", "devices": {"cpu": {"workloads": {
+        "medium": workload("c-medium", 1024),
+        "many-class": workload("c-many", 1024, n_classes=25),
+        "regression": workload("c-reg", 1024, task="reg"),
+        "large": workload("c-large", 8192),
+    }}}}))
+    pick = lambda **kw: recipes.auto_recipe("cpu", 1000, 20, path=path, **kw).name
+    assert pick(task="clf", n_classes=3) == "c-medium"
+    assert pick(task="clf", n_classes=11) == "c-many"
+    assert pick(task="clf", n_classes=10) == "c-medium"  # 10 classes: the flat path
+    assert pick(task="reg") == "c-reg"
+    assert pick(task="clf", n_classes=11, many_classes_above=20) == "c-medium"
+    assert recipes.auto_recipe("cpu", 8000, 20, path=path, task="reg").name == "c-reg"
+    # Only classification measured: a regressor still gets the closest shape, not an error.
+    path.write_text(json.dumps({"schema": "tabserve.recipes/1", "devices": {"cpu": {"workloads": {
+        "large": workload("c-large", 8192), "medium": workload("c-medium", 1024)}}}}))
+    assert pick(task="reg") == "c-medium"
+    assert recipes.auto_recipe("cpu", 8000, 20, path=path, task="reg").name == "c-large"
+    with pytest.raises(ValueError, match="task must be"):
+        recipes.auto_recipe("cpu", 1000, 20, path=path, task="regression")
+
+
 # ---------------------------------------------------------------------- CUDA-graph plumbing
 class _ReplayOnCPU:
     """Stands in for ``serving._BucketGraph`` on the CPU: captured input buffers updated in place

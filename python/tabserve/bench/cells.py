@@ -329,7 +329,7 @@ CELLS: tuple[Cell, ...] = (
         devices=_BOTH,
     ),
     Cell("c14-fp16-kv", "tabserve", "fp16", "fp16, estimator with kv_cache=True", kv_cache=True),
-    # Issue 5 recipes: placeholders until they exist.
+    # Issue 5 recipes: regional compile, buckets, CUDA graphs, compile-cache artifacts.
     Cell(
         "c15-fp16-regional",
         "tabserve",

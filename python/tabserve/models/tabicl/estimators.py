@@ -104,7 +104,7 @@ class _TabICLBase(BaseEstimator):
                 f"X columns {names} differ from the columns seen at fit {list(fitted)}"
             )
 
-    def _load_model(self, n_train: int) -> TabICLv2:
+    def _load_model(self, n_train: int, n_classes: int | None = None) -> TabICLv2:
         if self.model_path is None:
             raise ValueError(
                 "model_path is required: the path of a TabICLv2 .ckpt or tabserve .safetensors file"
@@ -117,7 +117,15 @@ class _TabICLBase(BaseEstimator):
             )
         recipe = self.recipe
         if isinstance(recipe, str) and recipe == "auto":
-            recipe = auto_recipe(self.device_, n_train, self.n_features_in_, bool(self.kv_cache))
+            recipe = auto_recipe(
+                self.device_,
+                n_train,
+                self.n_features_in_,
+                bool(self.kv_cache),
+                task="clf" if self._classification else "reg",
+                n_classes=n_classes,
+                many_classes_above=model.config.max_classes,
+            )
         return serve(model, recipe, self.bucket_grid)
 
     def _fit_members(self, X, y: Tensor, n_classes: int) -> None:
@@ -275,7 +283,7 @@ class TabICLClassifier(ClassifierMixin, _TabICLBase):
             )
         self.n_classes_ = len(self.classes_)
         self.device_ = _resolve_device(self.device)
-        self.model_ = self._load_model(_num_rows(X))
+        self.model_ = self._load_model(_num_rows(X), self.n_classes_)
         max_classes = self.model_.config.max_classes
         if self.n_classes_ > max_classes and self.kv_cache:
             raise ValueError(

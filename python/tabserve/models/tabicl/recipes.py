@@ -697,13 +697,23 @@ def auto_recipe(
     n_features: int,
     kv_cache: bool = False,
     path: Path | str | None = None,
+    *,
+    task: str | None = None,
+    n_classes: int | None = None,
+    many_classes_above: int = 10,
 ) -> Recipe:
     """The recipe the benchmark driver promoted on this device for the closest workload.
 
-    Closest = smallest distance in log2 of train rows and features. Route ``kv_predict`` with a
-    KV cache, else ``one_shot``. No file, no entry for the device or an unusable entry: warns and
-    returns :data:`DEFAULT_RECIPE`.
+    Route ``kv_predict`` with a KV cache, else ``one_shot``. Among the workloads measured on that
+    route, those of the same ``task`` ("clf" or "reg") are preferred, then, for classification,
+    those on the same side of ``many_classes_above`` classes (past it the model runs its
+    hierarchical many-class path, a different workload); a criterion that no measured workload
+    meets is dropped rather than failing. Closest = smallest distance in log2 of train rows and
+    features. No file, no entry for the device or an unusable entry: warns and returns
+    :data:`DEFAULT_RECIPE`.
     """
+    if task not in (None, "clf", "reg"):
+        raise ValueError(f"auto_recipe: task must be 'clf', 'reg' or None, got {task!r}")
     path = Path(path or os.environ.get("TABSERVE_RECIPES", RECIPES_PATH))
     key = device_key(device)
     try:
@@ -723,6 +733,20 @@ def auto_recipe(
             stacklevel=3,
         )
         return RECIPES[DEFAULT_RECIPE]
+
+    def prefer(pool: list, keep) -> list:
+        kept = [c for c in pool if keep(c[0])]
+        return kept or pool
+
+    if task is not None:
+        candidates = prefer(candidates, lambda shape: shape.get("task", "clf") == task)
+    if n_classes is not None and task != "reg":
+        many = n_classes > many_classes_above
+        candidates = prefer(
+            candidates,
+            lambda shape: shape.get("task", "clf") == "clf"
+            and (shape.get("n_classes", 2) > many_classes_above) == many,
+        )
 
     def distance(shape: dict) -> float:
         return abs(math.log2(shape["n_train"] / n_train)) + abs(
