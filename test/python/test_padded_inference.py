@@ -418,6 +418,41 @@ def test_graph_replay_plumbing_on_cpu(monkeypatch, compiled):
     assert served.captures == 3 + 3 + 4
 
 
+
+@pytest.mark.parametrize("kv_cache", [False, True], ids=["one-shot", "kv-cache"])
+def test_warmed_grid_serves_a_stream_without_new_captures_on_cpu(monkeypatch, kv_cache):
+    """Issue 5's serving promise with the CUDA-graph recipe's logic (CPU stand-in for the graph):
+    once every bucket of a grid is warmed, seeded fresh tables of random shapes inside it, with
+    2 to 4 classes, capture no new one-shot or cache-build graph and answer as the unpadded model
+    does. A cached prediction replays a graph per cache (its tensors are the graph's inputs):
+    one capture for each new cache, none for further predictions from it."""
+    from tabserve.models.tabicl import serving
+
+    monkeypatch.setattr(serving, "_BucketGraph", _ReplayOnCPU)
+    grid = BucketGrid(train_rows=(8, 16), test_rows=(2, 4), features=(2, 4))
+    model = our_model("clf", "tiny")
+    served = ServedTabICL(copy.deepcopy(model), recipes.RECIPES["fp32-buckets"], grid)
+    served.recipe = served.recipe.replace(cuda_graphs=True)
+    assert served.warm_up(tables=2, kv_cache=kv_cache) == 8
+    captures, graphs = served.captures, len(served._graphs)
+    assert captures >= 8  # every bucket captured its one-shot graph
+    rng = np.random.default_rng(5)
+    for seed in range(12):
+        n_classes = int(rng.integers(2, 5))
+        n_train = int(rng.integers(n_classes, 17))
+        n_test, n_features = int(rng.integers(1, 5)), int(rng.integers(1, 5))
+        X, y = random_table(100 + seed, 2, n_train, n_test, n_features, n_classes)
+        _assert_same(model(X, y), served(X, y), True)
+        if kv_cache:
+            cache = served.build_cache(X[:, :n_train], y)
+            reference = model.build_cache(X[:, :n_train], y)
+            for rows in (X[:, n_train:], X[:, n_train:].flip(1)):  # the second one replays
+                expected = model.forward_with_cache(rows, reference)
+                _assert_same(expected, served.forward_with_cache(rows, cache), True)
+    new_caches = 12 if kv_cache else 0
+    assert (served.captures, len(served._graphs)) == (captures + new_caches, graphs)
+
+
 # ---------------------------------------------------------------------- CUDA
 def _cuda_model(task: str):
     import copy
