@@ -570,7 +570,9 @@ def test_ab_mode_alternates_two_cells_on_one_model(tmp_path):
     assert json.loads((tmp_path / "ab.json").read_text()) == ab
     assert ab["status"] == "ok" and ab["bitwise_equal"] is True
     assert len(ab["slots_ms"]["A"]) == 4 and ab["summary"]["windows"] == 2
+    assert ab["outputs_stable"] == {"A": True, "B": True}
     assert "outputs bitwise equal: True" in report.render_ab(ab)
+    assert "B's output unchanged after the windows: True" in report.render_ab(ab)
 
 
 def test_deadline_reports_unstarted_jobs_as_skipped_and_still_writes_the_report(tmp_path):

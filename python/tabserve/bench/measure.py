@@ -430,6 +430,10 @@ def _stream(job: Job, engine) -> dict:
 # ABBA
 
 
+def _bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return bool(a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b))
+
+
 def run_ab(spec: dict) -> dict:
     """Alternates two cells in A B B A windows on one workload (see :func:`timing.abba_summary`).
 
@@ -441,7 +445,9 @@ def run_ab(spec: dict) -> dict:
     cells = [cell_by_name(name) for name in spec["cells"]]
     engines = [make_engine(c, workload, spec["checkpoint"], device) for c in cells]
     X, y = model_tables(workload, spec.get("seed", 0), device)
-    outputs = [engine.one_shot(X, y) for engine in engines]
+    # Clones: a graph-replaying engine returns its graph's output buffer, which the next replay
+    # overwrites.
+    outputs = [engine.one_shot(X, y).clone() for engine in engines]
     for engine in engines:
         timing.time_calls(
             lambda engine=engine: engine.one_shot(X, y),
@@ -464,13 +470,20 @@ def run_ab(spec: dict) -> dict:
                 budget_s=0,
             )
             slots[label].append(t.median_ms)
+    # "Stayed equal": each cell's output after the windows against its own first one, and the
+    # two cells' outputs against each other both before and after.
+    after = [engine.one_shot(X, y).clone() for engine in engines]
     a, b = outputs
     result = {
         "cells": spec["cells"],
         "workload": workload.name,
         "slots_ms": slots,
         "summary": timing.abba_summary(slots["A"], slots["B"]),
-        "bitwise_equal": bool(a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)),
+        "bitwise_equal": _bitwise_equal(a, b) and _bitwise_equal(*after),
+        "outputs_stable": {
+            label: _bitwise_equal(first, last)
+            for label, first, last in zip("AB", outputs, after)
+        },
         "max_abs_diff": float((a.float() - b.float()).abs().max()) if a.shape == b.shape else None,
         "recompiles_during_measurement": jit_counters()["frames_compiled"],
         "status": "ok",

@@ -508,6 +508,11 @@ def render_ab(ab: dict) -> str:
         return f"ABBA {ab.get('cells')}: {ab.get('status')}: {ab.get('reason', '')}"
     s = ab["summary"]
     a, b = ab["cells"]
+    # Older result files have no "outputs_stable".
+    stable = "".join(
+        f"{label}'s output unchanged after the windows: {same}; "
+        for label, same in ab.get("outputs_stable", {}).items()
+    )
     return "\n".join(
         [
             f"ABBA on {ab['workload']}: {a} (A) vs {b} (B), {s['windows']} windows",
@@ -519,7 +524,8 @@ def render_ab(ab: dict) -> str:
             ),
             (
                 f"  outputs bitwise equal: {ab['bitwise_equal']} (max abs diff {ab['max_abs_diff']:.3g}); "
-                f"recompiles during measurement: {ab['recompiles_during_measurement']}"
+                + stable
+                + f"recompiles during measurement: {ab['recompiles_during_measurement']}"
             ),
         ]
     )
