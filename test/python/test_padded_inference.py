@@ -331,7 +331,6 @@ def test_auto_recipe_reads_measurements(tmp_path):
         assert recipes.auto_recipe("cpu", 400, 10, kv_cache=True, path=path).name == "c13"
 
 
-
 def test_auto_recipe_matches_task_and_class_regime(tmp_path):
     """Workloads of one shape but another task or class regime (the H200 document's medium,
     regression and many-class) must not stand in for each other; a criterion no workload meets
@@ -340,7 +339,11 @@ def test_auto_recipe_matches_task_and_class_regime(tmp_path):
 
     def workload(cell, n_train, task="clf", n_classes=4):
         return {
-            "one_shot": {"cell": cell, "median_ms": 1.0, "recipe": {"engine": "tabserve", "precision": "fp32"}},
+            "one_shot": {
+                "cell": cell,
+                "median_ms": 1.0,
+                "recipe": {"engine": "tabserve", "precision": "fp32"},
+            },
             "shape": {"n_train": n_train, "n_features": 20, "task": task, "n_classes": n_classes},
         }
 
@@ -418,7 +421,6 @@ def test_graph_replay_plumbing_on_cpu(monkeypatch, compiled):
     assert served.captures == 3 + 3 + 4
 
 
-
 @pytest.mark.parametrize("kv_cache", [False, True], ids=["one-shot", "kv-cache"])
 def test_warmed_grid_serves_a_stream_without_new_captures_on_cpu(monkeypatch, kv_cache):
     """Issue 5's serving promise with the CUDA-graph recipe's logic (CPU stand-in for the graph):
@@ -447,8 +449,11 @@ def test_warmed_grid_serves_a_stream_without_new_captures_on_cpu(monkeypatch, kv
             cache = served.build_cache(X[:, :n_train], y)
             reference = model.build_cache(X[:, :n_train], y)
             for rows in (X[:, n_train:], X[:, n_train:].flip(1)):  # the second one replays
-                expected = model.forward_with_cache(rows, reference)
-                _assert_same(expected, served.forward_with_cache(rows, cache), True)
+                _assert_same(
+                    model.forward_with_cache(rows, reference),
+                    served.forward_with_cache(rows, cache),
+                    True,
+                )
     new_caches = 12 if kv_cache else 0
     assert (served.captures, len(served._graphs)) == (captures + new_caches, graphs)
 
