@@ -9,7 +9,18 @@ those calls per backend (cuDNN, flash, memory-efficient, PyTorch's own choice), 
 fewer tables per call, with each method's error against fp32 maths on a few query rows, and the
 rate in TFLOP/s (4 x tables x heads x queries x keys x 64 FLOP per call).
 
+The bucketed recipes run the same calls on a padded train block: every query attends over the
+first n keys of a buffer of the bucket's length, n read from a device tensor
+(:func:`tabserve.ops.prefix_attention`), so one captured graph serves every n of the bucket.
+``--prefix`` times those calls per prefix backend (varlen flash, varlen memory-efficient, SDPA
+with a key mask) on the small and large workloads' ICL calls, with the keys padded to
+their train-row bucket (or n = 7/8 of the keys where the count sits on the grid, the fill
+just past a bucket edge), garbage in the padded rows, against cuDNN on the keys sliced to n
+(the unpadded path, which a graph cannot replay for another n): the measurement that picks
+the ICL stage's padded backend.
+
     python benchmarks/icl_attention.py --device cuda
+    python benchmarks/icl_attention.py --device cuda --prefix   # the padded (bucketed) calls
     python benchmarks/icl_attention.py --quick        # CPU, small shapes (math backend only)
 """
 
@@ -34,6 +45,16 @@ CASES = [
     ("xlarge test", 8, 1000, 50000),
 ]
 QUICK_CASES = [("tiny train", 2, 96, 96), ("tiny test", 2, 16, 96)]
+#: The padded calls (``--prefix``): the small workload's (8 tables, 512 train + 64 test rows),
+#: whose bucketed recipes replay CUDA graphs, and the large one's (xlarge's 50,000 train rows
+#: are past the train-row grid: never padded).
+PREFIX_CASES = [
+    ("small train", 8, 512, 512),
+    ("small test", 8, 64, 512),
+    *(case for case in CASES if case[0].startswith("large")),
+]
+#: Backends of :func:`tabserve.ops.prefix_attention` timed with ``--prefix`` (CUDA).
+PREFIX_BACKENDS = ("flash", "efficient", "masked")
 #: Query rows of the first table and head whose output is checked against fp32 maths.
 CHECKED_ROWS = 64
 BACKENDS = {
@@ -88,6 +109,38 @@ def methods(device) -> dict:
     return found
 
 
+def padded_keys(k, v, n: int, length: int, seed: int = 1):
+    """k and v's first ``n`` keys in buffers of ``length`` keys, the rest garbage (large random
+    values: a kernel that reads a padded key shows it in the error)."""
+    g = torch.Generator(device=k.device).manual_seed(seed)
+    shape = (*k.shape[:2], length - n, k.shape[-1])
+    pad = [100 * torch.randn(shape, generator=g, device=k.device, dtype=k.dtype) for _ in "kv"]
+    return torch.cat([k[:, :, :n], pad[0]], 2), torch.cat([v[:, :, :n], pad[1]], 2)
+
+
+def prefix_lengths(keys: int) -> tuple:
+    """(n, padded length) of a call over ``keys`` train rows: n = keys and the length its
+    bucket on the default train-row grid; where ``keys`` sits on the grid, n = 7/8 of it
+    (a count just past the bucket below) in a buffer of ``keys``."""
+    from tabserve.buckets import DEFAULT_TRAIN_ROWS
+
+    bucket = next((b for b in DEFAULT_TRAIN_ROWS if b >= keys), keys)
+    return (keys - keys // 8, keys) if bucket == keys else (keys, bucket)
+
+
+def prefix_methods(device) -> dict:
+    """``{name: attend(q, k_padded, v_padded, n_tensor)}``: each prefix backend (CUDA), or the
+    CPU path (any backend: SDPA on the sliced keys)."""
+    from tabserve import ops
+
+    def on(backend):
+        return lambda q, k, v, n: ops.prefix_attention(q, k, v, n, backend=backend)
+
+    if device.type != "cuda":
+        return {"prefix (cpu)": on("auto")}
+    return {f"prefix {backend}": on(backend) for backend in PREFIX_BACKENDS}
+
+
 def max_error(out, q, k, v) -> float:
     """Largest |difference| from fp32 maths on the first CHECKED_ROWS queries of table 0, head 0."""
     q0, k0, v0 = (t[0, 0].float().cpu() for t in (q[:, :, :CHECKED_ROWS], k, v))
@@ -100,10 +153,15 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--cases", nargs="+", metavar="TEXT", help="only the cases whose name contains one"
     )
+    parser.add_argument(
+        "--prefix",
+        action="store_true",
+        help="the padded calls: tabserve.ops.prefix_attention per backend (see above)",
+    )
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype) if device.type == "cuda" else torch.float32
-    cases = QUICK_CASES if args.quick else CASES
+    cases = QUICK_CASES if args.quick else PREFIX_CASES if args.prefix else CASES
     if args.cases:
         cases = [c for c in cases if any(text in c[0] for text in args.cases)]
         if not cases:
@@ -111,11 +169,23 @@ def main(argv=None) -> int:
     records, rows = [], []
     for name, tables, queries, keys in cases:
         q, k, v = inputs(tables, queries, keys, dtype, device)
-        flop = 4 * tables * HEADS * queries * keys * HEAD_DIM
-        for method, attend in methods(device).items():
+        runs, length = {}, keys
+        if args.prefix:
+            n, length = prefix_lengths(keys)
+            k, v = k[:, :, :n], v[:, :, :n]  # the real keys: the sliced reference's and the check's
+            k_padded, v_padded = padded_keys(k, v, n, length)
+            n_keys = torch.tensor(n, device=device)
+            for method, attend in prefix_methods(device).items():
+                runs[method] = lambda f=attend, q=q: f(q, k_padded, v_padded, n_keys)
+            if device.type == "cuda":
+                sliced = methods(device)["sdpa cudnn"]
+                runs["sdpa cudnn, sliced keys"] = lambda q=q, k=k, v=v: sliced(q, k, v)
+        else:
+            runs = {m: lambda f=f, q=q, k=k, v=v: f(q, k, v) for m, f in methods(device).items()}
+        flop = 4 * tables * HEADS * queries * k.shape[2] * HEAD_DIM  # over the real keys
+        for method, run in runs.items():
             try:
-                error = max_error(attend(q, k, v), q, k, v)
-                run = lambda f=attend, q=q, k=k, v=v: f(q, k, v)
+                error = max_error(run(), q, k, v)
                 m = measure(run, device, budget_s=args.budget)
             except RuntimeError as failure:  # a backend that refuses the shape is a result
                 records.append({"case": name, "method": method, "error": str(failure)[:300]})
@@ -125,7 +195,8 @@ def main(argv=None) -> int:
             records.append(
                 {
                     "case": name,
-                    "shape": [tables, HEADS, queries, keys, HEAD_DIM],
+                    "shape": [tables, HEADS, queries, k.shape[2], HEAD_DIM],
+                    **({"padded_keys": length} if args.prefix else {}),
                     "method": method,
                     "max_abs_error_vs_fp32": error,
                     "tflop_per_s": tflops,
@@ -133,19 +204,22 @@ def main(argv=None) -> int:
                 }
             )
             rows.append([name, method, *m.table_cells(), f"{tflops:.0f}", f"{error:.2e}"])
-        del q, k, v
+        del q, k, v, runs
+    what = "padded ICL attention (prefix_attention)" if args.prefix else "ICL attention"
     print_table(
-        f"ICL attention (head dim {HEAD_DIM}), {dtype} on {device}",
+        f"{what} (head dim {HEAD_DIM}), {dtype} on {device}",
         ["case", "method", "median ms", "p20-p80", "peak extra MiB", "TFLOP/s", "max |err|"],
         rows,
     )
-    out = args.json or Path(__file__).parent / "results" / f"icl-attention-{device.type}.json"
+    stem = "icl-prefix-attention" if args.prefix else "icl-attention"
+    out = args.json or Path(__file__).parent / "results" / f"{stem}-{device.type}.json"
     write_json(
         out,
         {
             "benchmark": "icl_attention",
             "device": str(device),
             "dtype": str(dtype),
+            "prefix": args.prefix,
             "records": records,
         },
     )

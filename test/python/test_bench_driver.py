@@ -418,6 +418,30 @@ def test_gate_regression_padding_and_missing_reference():
     assert shape["passed"] is False and shape["one_shot"]["failures"] == ["shape"]
 
 
+def test_gate_of_padding_under_the_cells_own_recipe():
+    """``padded_recipe``: padded against unpadded under the cell's own kernels; fp32 cells to
+    1e-5 (compiled kernels' summation order), reduced precision to 5e-3, a quarter of the
+    reduced-precision gate, and the failure is named in the table's gate column."""
+    ref = _probs(0)
+    fp32, fp16 = cell_by_name("c22-fp32-buckets"), cell_by_name("c18-fp16-buckets-cudagraphs")
+
+    def verdict(cell, diff):
+        outputs = {"one_shot": ref, "padded_recipe": ref + diff, "unpadded_recipe": ref}
+        return gates.gate(cell, "clf", outputs, "c0-ref-fp32", {"one_shot": ref})
+
+    assert verdict(fp32, 5e-6)["passed"] is True
+    failed = verdict(fp32, 5e-5)
+    assert failed["passed"] is False and failed["one_shot"]["failures"] == []
+    assert failed["padded_recipe"]["failures"] == ["max_prob_diff > 1e-05"]
+    passed = verdict(fp16, 2e-3)
+    assert passed["passed"] is True
+    assert passed["padded_recipe"]["max_prob_diff"] == pytest.approx(2e-3, rel=1e-4)  # fp32 sums
+    assert report._gate_text(passed) == "pass 0.0e+00 pad 2e-03"
+    failed = verdict(fp16, 1e-2)
+    assert failed["passed"] is False
+    assert report._gate_text(failed) == "FAIL padded_recipe: max_prob_diff > 0.005"
+
+
 def _result(cell, ms, passed, status="ok", workload="w", kv=None):
     result = {"cell": cell, "workload": workload, "status": status, "one_shot": {"median_ms": ms}}
     if kv is not None:
@@ -505,6 +529,8 @@ def test_quick_cpu_run_writes_schema_table_plot_and_recipes(tmp_path, capsys):
     assert by_cell["c2-fp32"]["speedup"]["one_shot"]["ref32"] > 0
     padded = by_cell["c22-fp32-buckets"]["gate"]
     assert padded["passed"] is True and padded["padded"]["max_prob_diff"] <= 1e-6
+    assert padded["padded_recipe"]["max_prob_diff"] <= 1e-5
+    assert "padded_recipe" not in by_cell["c2-fp32"]["gate"]  # pads nothing
     promoted = document["promotion"]["small-quick"]["one_shot"]["cell"]
     assert promoted in ("c2-fp32", "c22-fp32-buckets")
 
@@ -551,6 +577,44 @@ def test_graph_cells_gate_their_padded_test_rows(tmp_path, monkeypatch, graphs):
     assert padded.shape[:2] == (workload.members, rows)
     figures = gates.compare("clf", padded, unpadded)
     assert not gates.check(figures, gates.LIMITS["padded"]) and figures["max_prob_diff"] <= 1e-6
+
+
+def test_recipe_padding_gate_compares_the_cells_own_call(tmp_path, monkeypatch):
+    """The recipe's padding gate: the padded side is the cell's timed call itself, on a table
+    with one train and one test row fewer than the workload's (both blocks off the grid), the
+    unpadded side the same recipe's kernels on a plain model. A fault in the timed path only
+    (here: one probability moved) fails it; the fp32 eager gate cannot see such a fault."""
+    from tabserve.bench.engines import TabserveEngine
+
+    workload = workload_by_name("small-quick")
+    checkpoint = make_checkpoint("clf", tmp_path / "tiny.ckpt", size="tiny")
+    cpu = torch.device("cpu")
+    X, y = model_tables(workload, 0, cpu)
+    plain = TabserveEngine(cell_by_name("c2-fp32"), workload, checkpoint, cpu)
+    assert plain.recipe_padding_gate(X, y) is None
+    engine = TabserveEngine(cell_by_name("c22-fp32-buckets"), workload, checkpoint, cpu)
+    calls = []
+    one_shot = engine.one_shot
+    engine.one_shot = lambda X, y: calls.append((X.shape, y.shape)) or one_shot(X, y)
+    padded, unpadded = engine.recipe_padding_gate(X, y)
+    n_train, n_test = workload.n_train, workload.n_test
+    table = (workload.members, n_train + n_test - 2, X.shape[2])
+    assert calls == [(table, (workload.members, n_train - 1))]
+    assert padded.shape == unpadded.shape and padded.shape[1] == n_test - 1
+    figures = gates.compare("clf", padded, unpadded)
+    assert not gates.check(figures, gates.LIMITS["padded_recipe_fp32"])
+
+    def faulty(X, y):
+        out = one_shot(X, y).clone()
+        least = out[0, 0].argmin()
+        out[0, 0] = 0.0
+        out[0, 0, least] = 1.0  # certain of the least likely class: off by >= 1 / K
+        return out
+
+    engine.one_shot = faulty
+    figures = gates.compare("clf", *engine.recipe_padding_gate(X, y))
+    assert gates.check(figures, gates.LIMITS["padded_recipe_fp32"])
+    assert gates.check(figures, gates.LIMITS["padded_recipe_reduced"])
 
 
 def test_ab_mode_alternates_two_cells_on_one_model(tmp_path):

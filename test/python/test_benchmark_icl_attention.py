@@ -38,3 +38,34 @@ def test_error_is_measured_against_fp32_softmax_attention():
     assert bench.max_error(unchecked, q, k, v) < 1e-5
     with pytest.raises(SystemExit, match="matches no case"):
         bench.main(["--quick", "--device", "cpu", "--cases", "xlarge"])
+
+
+def test_prefix_run_times_the_padded_calls_over_the_real_keys(tmp_path):
+    """``--prefix``: each quick case's keys padded to their bucket (n = 7/8 of a count on the
+    grid) with garbage in the padded rows; the CPU path must still equal fp32 maths over the
+    first n keys, and the rate counts the real keys only."""
+    out = tmp_path / "prefix.json"
+    argv = ["--quick", "--prefix", "--device", "cpu", "--budget", "0.01", "--json", str(out)]
+    assert bench.main(argv) == 0
+    document = json.loads(out.read_text())
+    assert document["prefix"] is True
+    for record, (_, tables, queries, keys) in zip(document["records"], bench.QUICK_CASES):
+        n, length = bench.prefix_lengths(keys)
+        assert record["padded_keys"] == length and record["shape"][3] == n < length
+        assert record["max_abs_error_vs_fp32"] < 1e-5  # garbage keys would show here
+        flop = 4 * tables * bench.HEADS * queries * n * bench.HEAD_DIM
+        assert record["tflop_per_s"] == pytest.approx(flop / (record["median_ms"] / 1e3) / 1e12)
+
+
+def test_prefix_lengths_follow_the_train_row_grid():
+    from tabserve.buckets import DEFAULT_TRAIN_ROWS
+
+    assert 8192 in DEFAULT_TRAIN_ROWS and bench.prefix_lengths(8192) == (7168, 8192)
+    n, length = bench.prefix_lengths(50000)  # past the grid's 16,384 rows: 7/8 of the count
+    assert (n, length) == (43750, 50000)
+    n, length = bench.prefix_lengths(8000)
+    assert n == 8000 and length == min(b for b in DEFAULT_TRAIN_ROWS if b >= 8000)
+    k, v = (torch.randn(1, 2, 5, 4) for _ in "kv")
+    k_padded, v_padded = bench.padded_keys(k, v, 3, 8)
+    assert k_padded.shape == (1, 2, 8, 4) and torch.equal(k_padded[:, :, :3], k[:, :, :3])
+    assert torch.equal(v_padded[:, :, :3], v[:, :, :3]) and v_padded[:, :, 3:].abs().max() > 10

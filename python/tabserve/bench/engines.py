@@ -89,6 +89,11 @@ class Engine:
         when the cell does not pad."""
         return
 
+    def recipe_padding_gate(self, X, y_train):
+        """``(padded, unpadded)`` outputs under the cell's own recipe for the padded-vs-unpadded
+        gate, or None when the cell does not pad."""
+        return
+
     def build_cache(self, X_train, y_train):
         raise NotImplementedError
 
@@ -275,14 +280,59 @@ class TabserveEngine(Engine):
             return pairs[0]
         return tuple(torch.cat(outputs, dim=1) for outputs in zip(*pairs))
 
-    def _prepare(self, model):
-        """Applies per-stage attention and compilation to ``model`` in place; returns the cached
-        predict callable (compiled the same way)."""
+    def recipe_padding_gate(self, X, y_train):
+        """(padded, unpadded) outputs under the cell's own recipe, or None when the cell pads
+        nothing. :meth:`padding_gate` proves the padding logic exact in fp32 eager; this one
+        runs the cell's own kernels (fused operators, head-dim-16 kernel, compiled and captured
+        graphs) on padded inputs: the padded side is the cell's timed call itself, the
+        unpadded side the same model, precision, fused operators and attention kernels, eager
+        and unpadded. The table has one train row and one test row fewer than the workload's,
+        so both blocks sit off their buckets (the train count a graph captured for the
+        workload then reaches it through the device tensor): the bucketed and ``shape_graphs``
+        cells' one-shot call, the ``kv_graphs`` cells' KV-cached prediction (padded test rows),
+        both joined along the test rows for a cell with both."""
+        kv_graphs = self.cell.kv_graphs and self.workload.cacheable
+        if not (self.cell.buckets or kv_graphs or self.cell.shape_graphs):
+            return None
+        from tabserve.models.tabicl import TabICLv2
+
+        n_train = y_train.shape[1]
+        keep = max(n_train - 1, 1)
+        X = torch.cat([X[:, :keep], X[:, n_train : max(n_train + 1, X.shape[1] - 1)]], dim=1)
+        y_train = y_train[:, :keep]
+        plain = TabICLv2.from_checkpoint(self.checkpoint, device=self.device)
+        self._apply_recipe_kernels(plain)
+        if self.cell.checks_first:
+            plain.defer_checks = False
+        kwargs = {} if self.workload.task == "reg" else {"return_logits": False}
+        pairs = []
+        if self.cell.buckets or self.cell.shape_graphs:
+            padded = self.one_shot(X, y_train)
+            with self.context():
+                pairs.append((padded, plain(X, y_train, **kwargs)))
+        if kv_graphs:
+            X_test = X[:, keep:]
+            padded = self.predict_cached(X_test, self.build_cache(X[:, :keep], y_train))
+            with self.context():
+                cache = plain.build_cache(X[:, :keep], y_train)
+                pairs.append((padded, plain.forward_with_cache(X_test, cache, **kwargs)))
+        pairs = [tuple(out.float() for out in pair) for pair in pairs]
+        if len(pairs) == 1:
+            return pairs[0]
+        return tuple(torch.cat(outputs, dim=1) for outputs in zip(*pairs))
+
+    def _apply_recipe_kernels(self, model) -> None:
+        """The cell's fused operators and per-stage attention kernels on ``model``, in place."""
         set_fused_operators(model, self.cell)
         for stage, backend in self.cell.attention.items():
             set_stage_kernels(getattr(model, _STAGE_MODULES[stage]), backend)
             if not self.cell.uniform_attention:
                 _pin_stage_attention(getattr(model, _STAGE_MODULES[stage]), backend)
+
+    def _prepare(self, model):
+        """Applies per-stage attention and compilation to ``model`` in place; returns the cached
+        predict callable (compiled the same way)."""
+        self._apply_recipe_kernels(model)
         if self.cell.compile is None:
             return model.forward_with_cache
         options = {

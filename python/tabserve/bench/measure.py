@@ -291,6 +291,11 @@ def _cold(job: Job, engine, X, y) -> dict:
         job.outputs["padded"], job.outputs["unpadded"] = (
             gate_output(job.workload.task, out) for out in padding
         )
+    padding = engine.recipe_padding_gate(X, y)
+    if padding is not None:  # the cell's own kernels and graphs, padded and not
+        job.outputs["padded_recipe"], job.outputs["unpadded_recipe"] = (
+            gate_output(job.workload.task, out) for out in padding
+        )
     return figures
 
 

@@ -294,10 +294,13 @@ def _gate_text(gate: dict | None) -> str:
     if gate["passed"]:
         one = gate.get("one_shot", {})
         worst = one.get("max_prob_diff", one.get("mean_rel_error"))
-        return "pass" if worst is None else f"pass {worst:.1e}"
+        text = "pass" if worst is None else f"pass {worst:.1e}"
+        padded = gate.get("padded_recipe", {})
+        padded = padded.get("max_prob_diff", padded.get("mean_rel_error"))
+        return text if padded is None else f"{text} pad {padded:.0e}"
     failures = [
         f"{route}: {', '.join(gate[route]['failures'])}"
-        for route in ("one_shot", "kv", "padded")
+        for route in ("one_shot", "kv", "padded", "padded_recipe")
         if gate.get(route, {}).get("failures")
     ]
     return "FAIL " + "; ".join(failures)

@@ -607,7 +607,8 @@ def _variant(base: str, suffix: str, what: str, **fields) -> None:
 
 #: c40, c42 and c41 with the row stage's RoPE inside the fused projection (cells c43-c45);
 #: c43 / c44 with the out-projections inside the fused feed-forward too (c46 / c47); c46 / c47
-#: with the row stage's tokens written by the column stage's last feed-forward (c48 / c49).
+#: with the row stage's tokens written by the column stage's last feed-forward (c48 / c49);
+#: c45 with both (c54: the bucketed CUDA-graph recipe with every fused kernel of c52).
 for _base in (
     "fp16-compile-head16-fused-frozen",
     "fp16-compile-head16-fused-frozen-kvgraphs",
@@ -619,7 +620,11 @@ for _base in (
         "with the row stage's RoPE inside the fused LayerNorm + projection",
         rope_in_projection=True,
     )
-for _base in ("fp16-compile-head16-fused-frozen", "fp16-compile-head16-fused-frozen-kvgraphs"):
+for _base in (
+    "fp16-compile-head16-fused-frozen",
+    "fp16-compile-head16-fused-frozen-kvgraphs",
+    "fp16-buckets-compile-cudagraphs-head16-fused-frozen",
+):
     _variant(
         f"{_base}-ropeproj",
         "-outproj",
