@@ -306,17 +306,18 @@ class TabserveEngine(Engine):
             plain.defer_checks = False
         kwargs = {} if self.workload.task == "reg" else {"return_logits": False}
         pairs = []
+        # Replayed graphs' outputs live in a pool the next replay may write: copied at once.
         if self.cell.buckets or self.cell.shape_graphs:
-            padded = self.one_shot(X, y_train)
+            padded = self.one_shot(X, y_train).float().clone()
             with self.context():
-                pairs.append((padded, plain(X, y_train, **kwargs)))
+                pairs.append((padded, plain(X, y_train, **kwargs).float()))
         if kv_graphs:
             X_test = X[:, keep:]
-            padded = self.predict_cached(X_test, self.build_cache(X[:, :keep], y_train))
+            cache = self.build_cache(X[:, :keep], y_train)
+            padded = self.predict_cached(X_test, cache).float().clone()
             with self.context():
                 cache = plain.build_cache(X[:, :keep], y_train)
-                pairs.append((padded, plain.forward_with_cache(X_test, cache, **kwargs)))
-        pairs = [tuple(out.float() for out in pair) for pair in pairs]
+                pairs.append((padded, plain.forward_with_cache(X_test, cache, **kwargs).float()))
         if len(pairs) == 1:
             return pairs[0]
         return tuple(torch.cat(outputs, dim=1) for outputs in zip(*pairs))
