@@ -677,6 +677,29 @@ CELLS: tuple[Cell, ...] = (
         fused_out_projection=True,
         fused_row_tokens=True,
     ),
+    # Small run 11 (H200, eighteenth session): c45 and c54 took 3.65 ms against c41's 3.43 in
+    # one run, so the row stage's RoPE inside the projection costs the small table ~0.2 ms;
+    # the out-projections and row tokens changed nothing one-shot and took the KV-cached
+    # prediction from 1.53 to 1.28 ms. c55: c41 with those two, RoPE as c41 has it. c56: the
+    # same kernels unpadded, the one-shot call replayed from a graph per table shape (the
+    # padded ICL calls ran 1.9x slower than cuDNN on sliced keys: icl_attention.py --prefix).
+    dataclasses.replace(
+        _C41,
+        name="c55-fp16-buckets-compile-cudagraphs-head16-fused-frozen-outproj-rowtokens",
+        description="c41 with the out-projections in the feed-forward and the row tokens "
+        "from the column stage",
+        fused_out_projection=True,
+        fused_row_tokens=True,
+    ),
+    dataclasses.replace(
+        _C42,
+        name="c56-fp16-compile-head16-fused-frozen-kvgraphs-outproj-rowtokens-shapegraphs",
+        description="c42 with the out-projections in the feed-forward, the row tokens from "
+        "the column stage and a CUDA graph per table shape (c51 without RoPE in the projection)",
+        fused_out_projection=True,
+        fused_row_tokens=True,
+        shape_graphs=True,
+    ),
 )
 
 
