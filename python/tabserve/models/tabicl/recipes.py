@@ -644,6 +644,26 @@ _variant(
     "whose one-shot call replays a CUDA graph per table shape (test rows on the grid's buckets)",
     shape_graphs=True,
 )
+#: c41 with the out-projections and row tokens, its RoPE unfused (cell c55: the fastest on the
+#: small workload, where RoPE inside the projection cost ~0.2 ms), and the same kernels on
+#: c42 with a graph per table shape (cell c56).
+_variant(
+    "fp16-buckets-compile-cudagraphs-head16-fused-frozen",
+    "-outproj-rowtokens",
+    "with the out-projections inside the fused feed-forward and the row stage's tokens written "
+    "by the column stage's last one",
+    fused_out_projection=True,
+    fused_row_tokens=True,
+)
+_variant(
+    "fp16-compile-head16-fused-frozen-kvgraphs",
+    "-outproj-rowtokens-shapegraphs",
+    "with the out-projections inside the fused feed-forward, the row stage's tokens written by "
+    "the column stage and the one-shot call replayed from a CUDA graph per table shape",
+    fused_out_projection=True,
+    fused_row_tokens=True,
+    shape_graphs=True,
+)
 del _base
 DEFAULT_RECIPE = "fp32-eager"
 
