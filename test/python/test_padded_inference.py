@@ -522,6 +522,49 @@ def test_cuda_padded_equals_unpadded(recipe):
         assert served.captures == len(served._cached_graphs) + len(served._shape_graphs)
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize(
+    "name",
+    [
+        "fp16-buckets-compile-cudagraphs-head16-fused-frozen-outproj-rowtokens",
+        "fp16-buckets-compile-cudagraphs-head16-fused-frozen-ropeproj-outproj-rowtokens",
+    ],
+    ids=["c55", "c54"],
+)
+def test_cuda_fused_fp16_kernels_pad_as_they_compute_unpadded(name, monkeypatch):
+    """The full-size model under c55's and c54's kernels (fused feed-forward with the folded
+    out-projection and the row tokens, fused LayerNorm + projection with or without RoPE, the
+    head-dim-16 kernel, QASSMax and prefix attention with n on the device), eager in fp16: padded
+    tables against the same kernels unpadded, within the fp16 recipes' rounding (a quarter of
+    the reduced-precision gate, as the driver's ``padded_recipe`` gate; a padded key or row
+    read would be off by far more), every class's argmax on tables that pad all three axes. The
+    compiled and captured forms of these recipes are gated the same way by the driver."""
+    from tabserve.kernels import feed_forward as ff
+
+    launches = []
+    for launcher in ("_launch", "_resident"):
+        original = getattr(ff, launcher)
+        monkeypatch.setattr(
+            ff, launcher, lambda *a, __f=original, __n=launcher: launches.append(__n) or __f(*a)
+        )
+    recipe = recipes.RECIPES[name].replace(compile="none", cuda_graphs=False, freeze=False)
+    model = our_model("clf", "full")
+    padded = ServedTabICL(copy.deepcopy(model).cuda(), recipe, GRID)
+    plain = ServedTabICL(copy.deepcopy(model).cuda(), recipe.replace(buckets=False))
+    worst = 0.0
+    for seed, case in enumerate([(40, 6, 7, 3), (33, 9, 9, 4), (17, 5, 5, 2)]):
+        n_train, n_test, n_features, n_classes = case
+        X, y = (t.cuda() for t in random_table(seed, 2, n_train, n_test, n_features, n_classes))
+        got = padded(X, y, return_logits=False).float()
+        expected = plain(X, y, return_logits=False).float()
+        assert got.shape == expected.shape == (2, n_test, n_classes)
+        worst = max(worst, (got - expected).abs().max().item())
+        assert (got.argmax(-1) == expected.argmax(-1)).double().mean() >= 0.9
+    assert worst <= 5e-3
+    assert {"_launch", "_resident"} <= set(launches)  # both fused feed-forward kernels ran
+
+
 def test_stage_attention_choice_reaches_padded_attention():
     import copy
 
