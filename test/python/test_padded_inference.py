@@ -533,9 +533,10 @@ def test_cuda_padded_equals_unpadded(recipe):
     ids=["c55", "c54"],
 )
 def test_cuda_fused_fp16_kernels_pad_as_they_compute_unpadded(name, monkeypatch):
-    """The full-size model under c55's and c54's kernels (fused feed-forward with the folded
-    out-projection and the row tokens, fused LayerNorm + projection with or without RoPE, the
-    head-dim-16 kernel, QASSMax and prefix attention with n on the device), eager in fp16: padded
+    """The full-size model under c55's and c54's kernels (the fused feed-forward, here its
+    resident kernel with the out-projection applied before it and the row tokens laid out after
+    it, fused LayerNorm + projection with or without RoPE, the head-dim-16 kernel, QASSMax and
+    prefix attention with n on the device), eager in fp16: padded
     tables against the same kernels unpadded, within the fp16 recipes' rounding (a quarter of
     the reduced-precision gate, as the driver's ``padded_recipe`` gate; a padded key or row
     read would be off by far more), every class's argmax on tables that pad all three axes. The
