@@ -442,6 +442,25 @@ def test_gate_of_padding_under_the_cells_own_recipe():
     assert report._gate_text(failed) == "FAIL padded_recipe: max_prob_diff > 0.005"
 
 
+def test_a_padding_gate_that_could_not_run_fails_the_gate():
+    """A padding cell whose gates' phase raised has no padded outputs to compare: its gate
+    fails (named in the table) instead of passing on its other routes."""
+    ref = _probs(0)
+    cell = cell_by_name("c22-fp32-buckets")
+    result = {"cell": cell.name, "workload": "w", "status": "ok", "outputs": "x"}
+    result["padding_gates"] = {"error": "RuntimeError", "message": "boom"}
+    reference = {"cell": "c0-ref-fp32", "workload": "w", "status": "ok", "outputs": "r"}
+    workloads = {"w": workload_by_name("small-quick")}
+    cells = {c.name: c for c in CELLS}
+    outputs = {"x": {"one_shot": ref}, "r": {"one_shot": ref}}
+    gates.apply_gates([reference, result], cells, workloads, lambda r: outputs[r["outputs"]])
+    assert result["gate"]["one_shot"]["failures"] == [] and result["gate"]["passed"] is False
+    assert report._gate_text(result["gate"]) == "FAIL padding_gates: RuntimeError: boom"
+    del result["padding_gates"]
+    gates.apply_gates([reference, result], cells, workloads, lambda r: outputs[r["outputs"]])
+    assert result["gate"]["passed"] is True
+
+
 def _result(cell, ms, passed, status="ok", workload="w", kv=None):
     result = {"cell": cell, "workload": workload, "status": status, "one_shot": {"median_ms": ms}}
     if kv is not None:
@@ -531,6 +550,9 @@ def test_quick_cpu_run_writes_schema_table_plot_and_recipes(tmp_path, capsys):
     assert padded["passed"] is True and padded["padded"]["max_prob_diff"] <= 1e-6
     assert padded["padded_recipe"]["max_prob_diff"] <= 1e-5
     assert "padded_recipe" not in by_cell["c2-fp32"]["gate"]  # pads nothing
+    # The gates run in their own phase, after the cold call and the ready time.
+    assert by_cell["c22-fp32-buckets"]["padding_gates"]["routes"] == ["padded", "padded_recipe"]
+    assert by_cell["c2-fp32"]["padding_gates"] == {"skipped": "the cell pads nothing"}
     promoted = document["promotion"]["small-quick"]["one_shot"]["cell"]
     assert promoted in ("c2-fp32", "c22-fp32-buckets")
 

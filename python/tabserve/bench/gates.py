@@ -129,6 +129,11 @@ def apply_gates(results: list, cells: dict, workloads: dict, load_outputs) -> No
             result["gate"] = gate(
                 cells[cell_name], workload.task, outputs, reference_name, reference
             )
+            failed = result.get("padding_gates", {}).get("error")
+            if failed is not None:  # a padding gate that could not run is a failed gate
+                message = result["padding_gates"].get("message", "")[:200]
+                result["gate"]["padding_gates"] = {"failures": [f"{failed}: {message}"]}
+                result["gate"]["passed"] = False
 
 
 # ---------------------------------------------------------------------------------------------

@@ -300,7 +300,7 @@ def _gate_text(gate: dict | None) -> str:
         return text if padded is None else f"{text} pad {padded:.0e}"
     failures = [
         f"{route}: {', '.join(gate[route]['failures'])}"
-        for route in ("one_shot", "kv", "padded", "padded_recipe")
+        for route in ("one_shot", "kv", "padded", "padded_recipe", "padding_gates")
         if gate.get(route, {}).get("failures")
     ]
     return "FAIL " + "; ".join(failures)
