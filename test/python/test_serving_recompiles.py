@@ -85,6 +85,29 @@ def test_dynamic_recipe_serves_fresh_unpadded_shapes_without_recompiles():
     assert _graphs() == first, "a new table shape recompiled under dynamic=True"
 
 
+def test_dynamic_recipe_traces_the_network_once_with_floats_specialised():
+    """The dynamic-shape recipe specialises floats while it traces (``specialized_floats``):
+    otherwise Dynamo traces each module's float attribute (every LayerNorm's eps) as a
+    symbolic float, pins it when the graph is lowered (AOTAutograd's pass over Python
+    scalars, so not with the ``eager`` backend) and traces the whole network again, which
+    lengthened the cold call of c12 (dynamic flash) past its timeout on the H200's large
+    workload. The operations captured must stay near the static compile's (without the
+    setting: 2.3x), the outputs those of the eager model, and the setting the caller's."""
+    captured = {}
+    for dynamic in (False, True):
+        torch._dynamo.reset()
+        counters.clear()
+        recipe = recipes.RECIPES["fp16-dynamic-flash"].replace(
+            precision="fp32", attention={}, compile_backend="aot_eager", dynamic=dynamic
+        )
+        served = ServedTabICL(copy.deepcopy(our_model("clf", "tiny")), recipe)
+        X, y = random_table(7, TABLES, 29, 7, 5, 3)
+        assert (served(X, y) - our_model("clf", "tiny")(X, y)).abs().max() <= 1e-5
+        captured[dynamic] = counters["stats"]["calls_captured"]
+        assert torch._dynamo.config.specialize_float is False  # restored after the call
+    assert captured[True] <= 1.25 * captured[False], captured
+
+
 @pytest.mark.parametrize("defer", [True, False])
 def test_a_new_class_count_recaptures_only_the_logits_slice(defer):
     """The unpadded compiled model (whole-model compile): with the checks' verdict read after

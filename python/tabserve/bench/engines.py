@@ -24,6 +24,7 @@ from tabserve.models.tabicl.recipes import (
     sdpa_context,
     set_fused_operators,
     set_stage_kernels,
+    specialized_floats,
 )
 
 from .cells import Cell
@@ -73,6 +74,8 @@ class Engine:
             # they may trace; a timed replay should not pay for the flag.
             if cell.freeze and not self._uses_serving:
                 stack.enter_context(freezing())
+            if cell.dynamic and not self._uses_serving:  # served calls enter their recipe's
+                stack.enter_context(specialized_floats())
             stack.enter_context(precision_flags(cell.precision))
             dtype = autocast_dtype(cell.precision)
             if dtype is not None and self._outer_autocast():

@@ -66,6 +66,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib
 import json
 import math
 import os
@@ -198,24 +199,28 @@ class Recipe:
         and die with the autocast context, so a replay would read freed memory. With ``freeze``,
         Inductor's freezing is on (:func:`freezing`), except with CUDA graphs: serving turns it
         on around the captures, the only calls of those recipes that trace (``kv_graphs`` and
-        ``shape_graphs`` recipes trace their other calls too: freezing stays on)."""
+        ``shape_graphs`` recipes trace their other calls too: freezing stays on). With
+        ``dynamic``, Dynamo specialises floats (:data:`specialized_floats`)."""
         precision = precision_context(
             self.precision, torch.device(device).type, cast_cache=not self.graphs
         )
-        if not self.freeze or self.cuda_graphs:  # every call of most recipes: nothing more
+        freeze = self.freeze and not self.cuda_graphs
+        if not (freeze or self.dynamic):  # every call of most recipes: nothing more
             return precision
         stack = contextlib.ExitStack()
-        stack.enter_context(freezing())
+        stack.enter_context(freezing(freeze))
+        stack.enter_context(specialized_floats(self.dynamic))
         stack.enter_context(precision)
         return stack
 
 
-class _Freezing:
-    """Holds ``torch._inductor.config.freezing`` on while any served call that asked for it is
-    inside (host threads may share a served model), and restores the caller's setting when the
-    last one leaves."""
+class _HeldFlag:
+    """Holds one boolean compiler setting on while any served call that asked for it is inside
+    (host threads may share a served model), and restores the caller's setting when the last
+    one leaves. ``module``: the config module's import path; ``name``: the setting."""
 
-    def __init__(self):
+    def __init__(self, module: str, name: str):
+        self._module, self._name = module, name
         self._lock = threading.Lock()
         self._inside = 0
         self._saved = False
@@ -225,12 +230,11 @@ class _Freezing:
         if not enabled:
             yield
             return
-        from torch._inductor import config
-
+        config = importlib.import_module(self._module)
         with self._lock:
             if self._inside == 0:
-                self._saved = config.freezing
-                config.freezing = True
+                self._saved = getattr(config, self._name)
+                setattr(config, self._name, True)
             self._inside += 1
         try:
             yield
@@ -238,7 +242,7 @@ class _Freezing:
             with self._lock:
                 self._inside -= 1
                 if self._inside == 0:
-                    config.freezing = self._saved
+                    setattr(config, self._name, self._saved)
 
 
 #: ``with freezing(enabled):`` Inductor's freezing for what compiles inside (a no-op when not
@@ -248,7 +252,17 @@ class _Freezing:
 #: (serving turns it on around captures only). Freezing applies to graphs traced while
 #: gradients are off (the model's entry points run under ``torch.no_grad``). The flag is set
 #: directly (``config.patch`` costs 2-3x more per call) and stays on while any caller is inside.
-freezing = _Freezing()
+freezing = _HeldFlag("torch._inductor.config", "freezing")
+
+#: ``with specialized_floats(enabled):`` Dynamo's ``specialize_float`` for what traces inside:
+#: the dynamic-shape recipes' calls. With ``dynamic=True`` Dynamo otherwise traces every float
+#: attribute of the model's modules (each LayerNorm's eps) as a symbolic float, pins each to its
+#: value when the graph is lowered, and then traces the whole network a third time: the
+#: one-shot frame captured 1,150 operations against 502 static (tiny model, aot_eager, CPU),
+#: 556 with this on, and Inductor's cold call on the full model took 143 s against 90 static
+#: (CPU, 600 train rows). Shapes stay symbolic; a float argument that changes (the softmax
+#: temperature) recompiles, as under static shapes.
+specialized_floats = _HeldFlag("torch._dynamo.config", "specialize_float")
 
 
 def autocast_dtype(precision: str):
