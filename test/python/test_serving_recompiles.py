@@ -36,6 +36,16 @@ def _graphs() -> int:
     return counters["stats"].get("unique_graphs", 0)
 
 
+def _assert_padding_exact(padded: torch.Tensor, unpadded: torch.Tensor) -> None:
+    """The bucketed-inference issue's fp32 bound, as test_padded_inference.py holds the eager
+    padded path to it: 1e-6 relative to the largest logit (a few fp32 ulp: GEMMs of other row
+    counts sum in another order), the same argmax. The ``eager`` backend runs the traced graphs'
+    own operations, so whole-model and regional compile are held to it too."""
+    assert padded.shape == unpadded.shape
+    assert (padded - unpadded).abs().max() <= 1e-6 * max(1.0, unpadded.abs().max().item())
+    assert torch.equal(padded.argmax(-1), unpadded.argmax(-1))
+
+
 @pytest.mark.parametrize("recipe", ["fp32-buckets-compile", "fp32-buckets-regional"])
 def test_fresh_tables_trigger_no_recompiles(recipe):
     torch._dynamo.reset()
@@ -50,12 +60,11 @@ def test_fresh_tables_trigger_no_recompiles(recipe):
     assert warm > 0
     reference = our_model("clf", "tiny")
     for _, X, y in _stream(20, seed=1):
-        assert (served(X, y) - reference(X, y)).abs().max() <= 1e-5
+        _assert_padding_exact(served(X, y), reference(X, y))
     assert _graphs() == warm, "a fresh table in a warm bucket recompiled"
     for n_train, X, y in _stream(4, seed=2):
         cache = served.build_cache(X[:, :n_train], y)
-        got = served.forward_with_cache(X[:, n_train:], cache)
-        assert (got - reference(X, y)).abs().max() <= 1e-5
+        _assert_padding_exact(served.forward_with_cache(X[:, n_train:], cache), reference(X, y))
     assert _graphs() == warm, "a fresh KV cache in a warm bucket recompiled"
     assert counters["graph_break"] == {}
 
