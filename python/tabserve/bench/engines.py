@@ -237,14 +237,20 @@ class TabserveEngine(Engine):
         graphs = self.cell.cuda_graphs or self.cell.kv_graphs or self.cell.shape_graphs
         return self.served.captures if graphs else None
 
+    def _padded_routes(self) -> tuple[bool, bool]:
+        """(one-shot, KV-cached) routes on which the cell pads: bucketed and ``shape_graphs``
+        cells' one-shot call, ``kv_graphs`` cells' KV-cached prediction (its test rows)."""
+        cell = self.cell
+        return bool(cell.buckets or cell.shape_graphs), cell.kv_graphs and self.workload.cacheable
+
     def padding_gate(self, X, y_train):
         """(padded, unpadded) outputs of the cell's padding in fp32 eager, or None when the cell
         pads nothing: bucketed cells' one-shot call; ``shape_graphs`` cells' one-shot call and
         ``kv_graphs`` cells' KV-cached prediction, whose test rows are padded (one test row
         fewer than the workload's, so that they do not sit on a test bucket), the graphs
         replayed as served; both of a cell with both, joined along the test rows."""
-        kv_graphs = self.cell.kv_graphs and self.workload.cacheable
-        if not (self.cell.buckets or kv_graphs or self.cell.shape_graphs):
+        one_shot, kv_graphs = self._padded_routes()
+        if not (one_shot or kv_graphs):
             return None
         from tabserve.models.tabicl import TabICLv2
         from tabserve.models.tabicl.serving import ServedTabICL
@@ -268,7 +274,7 @@ class TabserveEngine(Engine):
         X = X[:, : max(n_train + 1, X.shape[1] - 1)]  # test rows off the test buckets
         pairs = []
         with torch.no_grad(), precision_flags("fp32"):
-            if self.cell.buckets or self.cell.shape_graphs:
+            if one_shot:
                 pairs.append((padded(X, y_train, **kwargs), plain(X, y_train, **kwargs)))
             if kv_graphs:
                 cache = plain.build_cache(X[:, :n_train], y_train)
@@ -279,9 +285,7 @@ class TabserveEngine(Engine):
                         plain.forward_with_cache(X_test, cache, **kwargs),
                     )
                 )
-        if len(pairs) == 1:
-            return pairs[0]
-        return tuple(torch.cat(outputs, dim=1) for outputs in zip(*pairs))
+        return _joined(pairs)
 
     def recipe_padding_gate(self, X, y_train):
         """(padded, unpadded) outputs under the cell's own recipe, or None when the cell pads
@@ -294,8 +298,8 @@ class TabserveEngine(Engine):
         workload then reaches it through the device tensor): the bucketed and ``shape_graphs``
         cells' one-shot call, the ``kv_graphs`` cells' KV-cached prediction (padded test rows),
         both joined along the test rows for a cell with both."""
-        kv_graphs = self.cell.kv_graphs and self.workload.cacheable
-        if not (self.cell.buckets or kv_graphs or self.cell.shape_graphs):
+        one_shot, kv_graphs = self._padded_routes()
+        if not (one_shot or kv_graphs):
             return None
         from tabserve.models.tabicl import TabICLv2
 
@@ -310,7 +314,7 @@ class TabserveEngine(Engine):
         kwargs = {} if self.workload.task == "reg" else {"return_logits": False}
         pairs = []
         # Replayed graphs' outputs live in a pool the next replay may write: copied at once.
-        if self.cell.buckets or self.cell.shape_graphs:
+        if one_shot:
             padded = self.one_shot(X, y_train).float().clone()
             with self.context():
                 pairs.append((padded, plain(X, y_train, **kwargs).float()))
@@ -321,9 +325,7 @@ class TabserveEngine(Engine):
             with self.context():
                 cache = plain.build_cache(X[:, :keep], y_train)
                 pairs.append((padded, plain.forward_with_cache(X_test, cache, **kwargs).float()))
-        if len(pairs) == 1:
-            return pairs[0]
-        return tuple(torch.cat(outputs, dim=1) for outputs in zip(*pairs))
+        return _joined(pairs)
 
     def _apply_recipe_kernels(self, model) -> None:
         """The cell's fused operators and per-stage attention kernels on ``model``, in place."""
@@ -439,6 +441,13 @@ def _pin_stage_attention(module, backend: str) -> None:
                 return __method(*args, **kwargs)
 
         setattr(module, name, pinned)
+
+
+def _joined(pairs: list) -> tuple:
+    """One (padded, unpadded) pair from a gate's routes' pairs, joined along the test rows."""
+    if len(pairs) == 1:
+        return pairs[0]
+    return tuple(torch.cat(outputs, dim=1) for outputs in zip(*pairs))
 
 
 def _bucket_grid(name: str | None):
