@@ -91,7 +91,13 @@ def test_cell_validation_selection_and_recipe():
         Cell("cx", "tabserve", "fp16", "bad", attention={"col": "warp"})
     with pytest.raises(KeyError, match="known"):
         cell_by_name("c99-nothing")
-    assert [c.name for c in select_cells(["c1*", "c2-fp32"])][:2] == ["c1-ref-fp16", "c2-fp32"]
+    assert [c.name for c in select_cells(["c1-ref*", "c2-fp32"])] == ["c1-ref-fp16", "c2-fp32"]
+    # The order named is the order run (a deadline cuts the cells named last), each cell once.
+    named = [c.name for c in select_cells(["c56*", "c1-ref-fp16", "c5-fp16", "c1*"])]
+    assert named[0].startswith("c56-") and named[1:3] == ["c1-ref-fp16", "c5-fp16"]
+    assert len(named) == len(set(named)) and named[3:] == [
+        c.name for c in CELLS if c.name.startswith("c1") and c.name != "c1-ref-fp16"
+    ]
     recipe = cell_by_name("c9-fp16-flash-cudnn-icl").recipe()
     assert recipe["attention"] == {"col": "flash", "row": "flash", "icl": "cudnn"}
     assert "description" not in recipe and "pending" not in recipe

@@ -712,12 +712,20 @@ def cell_by_name(name: str) -> Cell:
 
 
 def select_cells(patterns: list | None) -> list:
-    """Cells whose name matches any shell-style pattern (all cells when ``patterns`` is empty)."""
+    """Cells whose name matches any shell-style pattern (all cells when ``patterns`` is empty),
+    in the order of the patterns (a pattern's own matches in table order), each once: a run
+    cut by its deadline reaches the cells named first."""
     from fnmatch import fnmatch
 
     if not patterns:
         return list(CELLS)
-    chosen = [c for c in CELLS if any(fnmatch(c.name, p) or c.name == p for p in patterns)]
+    chosen = []
+    for pattern in patterns:
+        chosen += [
+            c
+            for c in CELLS
+            if (fnmatch(c.name, pattern) or c.name == pattern) and c not in chosen
+        ]
     unknown = [p for p in patterns if not any(fnmatch(c.name, p) for c in CELLS)]
     if unknown:
         raise KeyError(f"no cell matches {unknown}; known: {', '.join(c.name for c in CELLS)}")
