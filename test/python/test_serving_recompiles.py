@@ -117,6 +117,31 @@ def test_dynamic_recipe_traces_the_network_once_with_floats_specialised():
     assert captured[True] <= 1.25 * captured[False], captured
 
 
+def test_dynamic_recipe_reads_the_checks_verdict_outside_its_graphs():
+    """The checks' verdict is read on the host and Dynamo does not trace past the read: under
+    ``dynamic=True`` the verdict's ints were symbols and the rest of the read became a graph
+    of integer inputs only (``K > max_classes``), which torch 2.11's Inductor compiled into
+    code naming an unbound symbol (c12's NameError on the H200). Every graph the recipe
+    captures must take a tensor, and the outputs stay the eager model's."""
+    graphs = []
+
+    def recording_backend(gm, example_inputs):
+        graphs.append([n.meta.get("example_value") for n in gm.graph.nodes if n.op == "placeholder"])
+        return gm.forward
+
+    torch._dynamo.reset()
+    recipe = recipes.RECIPES["fp16-dynamic-flash"].replace(
+        precision="fp32", attention={}, compile_backend=recording_backend
+    )
+    served = ServedTabICL(copy.deepcopy(our_model("clf", "tiny")), recipe)
+    for seed, (n, m, f, k) in enumerate([(29, 7, 5, 3), (33, 9, 6, 4)]):
+        X, y = random_table(70 + seed, TABLES, n, m, f, k)
+        assert (served(X, y) - our_model("clf", "tiny")(X, y)).abs().max() <= 1e-5
+    assert graphs, "the recipe captured nothing"
+    for inputs in graphs:
+        assert any(isinstance(v, torch.Tensor) for v in inputs), f"a graph of {inputs} alone"
+
+
 @pytest.mark.parametrize("defer", [True, False])
 def test_a_new_class_count_recaptures_only_the_logits_slice(defer):
     """The unpadded compiled model (whole-model compile): with the checks' verdict read after

@@ -228,6 +228,12 @@ class TabICLv2(nn.Module):
             raise ValueError(f"{name} is on {X.device} but the model is on {device}")
         return X
 
+    # The checks' verdict is read on the host: Dynamo runs these two eagerly (one graph break
+    # at their call) rather than trace the rest of them from the ints the verdict holds. Under
+    # ``dynamic=True`` those ints become symbols, and torch 2.11's Inductor emitted a graph for
+    # ``K > max_classes`` that names a symbol it never binds (NameError on c12's first call on
+    # the H200, 2026-12-02).
+    @torch.compiler.disable
     def _check_inputs(self, X: Tensor, y_train: Tensor, name: str = "X") -> tuple[Tensor, int]:
         """Validate a table and its train labels; returns ``(X in the model's dtype, K)`` with
         K the number of classes (0 for regression).
@@ -338,6 +344,7 @@ class TabICLv2(nn.Module):
         labels = torch.nan_to_num(labels, nan=0.0, posinf=0.0, neginf=0.0)
         return labels.clamp(0, self.config.max_classes - 1)
 
+    @torch.compiler.disable  # read on the host, like _check_inputs
     def _settle_checks(self, X: Tensor, y_train: Tensor, verdict: Tensor, name: str = "X") -> int:
         """Reads a queued verdict (:meth:`_queue_checks`; ``X`` and ``y_train`` as the caller
         gave them): K (0 for regression), or the ATen checks' precise error."""
