@@ -92,6 +92,8 @@ def test_cell_validation_selection_and_recipe():
     with pytest.raises(KeyError, match="known"):
         cell_by_name("c99-nothing")
     assert [c.name for c in select_cells(["c1-ref*", "c2-fp32"])] == ["c1-ref-fp16", "c2-fp32"]
+    with pytest.raises(KeyError, match=r"no cell matches \['zz\*'\]"):
+        select_cells(["c1-ref*", "zz*"])
     # The order named is the order run (a deadline cuts the cells named last), each cell once.
     named = [c.name for c in select_cells(["c56*", "c1-ref-fp16", "c5-fp16", "c1*"])]
     assert named[0].startswith("c56-") and named[1:3] == ["c1-ref-fp16", "c5-fp16"]

@@ -719,14 +719,12 @@ def select_cells(patterns: list | None) -> list:
 
     if not patterns:
         return list(CELLS)
-    chosen = []
+    chosen, unknown = [], []
     for pattern in patterns:
-        chosen += [
-            c
-            for c in CELLS
-            if (fnmatch(c.name, pattern) or c.name == pattern) and c not in chosen
-        ]
-    unknown = [p for p in patterns if not any(fnmatch(c.name, p) for c in CELLS)]
+        matches = [c for c in CELLS if fnmatch(c.name, pattern) or c.name == pattern]
+        if not matches:
+            unknown.append(pattern)
+        chosen += [c for c in matches if c not in chosen]
     if unknown:
         raise KeyError(f"no cell matches {unknown}; known: {', '.join(c.name for c in CELLS)}")
     return chosen
