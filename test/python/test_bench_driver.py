@@ -515,6 +515,34 @@ def test_table_is_fixed_width():
     assert lines == ["name       ms", "------  -----", "a         1.5", "longer  10.25"]
 
 
+def test_plot_labels_bars_with_short_ids_in_cell_number_order(tmp_path, monkeypatch):
+    assert report.cell_id("c52-fp16-compile-head16") == "c52" and report.cell_id("solo") == "solo"
+    names = ["c10-fp16-compile", "c2-fp32", "x-other", "c1-ref-fp16"]
+    assert sorted(names, key=report._cell_number) == [
+        "c1-ref-fp16", "c2-fp32", "c10-fp16-compile", "x-other"]
+
+    import matplotlib.axes
+
+    ticks = []
+    original = matplotlib.axes.Axes.set_yticks
+
+    def recording(self, y, labels=None, **kw):
+        ticks.append(list(labels))
+        return original(self, y, labels, **kw)
+
+    monkeypatch.setattr(matplotlib.axes.Axes, "set_yticks", recording)
+    timed = {"median_ms": 2.0, "p20_ms": 1.9, "p80_ms": 2.1}
+    results = [
+        {"cell": name, "workload": "w", "status": "ok", "one_shot": dict(timed),
+         "speedup": {"one_shot": {"ref16": 1.5}}}
+        for name in names
+    ]
+    document = {"results": results}
+    assert report.plot(document, tmp_path / "p.png").stat().st_size > 0
+    # Both panels of the one workload: latency and speedup, ids in number order.
+    assert ticks == [["c1", "c2", "c10", "x"]] * 2
+
+
 # -- the CLI, end to end ------------------------------------------------------------------------
 
 

@@ -540,7 +540,10 @@ def render_ab(ab: dict) -> str:
 
 def plot(document: dict, path: Path) -> Path | None:
     """PNG: per workload, one-shot (or stream p50) latency by cell with p20-p80 whiskers (log
-    scale), and the speedup over the reference fp16 cell (fp32 when fp16 did not run)."""
+    scale), and the speedup over the reference fp16 cell (fp32 when fp16 did not run).
+
+    Bars carry the cells' short ids (``c52``) and their figures; a key under the panels gives each
+    id's full name once, so fifty cells of ninety-character names stay legible."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -551,34 +554,60 @@ def plot(document: dict, path: Path) -> Path | None:
     workloads = list(dict.fromkeys(r["workload"] for r in ok))
     if not workloads:
         return None
-    fig, axes = plt.subplots(
-        len(workloads),
-        2,
-        figsize=(13, 1.2 + 0.32 * _most_cells(ok) * len(workloads)),
-        squeeze=False,
+    per_workload = [
+        sorted((r for r in ok if r["workload"] == w), key=lambda r: _cell_number(r["cell"]))
+        for w in workloads
+    ]
+    names = sorted(dict.fromkeys(r["cell"] for r in ok), key=_cell_number)
+    key_lines = (len(names) + 1) // 2
+    panel_rows = sum(len(mine) + 3 for mine in per_workload)
+    fig = plt.figure(figsize=(12, 0.22 * (panel_rows + key_lines / 2) + 1))
+    grid = fig.add_gridspec(
+        len(workloads) + 1, 2, height_ratios=[len(m) + 3 for m in per_workload] + [key_lines / 2 + 1]
     )
-    for row, workload in zip(axes, workloads):
-        mine = [r for r in ok if r["workload"] == workload]
+    for index, (workload, mine) in enumerate(zip(workloads, per_workload)):
+        left, right = fig.add_subplot(grid[index, 0]), fig.add_subplot(grid[index, 1])
         phase = "stream" if "stream" in mine[0] else "one_shot"
-        names = [r["cell"] for r in mine]
+        ids = [cell_id(r["cell"]) for r in mine]
+        y = list(range(len(mine)))
         med = [r[phase]["median_ms"] for r in mine]
         low = [m - r[phase]["p20_ms"] for m, r in zip(med, mine)]
         high = [r[phase]["p80_ms"] - m for m, r in zip(med, mine)]
-        colors = ["tab:gray" if n.startswith(("c0-", "c1-")) else "tab:blue" for n in names]
-        row[0].barh(names, med, xerr=[low, high], color=colors)
-        row[0].set_xscale("log")
-        row[0].invert_yaxis()
-        row[0].set_title(f"{workload}: {'stream p50' if phase == 'stream' else 'one-shot'} ms")
+        colors = ["tab:gray" if r["cell"].startswith(("c0-", "c1-")) else "tab:blue" for r in mine]
         label = (
             "ref16"
             if any(r.get("speedup", {}).get(phase, {}).get("ref16") for r in mine)
             else "ref32"
         )
         speed = [r.get("speedup", {}).get(phase, {}).get(label, 0.0) for r in mine]
-        row[1].barh(names, speed, color=colors)
-        row[1].axvline(1.0, color="black", linewidth=0.8)
-        row[1].invert_yaxis()
-        row[1].set_title(f"{workload}: speedup over {label}")
+        left.barh(y, med, xerr=[low, high], color=colors)
+        left.set_xscale("log")
+        right.barh(y, speed, color=colors)
+        right.axvline(1.0, color="black", linewidth=0.8)
+        for axis, values, text in (
+            (left, med, [fmt_ms(m) for m in med]),
+            (right, speed, [f"{v:.2f}x" for v in speed]),
+        ):
+            axis.set_yticks(y, ids, fontsize=7)
+            axis.invert_yaxis()
+            axis.tick_params(axis="x", which="both", labelsize=7)
+            for row, (value, words) in enumerate(zip(values, text)):
+                if value:
+                    axis.annotate(
+                        words, (value, row), xytext=(3, 0), textcoords="offset points",
+                        va="center", fontsize=6,
+                    )
+        right.set_xlim(0, max(speed + [1.0]) * 1.15)
+        what = "stream p50" if phase == "stream" else "one-shot"
+        left.set_title(f"{workload}: {what} ms", fontsize=9)
+        right.set_title(f"{workload}: speedup over {label}", fontsize=9)
+    key = fig.add_subplot(grid[-1, :])
+    key.axis("off")
+    for column, start in enumerate((0, key_lines)):
+        key.text(
+            column / 2, 1, "\n".join(names[start : start + key_lines]), va="top", ha="left",
+            fontsize=6.5, family="monospace", transform=key.transAxes,
+        )
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -587,8 +616,12 @@ def plot(document: dict, path: Path) -> Path | None:
     return path
 
 
-def _most_cells(results: list) -> int:
-    counts: dict = {}
-    for r in results:
-        counts[r["workload"]] = counts.get(r["workload"], 0) + 1
-    return max(counts.values())
+def _cell_number(name: str) -> tuple:
+    """Sort key: c2 before c10; names not of the form cN sort last, by name."""
+    digits = cell_id(name)[1:]
+    return (0, int(digits), name) if digits.isdigit() else (1, 0, name)
+
+
+def cell_id(name: str) -> str:
+    """A cell's short id: ``c52-fp16-compile-...`` -> ``c52`` (names without a dash stay)."""
+    return name.split("-", 1)[0]
