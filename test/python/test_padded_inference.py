@@ -568,6 +568,71 @@ def test_cuda_fused_fp16_kernels_pad_as_they_compute_unpadded(name, monkeypatch)
     assert "_resident" in launches
 
 
+def _recipes_no_cell_runs() -> list[str]:
+    """Named recipes that no benchmark cell runs (the driver gates the others on the GPU, on
+    full-size tables): the CUDA test below gates these the driver's way."""
+    import dataclasses
+
+    from tabserve.bench.cells import CELLS
+
+    def fields(recipe):
+        skip = ("name", "description")
+        return {k: v for k, v in dataclasses.asdict(recipe).items() if k not in skip}
+
+    ran = []
+    for cell in CELLS:
+        try:
+            ran.append(fields(recipes.recipe_from_cell(cell.recipe(), cell.name)))
+        except ValueError:  # a reference cell, or one the recipes cannot express (fp8)
+            continue
+    return [name for name, recipe in recipes.RECIPES.items() if fields(recipe) not in ran]
+
+
+def test_every_named_recipe_is_gated_by_a_cell_or_the_cuda_recipe_test():
+    without = _recipes_no_cell_runs()
+    assert without and set(without) < set(recipes.RECIPES)
+    # A cell's recipe is found: the plain fp32 bucketed recipe is c22's, so it is not listed.
+    assert "fp32-buckets" not in without and "fp16-buckets-max-autotune" in without
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name", _recipes_no_cell_runs())
+def test_cuda_recipe_without_a_cell_passes_the_drivers_gates(name):
+    """Each named recipe that no benchmark cell runs, on the GPU: against the fp32 eager model
+    (TF32 off) within the driver's gate for its precision, and, where bucketed, its padded
+    tables against the same kernels eager and unpadded within the driver's padded-recipe gate.
+    Three tables share one bucket (every axis padded), so a compiled or captured bucket is
+    replayed on new inputs. A recipe that names attention kernels or fuses operators runs on
+    the full-size model (the head-dim-16 and fused kernels need its widths; the tiny model's
+    head dim 4 is below what some SDPA kernels take), the others on the tiny one."""
+    from tabserve.bench import gates
+
+    torch._dynamo.reset()
+    recipe = recipes.RECIPES[name]
+    size = "full" if recipe.attention or recipe.fused_ffn or recipe.fused_norm_linear else "tiny"
+    reference = copy.deepcopy(our_model("clf", size)).cuda()
+    served = ServedTabICL(copy.deepcopy(our_model("clf", size)).cuda(), recipe, GRID)
+    eager = recipe.replace(buckets=False, cuda_graphs=False, compile="none", freeze=False)
+    unpadded = ServedTabICL(copy.deepcopy(our_model("clf", size)).cuda(), eager)
+    reduced = recipe.precision != "fp32"
+    limits = gates.LIMITS["reduced" if reduced else "fp32"]
+    padded_limits = gates.LIMITS["padded_recipe_reduced" if reduced else "padded_recipe_fp32"]
+    for seed, case in enumerate([(20, 5, 5, 3), (25, 7, 6, 2), (30, 6, 5, 4)]):  # bucket (32, 8, 6)
+        X, y = (t.cuda() for t in random_table(seed, 4, *case))
+        with recipes.precision_flags("fp32"):
+            expected = reference(X, y, return_logits=False)
+        got = served(X, y, return_logits=False).float()
+        assert gates.check(gates.compare("clf", got, expected), limits) == [], (name, case)
+        if recipe.buckets:
+            plain = unpadded(X, y, return_logits=False).float()
+            assert gates.check(gates.compare("clf", got, plain), padded_limits) == [], (name, case)
+    if recipe.buckets:
+        assert GRID.bucket_for(30, 6, 5) == GRID.bucket_for(20, 5, 5)
+    if recipe.cuda_graphs:  # one bucket, one capture, replayed for the two later tables
+        assert len(served._graphs) == 1
+
+
 def test_stage_attention_choice_reaches_padded_attention():
     import copy
 
