@@ -143,7 +143,8 @@ for part in "$@"; do
     cudatests)  # the CUDA tests of the model, padding, serving and RoPE, then the RoPE benchmark;
       # the recipe gates (about 300 s, most of it max-autotune) run in the `recipes` part. These
       # files no longer fit one call (twenty-first session: 10 and 17 tests in 210 s and 498 s, none
-      # failed): CUDATESTS_FILES picks some. -v names each finished test when the timeout cuts.
+      # failed): CUDATESTS_FILES picks some (158 tests: 6 model + 10 padded-inference, the slow ones,
+      # then 44 padding-op, 8 RoPE, 1 AOT, 89 small-head attention). -v names each finished test.
       timeout "${CUDATESTS_TIMEOUT:-$(left $((LIMIT - 30)))}" python3 -m pytest -v -p no:cacheprovider -p no:logging -rfE \
         --durations=20 -m cuda -k "not recipe_without_a_cell" ${CUDATESTS_FILES:-test/python/test_tabicl_model.py \
         test/python/test_padded_inference.py test/python/test_padding_ops.py test/python/test_rotary.py \
