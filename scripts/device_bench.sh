@@ -10,6 +10,7 @@
 # parts run patched).
 set -uo pipefail
 cd "$(dirname "$0")/.."
+RECIPE_GATES=recipe_without_a_cell  # the recipe-gate CUDA test (test_padded_inference.py): `recipes` part
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-$PWD/device-out}
 LOG=$(mktemp -d /tmp/device-bench.XXXX)
@@ -146,7 +147,7 @@ for part in "$@"; do
       # failed): CUDATESTS_FILES picks some (158 tests: 6 model + 10 padded-inference, the slow ones,
       # then 44 padding-op, 8 RoPE, 1 AOT, 89 small-head attention). -v names each finished test.
       timeout "${CUDATESTS_TIMEOUT:-$(left $((LIMIT - 30)))}" python3 -m pytest -v -p no:cacheprovider -p no:logging -rfE \
-        --durations=20 -m cuda -k "not recipe_without_a_cell" ${CUDATESTS_FILES:-test/python/test_tabicl_model.py \
+        --durations=20 -m cuda -k "not $RECIPE_GATES" ${CUDATESTS_FILES:-test/python/test_tabicl_model.py \
         test/python/test_padded_inference.py test/python/test_padding_ops.py test/python/test_rotary.py \
         test/python/test_aot_buckets.py test/python/test_small_head_attention.py} \
         >"$LOG/cudatests.log" 2>&1
@@ -158,7 +159,7 @@ for part in "$@"; do
     recipes)  # each named recipe no benchmark cell runs, gated the driver's way (307.6 s on the
       # H200, twenty-first session: 197 s of it the max-autotune recipe's compile)
       timeout "$(left $((LIMIT - 10)))" python3 -m pytest -v -p no:cacheprovider -p no:logging -rfE \
-        --durations=0 -m cuda -k recipe_without_a_cell test/python/test_padded_inference.py \
+        --durations=0 -m cuda -k $RECIPE_GATES test/python/test_padded_inference.py \
         >"$LOG/recipes.log" 2>&1
       echo "recipes rc=$?"; grep -n -A12 "^E " "$LOG/recipes.log" | head -40; grep "PASSED\|FAILED\|s call" "$LOG/recipes.log"
       tail -3 "$LOG/recipes.log" ;;

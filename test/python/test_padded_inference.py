@@ -275,11 +275,9 @@ def test_precision_flags_nest_and_restore_across_threads():
 
 
 def test_recipe_from_benchmark_cell():
-    from tabserve.bench.cells import CELLS
+    from tabserve.bench.cells import recipe_cells
 
-    for cell in CELLS:
-        if cell.engine != "tabserve" or cell.precision == "fp8":
-            continue
+    for cell in recipe_cells():
         recipe = recipes.recipe_from_cell(cell.recipe(), name=cell.name)
         assert recipe.dynamic == cell.dynamic
         assert recipe.buckets == bool(cell.buckets)
@@ -573,17 +571,13 @@ def _recipes_no_cell_runs() -> list[str]:
     full-size tables): the CUDA test below gates these the driver's way."""
     import dataclasses
 
-    from tabserve.bench.cells import CELLS
+    from tabserve.bench.cells import recipe_cells
 
     def fields(recipe):
         skip = ("name", "description")
         return {k: v for k, v in dataclasses.asdict(recipe).items() if k not in skip}
 
-    ran = [
-        fields(recipes.recipe_from_cell(cell.recipe(), cell.name))
-        for cell in CELLS
-        if cell.engine == "tabserve" and cell.precision != "fp8"  # fp8: Transformer Engine cells
-    ]
+    ran = [fields(recipes.recipe_from_cell(cell.recipe(), cell.name)) for cell in recipe_cells()]
     return [name for name, recipe in recipes.RECIPES.items() if fields(recipe) not in ran]
 
 

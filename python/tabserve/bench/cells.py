@@ -711,6 +711,12 @@ def cell_by_name(name: str) -> Cell:
     raise KeyError(f"unknown cell {name!r}; known: {', '.join(c.name for c in CELLS)}")
 
 
+def recipe_cells() -> list:
+    """The cells served through a tabserve recipe (``recipes.recipe_from_cell``): the tabserve
+    engine's cells, less the fp8 ones, which Transformer Engine would serve."""
+    return [c for c in CELLS if c.engine == "tabserve" and c.precision != "fp8"]
+
+
 def select_cells(patterns: list | None) -> list:
     """Cells whose name matches any shell-style pattern (all cells when ``patterns`` is empty),
     in the order of the patterns (a pattern's own matches in table order), each once: a run
