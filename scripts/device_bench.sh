@@ -10,7 +10,7 @@
 # parts run patched).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-RECIPE_GATES=recipe_without_a_cell  # the recipe-gate CUDA test (test_padded_inference.py): `recipes` part
+RECIPE_GATES=recipe_without_a_cell  # the recipe-gate CUDA test: the `recipes` part runs it
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-$PWD/device-out}
 LOG=$(mktemp -d /tmp/device-bench.XXXX)
