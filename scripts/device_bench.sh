@@ -23,6 +23,16 @@ STAGES=none OUT="$LOG/build" bash scripts/device_check.sh >"$LOG/build_stage.log
 ls .whl/*.whl >/dev/null 2>&1 && export PYTHONPATH=/tmp/site
 echo "== built (${SECONDS}s)"
 
+tests() {  # tests NAME SECONDS PYTEST_ARGS...: pytest into $LOG/NAME.log, then its verdict
+  local name=$1 seconds=$2; shift 2
+  timeout "$seconds" env ${PYTEST_ENV:-} python3 -m pytest -p no:cacheprovider -p no:logging -rfE "$@" \
+    >"$LOG/$name.log" 2>&1
+  echo "$name rc=$?"
+  grep -n -B2 -A12 "^E " "$LOG/$name.log" | head -${PYTEST_TAIL:-60}
+  grep " FAILED\|s call" "$LOG/$name.log" | head -30  # with -v / --durations: what failed, what took long
+  tail -3 "$LOG/$name.log"
+}
+
 bench() {  # bench NAME WORKLOADS... -- CELLS...
   local name=$1; shift
   # A part run again after `patch` writes beside its first run (NAME_2, NAME_3, ...).
@@ -46,10 +56,11 @@ for part in "$@"; do
       # LIMIT=590 CELL_TIMEOUT=500 BENCH_ARGS="--skip-phases end_to_end kv" and may still not end.
       # Cells run in the order named; the other compiled cells need ~60-110 s each.
       bench small small -- ${SMALL_CELLS:-c11-fp16-compile-max-autotune} ;;
-    large)  # cells never measured on large: c16 (the deadline cut it in the twenty-first session,
-      # after c23's 54.5 s cold call), c12 (dynamic) after its fix (small: 97.9 s cold; large
-      # timed out at 260 s before it). c14, c18, c19, c22 (twentieth) and c23 (twenty-first) ran.
-      bench large large -- ${LARGE_CELLS:-c1-ref-fp16 c16-fp16-buckets-compile c12-fp16-dynamic-flash} ;;
+    large)  # cells never measured on large: c25 (flash in the head-dim-16 stages), c44. c16 and c12
+      # ran in the twenty-second session (c12's end-to-end phase timed out at 200 s: one-shot and
+      # KV measured; CELL_TIMEOUT=300 or BENCH_ARGS="--skip-phases end_to_end" for the rest).
+      bench large large -- ${LARGE_CELLS:-c1-ref-fp16 c25-fp16-compile-flash-colrow \
+        c44-fp16-compile-head16-fused-frozen-kvgraphs-ropeproj} ;;
     compiled)  # whole-model compile and compile + CUDA graphs on the large workload
       # The estimator path compiles anew (about a minute per cell on large): left out here.
       # c1-ref-fp16 + one compiled cell need ~120 s after the build: LIMIT=190 left c40 past its
@@ -80,32 +91,25 @@ for part in "$@"; do
     ffn)  # the fused feed-forward operators: their CUDA tests (FFN_TESTS=0 skips them), then the
           # benchmark (FFN_ARGS, default --sweep: the Triton kernel's tiles; FFN_ARGS= methods only)
       if [ "${FFN_TESTS:-1}" = 1 ]; then
-        timeout "$(left $((LIMIT - 60)))" python3 -m pytest -q -p no:cacheprovider -p no:logging -rfE \
-          test/python/test_feed_forward.py test/python/test_feed_forward_resident.py >"$LOG/ffn_pytest.log" 2>&1
-        echo "ffn pytest rc=$?"; grep -n -A8 "^E " "$LOG/ffn_pytest.log" | head -40; tail -3 "$LOG/ffn_pytest.log"
+        tests ffn_pytest "$(left $((LIMIT - 60)))" -q test/python/test_feed_forward.py \
+          test/python/test_feed_forward_resident.py
       fi
       timeout "$(left $((LIMIT - 10)))" python3 benchmarks/feed_forward.py --device cuda ${FFN_ARGS---sweep} \
         --json "$OUT/feed-forward-cuda.json" >"$LOG/ffn_bench.log" 2>&1
       echo "ffn bench rc=$?"; tail -${FFN_TAIL:-70} "$LOG/ffn_bench.log" ;;
     norm)  # the fused LayerNorm + projection operator: its CUDA tests, then its benchmark
            # (NORM_ARGS, default --sweep: the tiles; NORM_ARGS= methods only)
-      timeout "$(left $((LIMIT - 60)))" python3 -m pytest -q -p no:cacheprovider -p no:logging -rfE \
-        test/python/test_norm_linear.py >"$LOG/norm_pytest.log" 2>&1
-      echo "norm pytest rc=$?"; grep -n -A8 "^E " "$LOG/norm_pytest.log" | head -40; tail -3 "$LOG/norm_pytest.log"
+      tests norm_pytest "$(left $((LIMIT - 60)))" -q test/python/test_norm_linear.py
       timeout "$(left $((LIMIT - 10)))" python3 benchmarks/norm_linear.py --device cuda ${NORM_ARGS---sweep} \
         --json "$OUT/norm-linear-cuda.json" >"$LOG/norm_bench.log" 2>&1
       echo "norm bench rc=$?"; tail -${NORM_TAIL:-40} "$LOG/norm_bench.log" ;;
     qassmax)  # the fused QASSMax scaling: its CUDA tests, then its benchmark on the workloads' calls
-      timeout "$(left $((LIMIT - 60)))" python3 -m pytest -q -p no:cacheprovider -p no:logging -rfE \
-        -k qassmax test/python/test_padding_ops.py >"$LOG/qassmax_pytest.log" 2>&1
-      echo "qassmax pytest rc=$?"; tail -3 "$LOG/qassmax_pytest.log"
+      tests qassmax_pytest "$(left $((LIMIT - 60)))" -q -k qassmax test/python/test_padding_ops.py
       timeout "$(left $((LIMIT - 10)))" python3 benchmarks/qassmax_scale.py --device cuda ${QASSMAX_ARGS:-} \
         --json "$OUT/qassmax-scale-cuda.json" >"$LOG/qassmax_bench.log" 2>&1
       echo "qassmax bench rc=$?"; tail -20 "$LOG/qassmax_bench.log" ;;
     checks)  # the one-kernel input checks: their tests (CPU and CUDA), then their benchmark
-      timeout "$(left $((LIMIT - 60)))" python3 -m pytest -q -p no:cacheprovider -p no:logging -rfE \
-        test/python/test_table_checks.py >"$LOG/checks_pytest.log" 2>&1
-      echo "checks pytest rc=$?"; grep -n -A8 "^E " "$LOG/checks_pytest.log" | head -40; tail -3 "$LOG/checks_pytest.log"
+      tests checks_pytest "$(left $((LIMIT - 60)))" -q test/python/test_table_checks.py
       timeout "$(left $((LIMIT - 10)))" python3 benchmarks/table_checks.py --device cuda \
         --json "$OUT/table-checks-cuda.json" >"$LOG/checks_bench.log" 2>&1
       echo "checks bench rc=$?"; tail -12 "$LOG/checks_bench.log" ;;
@@ -124,10 +128,7 @@ for part in "$@"; do
       fi ;;
     pytest)  # any tests: PYTEST_ARGS (files, -k, -v: no -q here, which would cancel a -v; a run cut
       # by PYTEST_TIMEOUT then still shows each finished test), PYTEST_ENV (e.g. CUDA_LAUNCH_BLOCKING=1)
-      timeout "${PYTEST_TIMEOUT:-$(left $((LIMIT - 30)))}" env ${PYTEST_ENV:-} python3 -m pytest \
-        -p no:cacheprovider -p no:logging -rfE ${PYTEST_ARGS:-test/python} >"$LOG/pytest.log" 2>&1
-      echo "pytest rc=$?"; grep -n -B2 -A12 "Error\|^E " "$LOG/pytest.log" | tail -${PYTEST_TAIL:-60}
-      tail -3 "$LOG/pytest.log" ;;
+      tests pytest "${PYTEST_TIMEOUT:-$(left $((LIMIT - 30)))}" ${PYTEST_ARGS:-test/python} ;;
     profile)  # where the time goes (benchmarks/profile_tabiclv2.py): PROFILE_WORKLOADS, and
       # PROFILE_CELLS_LARGE / PROFILE_CELLS_SMALL / ... per workload (else PROFILE_CELLS);
       # PROFILE_TRACE=1: each profiled call as a Perfetto trace too (trace_*.json.gz);
@@ -143,34 +144,25 @@ for part in "$@"; do
       done ;;
     cudatests)  # the CUDA tests of the model, padding, serving and RoPE, then the RoPE benchmark;
       # the recipe gates (about 300 s, most of it max-autotune) run in the `recipes` part. These
-      # files no longer fit one call (twenty-first session: 10 and 17 tests in 210 s and 498 s, none
-      # failed): CUDATESTS_FILES picks some (158 tests: 6 model + 10 padded-inference, the slow ones,
-      # then 44 padding-op, 8 RoPE, 1 AOT, 89 small-head attention). -v names each finished test.
-      timeout "${CUDATESTS_TIMEOUT:-$(left $((LIMIT - 30)))}" python3 -m pytest -v -p no:cacheprovider -p no:logging -rfE \
-        --durations=20 -m cuda -k "not $RECIPE_GATES" ${CUDATESTS_FILES:-test/python/test_tabicl_model.py \
+      # files no longer fit one call: CUDATESTS_FILES picks some. Twenty-second session: model +
+      # padded inference (16 tests) 363 s; padding ops, RoPE, AOT, small-head attention (142 tests)
+      # 214 s, 153 s of it the AOT test. -v names each finished test.
+      tests cudatests "${CUDATESTS_TIMEOUT:-$(left $((LIMIT - 30)))}" -v --durations=20 -m cuda \
+        -k "not $RECIPE_GATES" ${CUDATESTS_FILES:-test/python/test_tabicl_model.py \
         test/python/test_padded_inference.py test/python/test_padding_ops.py test/python/test_rotary.py \
-        test/python/test_aot_buckets.py test/python/test_small_head_attention.py} \
-        >"$LOG/cudatests.log" 2>&1
-      echo "cudatests rc=$? passed=$(grep -c ' PASSED' "$LOG/cudatests.log") failed=$(grep -c ' FAILED' "$LOG/cudatests.log")"
-      grep -n -A12 "^E " "$LOG/cudatests.log" | head -40; grep " FAILED\|s call" "$LOG/cudatests.log" | head -30
-      tail -3 "$LOG/cudatests.log"
+        test/python/test_aot_buckets.py test/python/test_small_head_attention.py}
+      echo "cudatests passed=$(grep -c ' PASSED' "$LOG/cudatests.log") failed=$(grep -c ' FAILED' "$LOG/cudatests.log")"
       timeout "$(left $((LIMIT - 10)))" python3 benchmarks/rotary.py --device cuda \
         --json "$OUT/rotary-cuda.json" >"$LOG/rotary.log" 2>&1; tail -12 "$LOG/rotary.log" ;;
     recipes)  # each named recipe no benchmark cell runs, gated the driver's way (307.6 s on the
       # H200, twenty-first session: 197 s of it the max-autotune recipe's compile)
-      timeout "$(left $((LIMIT - 10)))" python3 -m pytest -v -p no:cacheprovider -p no:logging -rfE \
-        --durations=0 -m cuda -k $RECIPE_GATES test/python/test_padded_inference.py \
-        >"$LOG/recipes.log" 2>&1
-      echo "recipes rc=$?"; grep -n -A12 "^E " "$LOG/recipes.log" | head -40; grep "PASSED\|FAILED\|s call" "$LOG/recipes.log"
-      tail -3 "$LOG/recipes.log" ;;
+      tests recipes "$(left $((LIMIT - 10)))" -v --durations=0 -m cuda -k $RECIPE_GATES \
+        test/python/test_padded_inference.py
+      grep " PASSED" "$LOG/recipes.log" ;;
     align)  # issue 3: the CUDA tests of tables and alignment, then the benchmark with a profile
-      timeout "$(left $((LIMIT - 30)))" python3 -m pytest -q -p no:cacheprovider -p no:logging -rfE \
-        -m cuda test/python/test_align.py test/python/test_tables.py test/python/test_encoding.py \
-        >"$LOG/aligntests.log" 2>&1
-      echo "align tests rc=$?"; tail -3 "$LOG/aligntests.log"
-      timeout "$(left $((LIMIT - 30)))" python3 -m pytest -q -p no:cacheprovider -p no:logging -rfE \
-        test/python/test_string_lookup.py >"$LOG/stringtests.log" 2>&1  # CPU and CUDA cases
-      echo "string tests rc=$?"; tail -3 "$LOG/stringtests.log"
+      tests aligntests "$(left $((LIMIT - 30)))" -q -m cuda test/python/test_align.py \
+        test/python/test_tables.py test/python/test_encoding.py
+      tests stringtests "$(left $((LIMIT - 30)))" -q test/python/test_string_lookup.py  # CPU and CUDA
       timeout "$(left $((LIMIT - 10)))" python3 benchmarks/align_categories.py --device cuda --budget 0.3 \
         --profile ${ALIGN_ARGS:-} --out "$OUT/align_categories_h200.json" >"$LOG/align.log" 2>&1
       echo "align rc=$?"; tail -12 "$LOG/align.log" | cut -c1-220 ;;

@@ -10,6 +10,7 @@ import json
 import os
 import random
 import shutil
+import signal
 import subprocess
 import sys
 import textwrap
@@ -220,41 +221,69 @@ def test_cuda_packages_are_refused_unless_allowed(monkeypatch):
     aot.refuse_cuda_packages(torch.device("cuda", 0))
 
 
-def cuda_packages_captured_per_bucket(directory) -> None:
-    """fp16 packages on the GPU, replayed from a CUDA graph per bucket: the answers of the
-    recipe's own (eager, captured) path within fp16 rounding, one-shot and KV-cached."""
-    recipe = "fp16-buckets-cudagraphs"
-    exporter = ServedTabICL(our_model("clf", "tiny").cuda(), recipe, GRID)
+CUDA_RECIPE = "fp16-buckets-cudagraphs"
+
+
+def cuda_export(directory) -> None:
+    """fp16 packages of GRID's bucket on the GPU, one-shot and KV-cached."""
+    exporter = ServedTabICL(our_model("clf", "tiny").cuda(), CUDA_RECIPE, GRID)
     exporter.export_buckets(directory, GRID.buckets(), tables=TABLES, kv_cache=True)
-    served = ServedTabICL(our_model("clf", "tiny").cuda(), recipe, GRID)
+
+
+def cuda_load_and_check(directory) -> None:
+    """In a process that exported nothing: the packages replayed from a CUDA graph per bucket
+    give the answers of the recipe's own (eager, captured) path within fp16 rounding, one-shot
+    and KV-cached."""
+    served = ServedTabICL(our_model("clf", "tiny").cuda(), CUDA_RECIPE, GRID)
     assert served.load_buckets(directory) == 3
+    own_path = ServedTabICL(our_model("clf", "tiny").cuda(), CUDA_RECIPE, GRID)
     for X, y in _tables(4, seed=13):
         X, y = X.cuda(), y.cuda()
-        got, want = served(X, y), exporter(X, y)
+        got, want = served(X, y), own_path(X, y)
         assert (got.float() - want.float()).abs().max() <= 2e-2
         n_train = y.shape[1]
         cached = served.forward_with_cache(X[:, n_train:], served.build_cache(X[:, :n_train], y))
         assert (cached.float() - want.float()).abs().max() <= 2e-2
-    assert served.aot_calls == 12 and served.captures >= 1
+    assert served.aot_calls == 12 and served.captures >= 1 and own_path.aot_calls == 0
 
 
-@pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_cuda_packages_captured_per_bucket(tmp_path):
-    """In a child process with the CUDA refusal lifted: the load crashed the process on the
-    H200, and a crash must fail this test, not end the test run."""
-    code = f"import test_aot_buckets as t; t.cuda_packages_captured_per_bucket({str(tmp_path)!r})"
-    env = {**os.environ, aot.ALLOW_CUDA_ENV: "1"}
-    child = subprocess.run(
+class AotLoadCrash(Exception):
+    """The child process that loads CUDA packages died of a segmentation fault."""
+
+
+def _child(function: str, directory) -> subprocess.CompletedProcess:
+    code = f"import test_aot_buckets as t; t.{function}({str(directory)!r})"
+    return subprocess.run(
         [sys.executable, "-c", code],
         check=False,
         cwd=os.path.dirname(__file__),
-        env=env,
+        env={**os.environ, aot.ALLOW_CUDA_ENV: "1"},
         capture_output=True,
         text=True,
         timeout=900,
     )
-    assert child.returncode == 0, child.stderr[-3000:]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.xfail(
+    raises=AotLoadCrash,
+    strict=True,
+    reason="torch 2.11's aoti_load_package crashed loading these packages on the H200 "
+    "(docs/serving.md); passing here means the refusal in aot.load can be lifted",
+)
+def test_cuda_packages_exported_then_loaded_in_a_fresh_process(tmp_path):
+    """Export and load each in a child process with the CUDA refusal lifted: a crash must fail
+    this test, not end the test run. The export must work (it did on the H200); only a
+    segmentation fault of the loading process is the known failure (any other error fails)."""
+    exported = _child("cuda_export", tmp_path)
+    if exported.returncode != 0:
+        pytest.fail(f"export: exit {exported.returncode}\n{exported.stderr[-3000:]}")
+    loaded = _child("cuda_load_and_check", tmp_path)
+    if loaded.returncode == -signal.SIGSEGV:
+        raise AotLoadCrash(loaded.stderr[-3000:])
+    if loaded.returncode != 0:
+        pytest.fail(f"load: exit {loaded.returncode}\n{loaded.stderr[-3000:]}")
 
 
 def test_packages_loaded_after_captures_replace_those_graphs(packages, monkeypatch):

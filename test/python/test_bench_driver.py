@@ -6,6 +6,7 @@ workload; everything else is unit-level (subprocess failures are provoked with `
 
 import gzip
 import json
+import re
 import statistics
 import sys
 from pathlib import Path
@@ -43,6 +44,16 @@ def test_cell_names_are_unique_numbered_and_cover_the_issue():
     assert backends >= {"cudnn", "flash", "efficient"}
     assert any(c.kv_cache for c in CELLS) and any(c.buckets for c in CELLS)
     assert any(c.regional for c in CELLS) and any(c.cuda_graphs for c in CELLS)
+
+
+def test_the_device_script_names_only_cells_the_driver_has():
+    """scripts/device_bench.sh's default cell lists reach the driver only on the GPU machine,
+    where a misspelt name would cost a device call."""
+    script = (Path(__file__).parents[2] / "scripts" / "device_bench.sh").read_text()
+    named = set(re.findall(r"(?<![\w-])c\d+-[a-z0-9]+(?:-[a-z0-9]+)*", script))
+    known = {c.name for c in CELLS}
+    assert named - known == set()
+    assert len(named) >= 10  # the pattern finds the script's cells (`cut -c1-220` is not one)
 
 
 def test_every_tabserve_cell_is_a_recipe_with_its_fused_operators():
