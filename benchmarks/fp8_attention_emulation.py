@@ -10,9 +10,11 @@ emulation of an fp8 flash-attention kernel's rounding:
 
 * Q, K and V rounded to ``float8_e4m3fn`` with one scale per tensor (amax / 448, as cuDNN's
   per-tensor descaling), scores and softmax in fp32;
-* the unnormalised probabilities ``exp(s - rowmax)``, scaled by ``--p-scale`` (256: the largest
-  power of two under e4m3's 448, so small weights keep more of their bits), rounded to e4m3 for
-  the P @ V product; the row sum taken from the fp32 values, as the kernels accumulate it.
+* the unnormalised probabilities ``exp(s - rowmax)``, scaled by 256 (the largest power of two
+  under e4m3's 448, so small weights keep more of their bits), rounded to e4m3 for the P @ V
+  product; the row sum taken from the fp32 values, as the kernels accumulate it.
+
+These are the roundings of ``tabserve::flash_attention(fp8=True)``; its composite computes them.
 
 An fp16 emulation (the same steps with fp16 roundings) is the control: the error the shipped fp16
 cells already carry. Each variant's class probabilities are compared with the unmodified fp32
@@ -31,7 +33,6 @@ rounding does not depend on it.
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 import tempfile
 import time
@@ -40,48 +41,21 @@ from pathlib import Path
 import torch
 from tabserve.bench.gates import LIMITS, check, compare
 from tabserve.bench.workloads import Workload, make_checkpoint, model_tables
+from tabserve.kernels.flash_attention import flash_attention_composite
 from tabserve.models.tabicl import layers
 from tabserve.models.tabicl.model import TabICLv2
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import environment, print_table, write_json
 
-#: e4m3's largest finite value.
-E4M3_MAX = 448.0
-#: Queries per chunk of the emulation (bounds the score matrix's memory).
-QUERY_CHUNK = 512
 
-
-def round_to(
-    x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | float = 1.0
-) -> torch.Tensor:
-    """``x`` rounded to ``dtype`` after dividing by ``scale``, back in x's dtype and range."""
-    return (x / scale).to(dtype).to(x.dtype) * scale
-
-
-def per_tensor_scale(x: torch.Tensor) -> torch.Tensor:
-    """The scale that maps ``x``'s largest magnitude onto e4m3's largest value."""
-    return x.abs().amax().clamp_min(torch.finfo(x.dtype).tiny) / E4M3_MAX
-
-
-def emulated_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype, p_scale: float
-) -> torch.Tensor:
-    """Attention of ``(B, heads, L, d)`` fp32 tensors with a low-precision kernel's roundings
-    (``dtype``: ``torch.float8_e4m3fn`` or ``torch.float16``); see the module docstring."""
-    if dtype == torch.float8_e4m3fn:
-        q, k, v = (round_to(t, dtype, per_tensor_scale(t)) for t in (q, k, v))
-    else:
-        q, k, v = (round_to(t, dtype) for t in (q, k, v))
-    scale = 1.0 / math.sqrt(q.shape[-1])
-    outputs = []
-    for start in range(0, q.shape[-2], QUERY_CHUNK):
-        scores = q[..., start : start + QUERY_CHUNK, :] @ k.transpose(-2, -1) * scale
-        weights = torch.exp(scores - scores.amax(-1, keepdim=True))
-        row_sum = weights.sum(-1, keepdim=True)
-        rounded = round_to(weights, dtype, 1.0 / p_scale)
-        outputs.append((rounded @ v) / row_sum)
-    return torch.cat(outputs, dim=-2)
+def emulated_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fp8: bool):
+    """fp32 attention with a low-precision kernel's roundings: the composite of
+    ``tabserve::flash_attention`` (fp8: e4m3 operands and weights; else the operands and
+    weights rounded to fp16, the control)."""
+    if fp8:
+        return flash_attention_composite(q, k, v, fp8=True)
+    return flash_attention_composite(q.half(), k.half(), v.half()).float()
 
 
 def icl_head_dim(model: TabICLv2) -> int:
@@ -94,8 +68,8 @@ def icl_head_dim(model: TabICLv2) -> int:
     return head_dim
 
 
-def icl_attention_replaced(dtype: torch.dtype, p_scale: float, head_dim: int):
-    """A stand-in for :func:`layers.batched_sdpa` that emulates ``dtype`` on calls of head
+def icl_attention_replaced(fp8: bool, head_dim: int):
+    """A stand-in for :func:`layers.batched_sdpa` that emulates fp8 (else fp16) on calls of head
     dimension ``head_dim`` (the ICL stage's) and counts them (``.calls``); other calls go to the
     original."""
     original = layers.batched_sdpa
@@ -104,7 +78,7 @@ def icl_attention_replaced(dtype: torch.dtype, p_scale: float, head_dim: int):
         if q.shape[-1] != head_dim:
             return original(q, k, v)
         attend.calls += 1
-        return emulated_attention(q, k, v, dtype, p_scale)
+        return emulated_attention(q, k, v, fp8)
 
     attend.calls = 0
     return attend
@@ -132,7 +106,6 @@ def main(argv=None) -> dict:
     parser.add_argument("--features", type=int, default=32)
     parser.add_argument("--classes", type=int, default=4)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
-    parser.add_argument("--p-scale", type=float, default=256.0)
     parser.add_argument(
         "--quick", action="store_true", help="2 members, 512 + 128 rows, 16 features"
     )
@@ -147,8 +120,6 @@ def main(argv=None) -> dict:
     args = parser.parse_args(argv)
     if args.quick:
         args.members, args.n_train, args.n_test, args.features = 2, 512, 128, 16
-    if not 0 < args.p_scale <= E4M3_MAX:
-        parser.error(f"--p-scale must lie in (0, {E4M3_MAX:g}], got {args.p_scale:g}")
 
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:
@@ -163,8 +134,8 @@ def main(argv=None) -> dict:
     for seed in args.seeds:
         X, y = model_tables(workload, seed)
         reference, seconds = run_variant(model, X, y, None)
-        for label, dtype in (("fp16 (control)", torch.float16), ("fp8 e4m3", torch.float8_e4m3fn)):
-            attend = icl_attention_replaced(dtype, args.p_scale, head_dim)
+        for label, fp8 in (("fp16 (control)", False), ("fp8 e4m3", True)):
+            attend = icl_attention_replaced(fp8, head_dim)
             probs, variant_seconds = run_variant(model, X, y, attend)
             figures = compare("clf", probs, reference)
             failures = check(figures, limits)

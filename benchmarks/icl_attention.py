@@ -6,7 +6,8 @@ to the train rows (every block). On the xlarge workload (8 tables, 50,000 train 
 rows) cuDNN's attention took 1,183 ms of the 1,850 ms one-shot call of cell c52 (H200 profile,
 fifteenth session), most of it the 11 train-row self-attentions. This benchmark times each of
 those calls per backend (cuDNN, flash, memory-efficient, PyTorch's own choice), and cuDNN run on
-fewer tables per call, with each method's error against fp32 maths on a few query rows, and the
+fewer tables per call, and tabserve's own one-pass kernel (``tabserve.ops.flash_attention``) on
+half and on fp8 operands, with each method's error against fp32 maths on a few query rows, and the
 rate in TFLOP/s (4 x tables x heads x queries x keys x 64 FLOP per call).
 
 The bucketed recipes run the same calls on a padded train block: every query attends over the
@@ -21,6 +22,7 @@ the ICL stage's padded backend.
 
     python benchmarks/icl_attention.py --device cuda
     python benchmarks/icl_attention.py --device cuda --prefix   # the padded (bucketed) calls
+    python benchmarks/icl_attention.py --device cuda --cases xlarge --flash-sweep
     python benchmarks/icl_attention.py --quick        # CPU, small shapes (math backend only)
 """
 
@@ -76,9 +78,11 @@ def inputs(tables, queries, keys, dtype, device):
     return q, k, v
 
 
-def methods(device) -> dict:
+def methods(device, flash_sweep: bool = False) -> dict:
     """``{name: attend(q, k, v)}``: each backend alone, PyTorch's choice, and on CUDA cuDNN on
-    one and two tables per call (the rest of the batch in further calls)."""
+    one and two tables per call (the rest of the batch in further calls) and
+    ``tabserve.ops.flash_attention`` on half and fp8 operands (``flash_sweep``: also on each tile
+    of its :data:`~tabserve.kernels.flash_attention.SWEEP`)."""
 
     def on(backend):
         def attend(q, k, v):
@@ -106,6 +110,24 @@ def methods(device) -> dict:
         return attend
 
     found |= {f"sdpa cudnn, {n} tables per call": split(n) for n in (1, 2)}
+    from tabserve import ops
+    from tabserve.kernels import flash_attention as fa
+
+    def flash(fp8, tile=None):
+        def attend(q, k, v):
+            if tile is None:
+                return ops.flash_attention(q, k, v, fp8)
+            with fa.tile_override(tile):
+                return ops.flash_attention(q, k, v, fp8)
+
+        return attend
+
+    for fp8, label in ((False, "half"), (True, "fp8")):
+        found[f"tabserve flash {label}"] = flash(fp8)
+        for tile in fa.SWEEP if flash_sweep else ():
+            found[f"tabserve flash {label} {tile[0]}x{tile[1]} w{tile[2]} s{tile[3]}"] = flash(
+                fp8, tile
+            )
     return found
 
 
@@ -158,6 +180,11 @@ def main(argv=None) -> int:
         action="store_true",
         help="the padded calls: tabserve.ops.prefix_attention per backend (see above)",
     )
+    parser.add_argument(
+        "--flash-sweep",
+        action="store_true",
+        help="CUDA: tabserve's flash_attention on each tile of its sweep too",
+    )
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype) if device.type == "cuda" else torch.float32
@@ -181,7 +208,8 @@ def main(argv=None) -> int:
                 sliced = methods(device)["sdpa cudnn"]
                 runs["sdpa cudnn, sliced keys"] = lambda q=q, k=k, v=v: sliced(q, k, v)
         else:
-            runs = {m: lambda f=f, q=q, k=k, v=v: f(q, k, v) for m, f in methods(device).items()}
+            found = methods(device, args.flash_sweep)
+            runs = {m: lambda f=f, q=q, k=k, v=v: f(q, k, v) for m, f in found.items()}
         flop = 4 * tables * HEADS * queries * k.shape[2] * HEAD_DIM  # over the real keys
         for method, run in runs.items():
             try:

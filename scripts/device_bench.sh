@@ -70,8 +70,11 @@ for part in "$@"; do
     medium)
       bench medium medium many-class regression -- ${MEDIUM_CELLS:-c0-ref-fp32 c1-ref-fp16 c5-fp16 \
         c9-fp16-flash-cudnn-icl c18-fp16-buckets-cudagraphs c19-fp16-buckets-cudagraphs-kv} ;;
-    xlarge)
-      bench xlarge xlarge -- ${XLARGE_CELLS:-c0-ref-fp32 c1-ref-fp16 c5-fp16 c9-fp16-flash-cudnn-icl} ;;
+    xlarge)  # c57 / c58: c52 with the ICL attention on tabserve's flash kernel, fp8 / half
+      # operands (never run on the GPU: time the kernel first with the `icl` part)
+      bench xlarge xlarge -- ${XLARGE_CELLS:-c1-ref-fp16 \
+        c57-fp16-compile-head16-fused-frozen-kvgraphs-ropeproj-outproj-rowtokens-gelu-iclfp8 \
+        c58-fp16-compile-head16-fused-frozen-kvgraphs-ropeproj-outproj-rowtokens-gelu-iclhalf} ;;
     stream)
       bench stream stream -- ${STREAM_CELLS:-c0-ref-fp32 c1-ref-fp16 c5-fp16 c18-fp16-buckets-cudagraphs} ;;
     restart)  # issue 6's restart target: compile-cache artifacts (c20) against bucket packages (c27)
@@ -83,8 +86,12 @@ for part in "$@"; do
       timeout "$(left $((LIMIT - 10)))" python3 benchmarks/small_head_attention.py --device cuda \
         ${ATTENTION_METHODS:+--methods "${attention_methods[@]}"} --budget 0.3 --json "$OUT/small-head-attention-cuda.json" >"$LOG/attention.log" 2>&1
       echo "attention rc=$?"; tail -25 "$LOG/attention.log" ;;
-    icl)  # the ICL stage's head-dim-64 attention per SDPA backend (benchmarks/icl_attention.py;
-          # ICL_ARGS, e.g. "--cases xlarge")
+    icl)  # the ICL stage's head-dim-64 attention per SDPA backend and tabserve's flash_attention
+          # (benchmarks/icl_attention.py; ICL_ARGS, e.g. "--cases xlarge --flash-sweep"), after
+          # flash_attention's CUDA tests (FLASH_TESTS=0 skips them)
+      if [ "${FLASH_TESTS:-1}" = 1 ]; then
+        tests flash_pytest "$(left $((LIMIT - 120)))" -v -m cuda test/python/test_flash_attention.py
+      fi
       timeout "$(left $((LIMIT - 10)))" python3 benchmarks/icl_attention.py --device cuda --budget 0.3 \
         ${ICL_ARGS:-} --json "$OUT/icl-attention-cuda.json" >"$LOG/icl.log" 2>&1
       echo "icl bench rc=$?"; tail -30 "$LOG/icl.log" | cut -c1-160 ;;

@@ -752,11 +752,45 @@ def norm_linear(
 
 
 # ---------------------------------------------------------------------------------------------
+def flash_attention(q: Tensor, k: Tensor, v: Tensor, fp8: bool = False) -> Tensor:
+    """``softmax(q @ k^T / sqrt(dim)) @ v`` in one pass over the keys (an online softmax: the
+    scores never reach memory), on half or fp8 operands: the ICL stage's long calls.
+
+    ``fp8=False``: fp16 / bf16 operands as given, the softmax weights rounded to their dtype for
+    the product with v. ``fp8=True``: q, k and v are first rounded to ``float8_e4m3fn``, each
+    scaled by its largest magnitude over 448 (one scale per tensor, on the device), the scores
+    and the softmax run in fp32, the weights (times 256) are rounded to e4m3 for the product
+    with v, and the row sums stay fp32; the matmuls then run on fp8 tensor cores. On CUDA with
+    fp16 / bf16 operands and a head dimension of 16, 32, 64 or 128 (fp8: compute capability
+    8.9 or later) one Triton kernel runs; elsewhere (CPU, fp32, other shapes) the ATen composite
+    computes the same roundings in fp32 maths with a two-pass softmax. The kernel sums in
+    another order and rescales its weights by a running row maximum, so the two differ by
+    rounding (bounds in docs/ops.md).
+
+    Args:
+        q: [..., queries, dim] floating tensor (any leading shape).
+        k, v: [..., keys, dim] tensors of q's dtype, device, leading shape and dim; keys >= 1.
+        fp8: round the operands and weights to e4m3 as above.
+
+    Returns:
+        [..., queries, dim] tensor of q's dtype, contiguous.
+
+    Raises:
+        ValueError naming the argument: a non-float or under-2-D tensor, another dtype or
+        device than q's, k and v of different shapes, a leading shape or dim other than q's,
+        no keys.
+    """
+    from tabserve.kernels.flash_attention import flash_attention_op
+
+    return flash_attention_op(q, k, v, fp8)
+
+
 # The feed-forward half at TabICLv2's width, weights resident on chip (csrc/ops/feed_forward.cpp,
 # csrc/ops/cuda/feed_forward.cu)
 
 #: The (width, FFN width) :func:`feed_forward_resident` serves: the column and row stages'.
 RESIDENT_DIM, RESIDENT_HIDDEN = 128, 256
+
 
 
 @torch.library.register_fake("tabserve::feed_forward_resident")

@@ -70,6 +70,10 @@ def test_every_tabserve_cell_is_a_recipe_with_its_fused_operators():
         assert recipe.kv_graphs == cell.kv_graphs, cell.name
         assert recipe.shape_graphs == cell.shape_graphs, cell.name
     assert cell_by_name("c36-fp16-compile-head16-row-fused").fused_norm_linear
+    from tabserve.models.tabicl import recipes
+
+    assert cells_mod.KERNEL_BACKENDS == recipes.KERNEL_BACKENDS
+    assert cells_mod.ATTENTION_BACKENDS == recipes.ATTENTION_BACKENDS
     assert cell_by_name("c39-fp16-buckets-compile-cudagraphs-head16-row-fused-frozen").freeze
     with pytest.raises(ValueError, match="freeze is Inductor's freezing of compiled graphs"):
         Cell("cx", "tabserve", "fp16", "bad", freeze=True)

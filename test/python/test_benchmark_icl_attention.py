@@ -69,3 +69,15 @@ def test_prefix_lengths_follow_the_train_row_grid():
     k_padded, v_padded = bench.padded_keys(k, v, 3, 8)
     assert k_padded.shape == (1, 2, 8, 4) and torch.equal(k_padded[:, :, :3], k[:, :, :3])
     assert torch.equal(v_padded[:, :, :3], v[:, :, :3]) and v_padded[:, :, 3:].abs().max() > 10
+
+
+def test_cuda_methods_include_the_flash_kernel_and_its_sweep():
+    """The method table on CUDA (built without a GPU: nothing runs): tabserve's one-pass kernel
+    on half and fp8 operands, and with ``--flash-sweep`` each tile of its sweep."""
+    from tabserve.kernels import flash_attention as fa
+
+    plain = bench.methods(torch.device("cuda"))
+    assert {"sdpa cudnn", "tabserve flash half", "tabserve flash fp8"} <= set(plain)
+    swept = set(bench.methods(torch.device("cuda"), flash_sweep=True)) - set(plain)
+    assert len(swept) == 2 * len(fa.SWEEP)
+    assert "tabserve flash fp8 128x128 w8 s3" in swept

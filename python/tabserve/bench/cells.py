@@ -27,8 +27,10 @@ ATTENTION_BACKENDS = {
     "cudnn": "CUDNN_ATTENTION",
 }
 #: tabserve's own attention kernels (``head16``: :func:`tabserve.ops.small_head_attention`;
-#: ``head16-short``: the same where the keys fit its one staged chunk, <= 128).
-KERNEL_BACKENDS = ("head16", "head16-short")
+#: ``head16-short``: the same where the keys fit its one staged chunk, <= 128; ``flash-half`` /
+#: ``flash-fp8``: :func:`tabserve.ops.flash_attention` on half / fp8 operands); the recipes'
+#: table (``recipes.KERNEL_BACKENDS``, kept equal by a test).
+KERNEL_BACKENDS = ("head16", "head16-short", "flash-half", "flash-fp8")
 #: The model's stages, in the order data flows through them.
 STAGES = ("col", "row", "icl")
 #: ``torch.compile`` modes a cell may ask for (None: eager).
@@ -699,6 +701,26 @@ CELLS: tuple[Cell, ...] = (
         fused_out_projection=True,
         fused_row_tokens=True,
         shape_graphs=True,
+    ),
+    # c52 with the ICL stage's unpadded attention on tabserve's one-pass kernel: on fp8
+    # operands (c57; the route to the xlarge target, whose one-shot call cuDNN's fp16 attention
+    # bounds: 1,098 of c52's 1,850 ms) and on half ones (c58: the kernel against cuDNN in the
+    # whole model). fp8 in those calls moved the probabilities by up to 5e-3 in the CPU study
+    # (benchmarks/fp8_attention_emulation.py); the cell keeps fp16's reduced-precision gate.
+    *(
+        dataclasses.replace(
+            _C42,
+            name=f"c{number}-fp16-compile-head16-fused-frozen-kvgraphs-ropeproj-outproj"
+            f"-rowtokens-gelu-icl{label}",
+            description=f"c52 with the ICL stage's attention on tabserve's flash kernel, "
+            f"{label} operands",
+            attention={"row": "head16", "col": "head16-short", "icl": f"flash-{label}"},
+            rope_in_projection=True,
+            fused_out_projection=True,
+            fused_row_tokens=True,
+            ffn_gelu="rational",
+        )
+        for number, label in ((57, "fp8"), (58, "half"))
     ),
 )
 

@@ -151,6 +151,10 @@ class Attention(nn.Module):
         #: With :attr:`small_heads`: the most keys the kernel takes here (None: any number;
         #: ``head16-short``: :data:`SHORT_KEYS`, longer runs on SDPA).
         self.small_head_max_keys: int | None = None
+        #: Unpadded attention through :func:`tabserve.ops.flash_attention` on fp8 (True) or
+        #: half (False) operands; None: SDPA. A serving recipe sets it per stage
+        #: (``flash-fp8`` / ``flash-half``).
+        self.flash_fp8: bool | None = None
         #: RoPE of queries and keys inside the fused LayerNorm + projection
         #: (:func:`tabserve.ops.norm_linear`'s ``rotary``) where that operator serves the
         #: projection; a serving recipe sets it (``rope_in_projection``).
@@ -295,6 +299,8 @@ class Attention(nn.Module):
         v = v.expand(*batch_shape, *v.shape[-3:]).reshape(-1, *v.shape[-3:])
         if self._kernel_takes(query, k, v):
             out = _padded_ops().small_head_attention(query, k, v, n_keys, rotary=fused_rope)
+        elif n_keys is None and self.flash_fp8 is not None:
+            out = _flash_attention_op()(query, k, v, self.flash_fp8)
         elif n_keys is None:
             out = batched_sdpa(query, k, v)
         else:
@@ -365,6 +371,12 @@ def _small_head_kernel_applies(q: Tensor, k: Tensor, v: Tensor) -> bool:
         and k.dtype == q.dtype
         and v.dtype == q.dtype
     )
+
+
+def _flash_attention_op():
+    from tabserve.kernels.flash_attention import flash_attention_op
+
+    return flash_attention_op
 
 
 def _padded_ops():

@@ -91,7 +91,12 @@ ATTENTION_BACKENDS = {
 #: one staged chunk (<= 128 keys: the column stage's rows over the 128 induced tokens), the
 #: longer key runs (the inducing points over the train rows) on PyTorch's default SDPA. Where
 #: the kernel does not apply the stage runs PyTorch's default SDPA.
-KERNEL_BACKENDS = ("head16", "head16-short")
+#: ``flash-half`` / ``flash-fp8`` are :func:`tabserve.ops.flash_attention` on half or fp8
+#: operands (its Triton kernel on CUDA with fp16 / bf16, its composite elsewhere) for the
+#: stage's unpadded calls; padded calls keep ``prefix_attention``.
+FLASH_BACKENDS = {"flash-half": False, "flash-fp8": True}
+SMALL_HEAD_BACKENDS = ("head16", "head16-short")
+KERNEL_BACKENDS = (*SMALL_HEAD_BACKENDS, *FLASH_BACKENDS)
 #: ``prefix_attention`` backend of padded attention for each backend: flash / efficient have
 #: varlen kernels reading n on the device; cuDNN and math run SDPA with a key mask (``masked``),
 #: under the stage's ``sdpa_kernel``.
@@ -102,6 +107,8 @@ PREFIX_BACKENDS = {
     "math": "masked",
     "head16": "auto",
     "head16-short": "auto",
+    "flash-half": "auto",
+    "flash-fp8": "auto",
 }
 #: The model's stages, in the order data flows through them (``stage -> submodule``).
 STAGES = {"col": "col_embedder", "row": "row_interactor", "icl": "icl_predictor"}
@@ -343,14 +350,16 @@ def sdpa_context(backend: str):
 def set_stage_kernels(module: torch.nn.Module, backend: str) -> None:
     """Points every attention layer of one stage module at ``backend``'s kernels: the padded
     attention kernel (:data:`PREFIX_BACKENDS`) and, for ``head16`` / ``head16-short``,
-    tabserve's head-dim-16 operator (``head16-short``: up to :data:`~.layers.SHORT_KEYS` keys)."""
+    tabserve's head-dim-16 operator (``head16-short``: up to :data:`~.layers.SHORT_KEYS` keys),
+    for ``flash-half`` / ``flash-fp8`` its one-pass attention operator."""
     from .layers import SHORT_KEYS, Attention
 
     for attention in module.modules():
         if isinstance(attention, Attention):
             attention.prefix_backend = PREFIX_BACKENDS[backend]
-            attention.small_heads = backend in KERNEL_BACKENDS
+            attention.small_heads = backend in SMALL_HEAD_BACKENDS
             attention.small_head_max_keys = SHORT_KEYS if backend == "head16-short" else None
+            attention.flash_fp8 = FLASH_BACKENDS.get(backend)
 
 
 def _set_flag(module: torch.nn.Module, kind: type, flag: str, value: bool) -> None:

@@ -1,0 +1,300 @@
+"""``tabserve::flash_attention``: softmax attention over long key runs in one pass, on half or fp8
+(e4m3) operands.
+
+    out = softmax(q @ k^T / sqrt(d)) @ v
+
+Written for the ICL stage's head-dimension-64 calls, which bound the xlarge workload: its 11
+train-row self-attentions (8 tables x 8 heads, 50,000 queries over 50,000 keys) took 1,098 ms of
+c52's 1,850 ms one-shot call on the H200 in cuDNN's fp16 kernel, the fastest PyTorch offers
+there (411 TFLOP/s, docs/performance.md); torch 2.11 has no fp8 attention. Each program takes a
+tile of queries through every key block with an online softmax (running row maximum and sum in
+fp32, base-2 exponentials), so the scores never reach memory.
+
+``fp8=False``: the operands in their own dtype (fp16 / bf16), the unnormalised weights rounded to
+it for the P @ V product. ``fp8=True``: Q, K and V rounded to ``float8_e4m3fn`` with one scale
+per tensor (its largest magnitude over 448, computed on the device: no synchronisation), the
+scores and the softmax in fp32, the weights (times :data:`P_SCALE`) rounded to e4m3 for P @ V,
+the row sums kept in fp32: the roundings ``benchmarks/fp8_attention_emulation.py`` measured
+against the model's answers. On Hopper the two matmuls then run on the fp8 tensor cores.
+
+One place for the operator: the schema (``torch.library.triton_op``), the composite ATen kernel
+(CPU, fp32, shapes or GPUs the kernel does not take: the same roundings with a two-pass softmax,
+so its weights are relative to the row's maximum over all keys rather than the running one), the
+CUDA kernel (Triton) and the fake kernel (the traced function). docs/ops.md gives the contract.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+from torch import Tensor
+
+from ._common import KERNEL_COMPUTE_DTYPES, KERNEL_WIDTHS, define_operator, triton
+
+if triton is not None:
+    import triton.language as tl
+
+    from ._common import round_to
+
+_OPERATOR = "tabserve::flash_attention"
+#: e4m3's largest finite value: each tensor's largest magnitude is scaled onto it.
+E4M3_MAX = 448.0
+#: The softmax weights (in (0, 1]) are scaled by this before their e4m3 rounding: the largest
+#: power of two below 448, so the small weights keep more of their bits.
+P_SCALE = 256.0
+#: Score elements per step of the composite (2^27: 512 MiB of fp32 scores): it takes as many
+#: queries per step as fit, over every (table, head) and key at once.
+COMPOSITE_SCORES = 1 << 27
+#: Tiles (queries per program, keys per step, warps, stages) per precision (``fp8``). Not yet
+#: timed on the H200: ``benchmarks/icl_attention.py`` sweeps :data:`SWEEP` (twenty-second
+#: session: written and checked here under the Triton interpreter only).
+TILES = {False: (128, 64, 4, 3), True: (128, 128, 8, 3)}
+SWEEP = ((128, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 3), (64, 128, 4, 3), (128, 128, 8, 4))
+#: CUDA's limit on a grid's second axis: larger batches run in several launches.
+MAX_GRID_BATCH = 65_535
+#: Set by :func:`tile_override` (the benchmark's sweep, the interpreter tests' small tiles).
+TILE_OVERRIDE = None
+
+
+@contextlib.contextmanager
+def tile_override(tile: tuple[int, int, int, int]):
+    """Every launch inside runs ``tile`` (queries per program, keys per step, warps, stages):
+    powers of two, both block sizes at least 16."""
+    block_m, block_n, warps, stages = tile
+    if any(b < 16 or b & (b - 1) for b in (block_m, block_n)) or warps < 1 or stages < 1:
+        raise ValueError(f"flash_attention: bad tile {tile}")
+    global TILE_OVERRIDE
+    saved, TILE_OVERRIDE = TILE_OVERRIDE, tuple(tile)
+    try:
+        yield
+    finally:
+        TILE_OVERRIDE = saved
+
+
+def _check(q: Tensor, k: Tensor, v: Tensor) -> None:
+    """The operator's argument rules, each error naming its argument (fake tensors too)."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not t.is_floating_point() or t.dim() < 2:
+            raise ValueError(
+                f"flash_attention: {name} must be a floating-point tensor (..., length, dim), "
+                f"got {t.dtype} {tuple(t.shape)}"
+            )
+        if t.dtype != q.dtype:
+            raise ValueError(f"flash_attention: {name} is {t.dtype} but q is {q.dtype}")
+        if t.device != q.device:
+            raise ValueError(f"flash_attention: {name} is on {t.device} but q is on {q.device}")
+    if k.shape != v.shape:
+        raise ValueError(
+            f"flash_attention: v must have k's shape {tuple(k.shape)}, got {tuple(v.shape)}"
+        )
+    if q.shape[:-2] != k.shape[:-2] or q.shape[-1] != k.shape[-1]:
+        raise ValueError(
+            f"flash_attention: k must be (..., keys, dim) with q's leading shape and dim "
+            f"{(*q.shape[:-2], 'keys', q.shape[-1])}, got {tuple(k.shape)}"
+        )
+    if k.shape[-2] < 1:
+        raise ValueError("flash_attention: k must have at least one key")
+
+
+def fp8_operand(t: Tensor) -> tuple[Tensor, Tensor]:
+    """``t`` as e4m3 scaled onto its range, and the fp32 scale (0-d) that undoes it."""
+    scale = t.abs().amax().float().clamp_min(torch.finfo(torch.float32).tiny) / E4M3_MAX
+    return (t.float() / scale).to(torch.float8_e4m3fn), scale
+
+
+def flash_attention_composite(q: Tensor, k: Tensor, v: Tensor, fp8: bool = False) -> Tensor:
+    """The operator in ATen maths (fp32), with the kernel's roundings of its operands and
+    weights (half: the operands' own dtype; fp8: e4m3 as the module docstring says)."""
+    if fp8:
+        (q8, q_scale), (k8, k_scale), (v8, v_scale) = (fp8_operand(t) for t in (q, k, v))
+        qf, kf, vf = q8.float() * q_scale, k8.float() * k_scale, v8.float() * v_scale
+    else:
+        qf, kf, vf = q.float(), k.float(), v.float()
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    step = max(1, COMPOSITE_SCORES // max(1, math.prod(k.shape[:-1])))
+    parts = []
+    for start in range(0, q.shape[-2], step):
+        scores = qf[..., start : start + step, :] @ kf.transpose(-2, -1) * scale
+        weights = torch.exp(scores - scores.amax(-1, keepdim=True))
+        row_sum = weights.sum(-1, keepdim=True)
+        if fp8:
+            rounded = (weights * P_SCALE).to(torch.float8_e4m3fn).float() / P_SCALE
+        else:
+            rounded = weights.to(q.dtype).float()
+        parts.append((rounded @ vf) / row_sum)
+    out = torch.cat(parts, dim=-2) if parts else qf.new_empty(qf.shape)
+    return out.to(q.dtype)
+
+
+def kernel_applies(q: Tensor, fp8: bool) -> bool:
+    """Whether the Triton kernel serves these operands (shapes, dtypes and the GPU only: static
+    under compile): CUDA, fp16 / bf16, head dimension 16-128, and for fp8 a GPU with fp8 tensor
+    cores (compute capability 8.9 or later)."""
+    if triton is None or q.device.type != "cuda" or q.dtype not in KERNEL_COMPUTE_DTYPES:
+        return False
+    if q.shape[-1] not in KERNEL_WIDTHS:
+        return False
+    return not fp8 or torch.cuda.get_device_capability(q.device) >= (8, 9)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _flash_step(
+        acc,
+        row_sum,
+        row_max,
+        q,
+        k_ptrs,
+        v_ptrs,
+        keys_left,
+        qk_scale,
+        offs_n,
+        MASKED: tl.constexpr,
+        FP8: tl.constexpr,
+        P_SCALE: tl.constexpr,
+        BF16: tl.constexpr,
+    ):
+        """One block of keys: scores, the online softmax's update, and the weighted values."""
+        if MASKED:
+            k = tl.load(k_ptrs, mask=offs_n[None, :] < keys_left, other=0.0)
+        else:
+            k = tl.load(k_ptrs)
+        scores = tl.dot(q, k) * qk_scale  # base-2 logits
+        if MASKED:
+            scores = tl.where(offs_n[None, :] < keys_left, scores, float("-inf"))
+        new_max = tl.maximum(row_max, tl.max(scores, 1))
+        weights = tl.math.exp2(scores - new_max[:, None])
+        correction = tl.math.exp2(row_max - new_max)
+        row_sum = row_sum * correction + tl.sum(weights, 1)
+        if MASKED:
+            v = tl.load(v_ptrs, mask=offs_n[:, None] < keys_left, other=0.0)
+        else:
+            v = tl.load(v_ptrs)
+        if FP8:
+            rounded = (weights * P_SCALE).to(tl.float8e4nv)
+        else:
+            rounded = round_to(weights, BF16)
+        acc = acc * correction[:, None] + tl.dot(rounded, v)
+        return acc, row_sum, new_max
+
+    @triton.jit
+    def _flash_attention_kernel(
+        Q,
+        K,
+        V,
+        Out,
+        Scales,
+        n_queries,
+        n_keys,
+        stride_qb,
+        stride_qm,
+        stride_kb,
+        stride_kn,
+        stride_vb,
+        stride_vn,
+        stride_vd,
+        sm_scale_log2,
+        HEAD_DIM: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        FP8: tl.constexpr,
+        P_SCALE: tl.constexpr,
+        BF16: tl.constexpr,
+    ):
+        """A tile of BLOCK_M queries of one (table, head) through all its keys. Out is
+        (batch, queries, HEAD_DIM) contiguous, in q's dtype; Scales holds the fp8 scales of
+        q, k and v (unused otherwise)."""
+        batch = tl.program_id(1).to(tl.int64)
+        offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, HEAD_DIM)
+        offs_n = tl.arange(0, BLOCK_N)
+        rows = offs_m[:, None] < n_queries
+        q = tl.load(
+            Q + batch * stride_qb + offs_m[:, None] * stride_qm + offs_d[None, :],
+            mask=rows,
+            other=0.0,
+        )
+        qk_scale = sm_scale_log2
+        if FP8:
+            qk_scale = qk_scale * tl.load(Scales) * tl.load(Scales + 1)
+        # K's block read as (HEAD_DIM, BLOCK_N) and V's as (BLOCK_N, HEAD_DIM), the summed
+        # dimension contiguous in both when V comes transposed (the fp8 launch's layout).
+        k_ptrs = K + batch * stride_kb + offs_d[:, None] + offs_n[None, :] * stride_kn
+        v_ptrs = V + batch * stride_vb + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd
+        row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        row_sum = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+        full_keys = (n_keys // BLOCK_N) * BLOCK_N
+        for _ in range(0, full_keys, BLOCK_N):
+            acc, row_sum, row_max = _flash_step(
+                acc, row_sum, row_max, q, k_ptrs, v_ptrs, BLOCK_N, qk_scale, offs_n,
+                False, FP8, P_SCALE, BF16,
+            )  # fmt: skip
+            k_ptrs += BLOCK_N * stride_kn
+            v_ptrs += BLOCK_N * stride_vn
+        if full_keys < n_keys:
+            acc, row_sum, row_max = _flash_step(
+                acc, row_sum, row_max, q, k_ptrs, v_ptrs, n_keys - full_keys, qk_scale, offs_n,
+                True, FP8, P_SCALE, BF16,
+            )  # fmt: skip
+        out = acc / row_sum[:, None]
+        if FP8:
+            out = out * (tl.load(Scales + 2) / P_SCALE)
+        tl.store(
+            Out + batch * n_queries * HEAD_DIM + offs_m[:, None] * HEAD_DIM + offs_d[None, :],
+            out.to(Out.dtype.element_ty),
+            mask=rows,
+        )
+
+    def _launch(q: Tensor, k: Tensor, v: Tensor, fp8: bool, launcher) -> Tensor:
+        *lead, n_queries, dim = q.shape
+        n_keys = k.shape[-2]
+        batch = math.prod(lead)
+        q3 = q.reshape(batch, n_queries, dim)
+        k3 = k.reshape(batch, n_keys, dim)
+        v3 = v.reshape(batch, n_keys, dim)
+        if fp8:
+            (q3, q_scale), (k3, k_scale) = fp8_operand(q3), fp8_operand(k3)
+            v3, v_scale = fp8_operand(v3)
+            v3 = v3.transpose(1, 2).contiguous().transpose(1, 2)  # keys contiguous per dim
+            scales = torch.stack([q_scale, k_scale, v_scale])
+        else:
+            q3, k3, v3 = q3.contiguous(), k3.contiguous(), v3.contiguous()
+            scales = torch.ones(3, dtype=torch.float32, device=q.device)
+        out = torch.empty((batch, n_queries, dim), dtype=q.dtype, device=q.device)
+        block_m, block_n, warps, stages = TILE_OVERRIDE or TILES[fp8]
+        # The batch rides the grid's second axis (CUDA's limit: MAX_GRID_BATCH): its query
+        # tiles run next to each other and share its keys in L2.
+        for start in range(0, batch, MAX_GRID_BATCH):
+            part = slice(start, min(batch, start + MAX_GRID_BATCH))
+            grid = (triton.cdiv(n_queries, block_m), part.stop - part.start)
+            launcher(_flash_attention_kernel)[grid](
+                q3[part], k3[part], v3[part], out[part], scales, n_queries, n_keys,
+                q3.stride(0), q3.stride(1), k3.stride(0), k3.stride(1),
+                v3.stride(0), v3.stride(1), v3.stride(2),
+                math.log2(math.e) / math.sqrt(dim),
+                HEAD_DIM=dim, BLOCK_M=block_m, BLOCK_N=block_n, FP8=fp8, P_SCALE=P_SCALE,
+                BF16=q.dtype == torch.bfloat16, num_warps=warps, num_stages=stages,
+            )  # fmt: skip
+        return out.view(*lead, n_queries, dim)
+
+    def run_kernel(q: Tensor, k: Tensor, v: Tensor, fp8: bool = False) -> Tensor:
+        """The Triton kernel called directly (tests run it on CPU tensors under
+        ``TRITON_INTERPRET=1``); no checks beyond :func:`_check`."""
+        _check(q, k, v)
+        return _launch(q, k, v, fp8, lambda kernel: kernel)
+
+
+def _flash_attention(q: Tensor, k: Tensor, v: Tensor, fp8: bool = False) -> Tensor:
+    _check(q, k, v)
+    if q.shape[-2] == 0 or not kernel_applies(q, fp8):
+        return flash_attention_composite(q, k, v, fp8)
+    from torch.library import wrap_triton
+
+    return _launch(q, k, v, fp8, wrap_triton)
+
+
+flash_attention_op = define_operator(_OPERATOR, _flash_attention)

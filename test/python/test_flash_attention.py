@@ -1,0 +1,278 @@
+"""tabserve::flash_attention: softmax attention in one pass over the keys, half or fp8 operands.
+
+References: fp64 softmax attention of the same operands (the composite's and the kernel's errors
+are bounded against it: a few half-precision roundings of the output's scale for ``fp8=False``,
+e4m3's for ``fp8=True``); the composite for the Triton kernel, run under Triton's interpreter
+here (fp16; the interpreter rounds fp32 to e4m3 otherwise than the GPU's round-to-nearest-even,
+so its fp8 runs are held to the fp64 bound only) and on CUDA (fp16, bf16, fp8).
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import math
+
+import pytest
+import torch
+from tabicl_helpers import interpreter_child
+from tabserve import ops
+from tabserve.kernels import flash_attention as fa
+
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+requires_triton = pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None, reason="Triton is not installed"
+)
+
+#: (leading shape, queries, keys, dim): the ICL stage's shape at small sizes (heads of 64),
+#: ragged query and key tiles, one key, every kernel width.
+CASES = [
+    ((2, 8), 40, 70, 64),
+    ((3,), 16, 1, 64),
+    ((1, 2), 33, 200, 16),
+    ((2,), 20, 48, 32),
+    ((1, 1), 17, 65, 128),
+]
+#: Largest |error| against fp64 maths, in units of the output's largest magnitude, for half
+#: operands (weights rounded to fp16 each: a few roundings) and for fp8 ones (e4m3 keeps 3
+#: mantissa bits: 2^-4 relative per rounding of q, k, v and the weights).
+HALF_BOUND, FP8_BOUND = 4e-3, 0.25
+
+
+def exact(q, k, v):
+    q, k, v = q.double(), k.double(), v.double()
+    return torch.softmax(q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1]), -1) @ v
+
+
+def operands(case, dtype=torch.float16, device="cpu", seed=0):
+    lead, queries, keys, dim = case
+    g = torch.Generator(device=device).manual_seed(seed)
+    return [
+        torch.randn(*lead, n, dim, generator=g, device=device).to(dtype)
+        for n in (queries, keys, keys)
+    ]
+
+
+def relative_error(out, q, k, v) -> float:
+    want = exact(q, k, v)
+    return float((out.double() - want).abs().max() / want.abs().max())
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("fp8", [False, True])
+def test_composite_errs_as_its_roundings_do(case, fp8):
+    q, k, v = operands(case)
+    out = fa.flash_attention_composite(q, k, v, fp8)
+    assert out.dtype == q.dtype and out.shape == q.shape
+    error = relative_error(out, q, k, v)
+    assert error <= (FP8_BOUND if fp8 else HALF_BOUND)
+    if fp8 and case[2] > 1:  # one key: every weight is 1, the output v's rounding alone
+        assert error > relative_error(fa.flash_attention_composite(q, k, v), q, k, v)
+
+
+def test_composite_in_fp32_is_softmax_attention():
+    q, k, v = operands(CASES[0], torch.float32)
+    out = ops.flash_attention(q, k, v)
+    assert out.dtype == torch.float32
+    assert relative_error(out, q, k, v) < 1e-6
+    sdpa = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+    torch.testing.assert_close(out, sdpa, rtol=1e-5, atol=1e-6)
+
+
+def test_fp8_operands_are_e4m3_scaled_onto_its_range():
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(1)) * 7
+    rounded, scale = fa.fp8_operand(x)
+    assert rounded.dtype == torch.float8_e4m3fn and scale.dim() == 0
+    assert float(rounded.float().abs().max()) == fa.E4M3_MAX
+    back = rounded.float() * scale
+    normal = x.abs() >= scale * 2.0**-6
+    assert float(((back - x).abs() / x.abs())[normal].max()) <= 2.0**-4 + 1e-6
+    zero, zero_scale = fa.fp8_operand(torch.zeros(5))
+    assert torch.equal(zero.float(), torch.zeros(5)) and float(zero_scale) > 0
+
+
+def test_cpu_operator_runs_the_composite_and_opcheck_passes():
+    q, k, v = operands(CASES[0])
+    for fp8 in (False, True):
+        got = torch.ops.tabserve.flash_attention(q, k, v, fp8)
+        assert torch.equal(got, fa.flash_attention_composite(q, k, v, fp8))
+        torch.library.opcheck(torch.ops.tabserve.flash_attention.default, (q, k, v, fp8))
+    empty = ops.flash_attention(q[..., :0, :], k, v)
+    assert empty.shape == (*q.shape[:-2], 0, q.shape[-1])
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (lambda q, k, v: (q.int(), k, v), "q must be a floating-point tensor"),
+        (lambda q, k, v: (q, k[0, 0, 0], v), "k must be a floating-point tensor"),
+        (lambda q, k, v: (q, k.float(), v), "k is torch.float32 but q is torch.float16"),
+        (lambda q, k, v: (q, k, v[..., :5, :]), "v must have k's shape"),
+        (lambda q, k, v: (q, k[:1], v[:1]), "k must be \\(\\.\\.\\., keys, dim\\) with q's"),
+        (lambda q, k, v: (q, k[..., :32], v[..., :32]), "with q's leading shape and dim"),
+        (lambda q, k, v: (q, k[..., :0, :], v[..., :0, :]), "k must have at least one key"),
+    ],
+)
+def test_bad_arguments_are_named(change, match):
+    q, k, v = operands(CASES[0])
+    for device in ("cpu", "meta"):  # meta: the checks the traced (fake) kernel runs
+        with pytest.raises(ValueError, match=match):
+            ops.flash_attention(*change(q.to(device), k.to(device), v.to(device)))
+
+
+def test_meta_tensors_give_the_output_shape_and_dtype():
+    q, k, v = (t.to("meta") for t in operands(CASES[0]))
+    for fp8 in (False, True):
+        out = torch.ops.tabserve.flash_attention(q, k, v, fp8)
+        assert out.shape == q.shape and out.dtype == q.dtype and out.device.type == "meta"
+
+
+@requires_cuda
+@pytest.mark.cuda
+def test_cuda_operands_on_another_device_are_named():
+    q, k, v = operands(CASES[0])
+    with pytest.raises(ValueError, match="k is on cuda"):
+        ops.flash_attention(q, k.cuda(), v)
+
+
+def test_tile_override_takes_powers_of_two_from_16_only():
+    for tile in ((8, 64, 4, 3), (128, 96, 4, 3), (64, 64, 0, 3)):
+        with pytest.raises(ValueError, match="bad tile"), fa.tile_override(tile):
+            pass
+    with fa.tile_override((16, 32, 1, 1)):
+        assert fa.TILE_OVERRIDE == (16, 32, 1, 1)
+    assert fa.TILE_OVERRIDE is None
+
+
+def test_kernel_applies_to_cuda_half_operands_of_its_widths_only():
+    q = torch.empty(2, 3, 64, dtype=torch.float16)
+    assert not fa.kernel_applies(q, False)  # CPU
+    if torch.cuda.is_available() and fa.triton is not None:
+        assert fa.kernel_applies(q.cuda(), False)
+        assert not fa.kernel_applies(q.cuda().float(), False)
+        assert not fa.kernel_applies(q[..., :48].cuda(), False)
+
+
+@requires_triton
+def test_kernel_under_the_interpreter_agrees_with_the_composite():
+    """The Triton program on CPU tensors (a child under ``TRITON_INTERPRET=1``) with 16 x 16 and
+    32 x 64 tiles: ragged tiles, the masked last key block, every width."""
+    results = interpreter_child("import test_flash_attention as t; t.interpreter_cases()")
+    assert len(results) == 2 * len(CASES)  # two tiles
+    for half_vs_composite, half_error, fp8_error, shape in results:
+        assert half_vs_composite <= 2 * 2.0**-10, shape  # two fp16 roundings of the scale
+        assert half_error <= HALF_BOUND and fp8_error <= FP8_BOUND, shape
+
+
+def interpreter_cases() -> None:
+    """The child's side of the interpreter test: per tile and case, [the fp16 kernel's largest
+    difference from the composite and both precisions' errors against fp64 (relative to the
+    output's largest magnitude), the output shape]."""
+    import json
+
+    out = []
+    for tile in ((16, 16, 1, 1), (32, 64, 1, 1)):
+        with fa.tile_override(tile):
+            for case in CASES:
+                q, k, v = operands(case)
+                half = fa.run_kernel(q, k, v)
+                scale = float(exact(q, k, v).abs().max())
+                composite = fa.flash_attention_composite(q, k, v)
+                out.append(
+                    [
+                        float((half.double() - composite.double()).abs().max()) / scale,
+                        relative_error(half, q, k, v),
+                        relative_error(fa.run_kernel(q, k, v, True), q, k, v),
+                        list(half.shape),
+                    ]
+                )
+    print(json.dumps(out))
+
+
+@requires_cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_cuda_kernel_agrees_with_the_composite(case, dtype):
+    q, k, v = operands(case, dtype, "cuda")
+    got = ops.flash_attention(q, k, v)
+    want = fa.flash_attention_composite(q, k, v)
+    scale = float(exact(q, k, v).abs().max())
+    eps = torch.finfo(dtype).eps
+    assert float((got.double() - want.double()).abs().max()) <= 4 * eps * scale
+    assert relative_error(got, q, k, v) <= (HALF_BOUND if dtype == torch.float16 else 8 * eps)
+
+
+@requires_cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("case", CASES)
+def test_cuda_fp8_kernel_agrees_with_the_composite(case):
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("fp8 tensor cores need compute capability 8.9")
+    q, k, v = operands(case, torch.float16, "cuda")
+    got = ops.flash_attention(q, k, v, fp8=True)
+    want = fa.flash_attention_composite(q, k, v, fp8=True)
+    error = relative_error(got, q, k, v)
+    assert error <= FP8_BOUND
+    # Same operands, same rounding of the weights up to the running maximum's rescaling.
+    assert error <= 1.5 * relative_error(want, q, k, v) + 1e-3
+
+
+@requires_cuda
+@pytest.mark.cuda
+def test_cuda_icl_shape_compiles_into_one_graph_and_replays():
+    """The ICL stage's call at a reduced size: 8 tables x 8 heads of 64, 3,000 keys; compiled
+    with fullgraph and captured in a CUDA graph, both equal to eager bit for bit."""
+    q, k, v = operands(((8, 8), 1000, 3000, 64), torch.float16, "cuda")
+    for fp8 in (False, True):
+        if fp8 and torch.cuda.get_device_capability() < (8, 9):
+            continue
+        eager = ops.flash_attention(q, k, v, fp8)
+        compiled = torch.compile(
+            lambda a, b, c, fp8=fp8: ops.flash_attention(a, b, c, fp8), fullgraph=True
+        )
+        assert torch.equal(compiled(q, k, v), eager)
+        graph = torch.cuda.CUDAGraph()
+        ops.flash_attention(q, k, v, fp8)  # warm up outside the capture
+        with torch.cuda.graph(graph):
+            replayed = ops.flash_attention(q, k, v, fp8)
+        graph.replay()
+        assert torch.equal(replayed, eager)
+
+
+@pytest.mark.parametrize("backend", ["flash-half", "flash-fp8"])
+def test_model_stage_on_the_operator_routes_its_unpadded_calls(backend, monkeypatch):
+    """A recipe's ``flash-*`` backend for the ICL stage sends that stage's unpadded attention to
+    the operator (the column and row stages keep SDPA). On CPU in fp32 the composite runs: on
+    half operands that is softmax attention (the model's answers within fp32 rounding), on fp8
+    ones the answers move, by less than the reduced-precision gate (2e-2)."""
+    from tabicl_helpers import our_model, random_table
+    from tabserve.models.tabicl import layers
+    from tabserve.models.tabicl.recipes import set_stage_kernels
+
+    calls = []
+    original = layers._flash_attention_op()
+    monkeypatch.setattr(
+        layers, "_flash_attention_op", lambda: lambda *a: calls.append(a[3]) or original(*a)
+    )
+    plain = our_model("clf", "tiny")  # cached: shared with other tests, so not changed here
+    routed = copy.deepcopy(plain)
+    set_stage_kernels(routed.icl_predictor, backend)
+    X, y = random_table(5, 2, 40, 12, 5, 3)
+    with torch.no_grad():
+        want = plain(X, y, return_logits=False)
+        got = routed(X, y, return_logits=False)
+    assert calls and set(calls) == {backend == "flash-fp8"}
+    difference = float((got - want).abs().max())
+    if backend == "flash-half":
+        assert difference <= 1e-5
+    else:
+        assert 1e-5 < difference < 2e-2
+
+
+def test_composite_steps_through_queries_without_changing_the_result(monkeypatch):
+    """fp32: no roundings of the weights, which BLAS's shape-dependent sums could flip."""
+    q, k, v = operands(CASES[0], torch.float32)
+    whole = fa.flash_attention_composite(q, k, v)
+    monkeypatch.setattr(fa, "COMPOSITE_SCORES", 3 * 16 * 70)  # 3 queries per step
+    torch.testing.assert_close(fa.flash_attention_composite(q, k, v), whole, rtol=1e-5, atol=2e-6)
