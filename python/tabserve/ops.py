@@ -761,8 +761,8 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, fp8: bool = False) -> Tenso
     scaled by its largest magnitude over 448 (one scale per tensor, on the device), the scores
     and the softmax run in fp32, the weights (times 256) are rounded to e4m3 for the product
     with v, and the row sums stay fp32; the matmuls then run on fp8 tensor cores. On CUDA with
-    fp16 / bf16 operands and a head dimension of 16, 32, 64 or 128 (fp8: compute capability
-    8.9 or later) one Triton kernel runs; elsewhere (CPU, fp32, other shapes) the ATen composite
+    fp16 / bf16 operands and a head dimension of 16, 32, 64 or 128 (fp8: 32 to 128, compute
+    capability 8.9 or later) one Triton kernel runs; elsewhere (CPU, fp32, other shapes) the ATen composite
     computes the same roundings in fp32 maths with a two-pass softmax. The kernel sums in
     another order and rescales its weights by a running row maximum, so the two differ by
     rounding (bounds in docs/ops.md).

@@ -162,6 +162,10 @@ GOOD_CALLS: dict[str, Callable[[World], Any]] = {
         ops.norm_linear(*(w.ffn[k] for k in _NORM_LINEAR), compute_dtype=torch.bfloat16),
         ops.norm_linear(*(w.ffn[k] for k in _NORM_LINEAR), compute_dtype=torch.float32),
     ),
+    "flash_attention": lambda w: (
+        ops.flash_attention(w.q, w.q, w.q),
+        ops.flash_attention(w.q, w.q, w.q, fp8=True),
+    ),
     "tables": lambda w: (w.align(w.table), w.encoder.transform(w.frame)),
     "buckets": lambda w: (w.grid.bucket_for(5, 3, 4), w.grid.plan(5, 20, 4)),
     "model": lambda w: w.model(w.X, w.y),
@@ -248,6 +252,12 @@ def small_heads(w: World, q=None, k=None, v=None, n=None, **kw):
     q = w.q16 if q is None else q
     k, v = (w.q16 if t is None else t for t in (k, v))
     return ops.small_head_attention(q, k, v, n, **kw)
+
+
+def flash(w: World, q=None, k=None, v=None, fp8: bool = False):
+    """flash_attention on the good arguments (head dim 8, 5 keys) with some replaced."""
+    q, k, v = (w.q if t is None else t for t in (q, k, v))
+    return ops.flash_attention(q, k, v, fp8)
 
 
 def ffn(w: World, eps: float = 1e-5, compute_dtype=torch.bfloat16, **replaced):
@@ -430,6 +440,16 @@ REFUSED = [
     C("norm_linear", "norm_linear: weight on meta", lambda w: norm_lin(w, w1=torch.randn(16, 8, device="meta")), ValueError, "weight is on meta but x is on cpu"),
     C("norm_linear", "norm_linear: compute_dtype float64", lambda w: norm_lin(w, compute_dtype=torch.float64), ValueError, "compute_dtype must be float16, bfloat16 or float32"),
     C("norm_linear", "norm_linear: NaN eps", lambda w: norm_lin(w, eps=NAN), ValueError, "eps must be finite and >= 0"),
+    # -- flash_attention -------------------------------------------------------------------------
+    C("flash_attention", "flash_attention: integer q", lambda w: flash(w, q=w.q.int()), ValueError, "q must be a floating-point tensor"),
+    C("flash_attention", "flash_attention: 1-D k", lambda w: flash(w, k=w.q[0, 0, 0]), ValueError, "k must be a floating-point tensor"),
+    C("flash_attention", "flash_attention: mixed dtypes", lambda w: flash(w, v=w.q.double(), fp8=True), ValueError, "v is torch.float64 but q is torch.float32"),
+    C("flash_attention", "flash_attention: v keys differ", lambda w: flash(w, v=w.q[:, :, :4]), ValueError, "v must have k's shape"),
+    C("flash_attention", "flash_attention: other batch", lambda w: flash(w, k=w.q[:1], v=w.q[:1]), ValueError, "with q's leading shape and dim"),
+    C("flash_attention", "flash_attention: other head dim", lambda w: flash(w, k=w.q16, v=w.q16), ValueError, "with q's leading shape and dim"),
+    C("flash_attention", "flash_attention: no keys", lambda w: flash(w, k=w.q[:, :, :0], v=w.q[:, :, :0]), ValueError, "at least one key"),
+    C("flash_attention", "flash_attention: k on meta", lambda w: flash(w, k=w.q.to("meta")), ValueError, "k is on meta but q is on cpu"),
+    C("flash_attention", "flash_attention: CUDA v for a CPU q", lambda w: flash(w, v=w.q.cuda()), ValueError, "v is on cuda:0 but q is on cpu", cuda=True),
     C("attention", "small_head_attention: rotary tables too short", lambda w: small_heads(w, rotary=(torch.ones(4, 16), torch.ones(4, 16))), RuntimeError, r"rotary_cos must be \[L, 16\] with L >= max\(Lq, Lk\) = 5"),
     C("attention", "small_head_attention: rotary tables float64", lambda w: small_heads(w, rotary=(torch.ones(5, 16, dtype=torch.float64), torch.ones(5, 16))), RuntimeError, "rotary_cos must be float32"),
     # -- StringColumn / StringIndex ------------------------------------------------------------

@@ -151,6 +151,8 @@ def test_kernel_applies_to_cuda_half_operands_of_its_widths_only():
         assert fa.kernel_applies(q.cuda(), False)
         assert not fa.kernel_applies(q.cuda().float(), False)
         assert not fa.kernel_applies(q[..., :48].cuda(), False)
+        assert fa.kernel_applies(q[..., :16].cuda(), False)
+        assert not fa.kernel_applies(q[..., :16].cuda(), True)  # fp8 sums 32 or more
 
 
 @requires_triton

@@ -128,13 +128,17 @@ def flash_attention_composite(q: Tensor, k: Tensor, v: Tensor, fp8: bool = False
     return out.to(q.dtype)
 
 
+#: Head dimensions of the fp8 kernel: Hopper's fp8 matmuls sum over at least 32 elements.
+FP8_WIDTHS = (32, 64, 128)
+
+
 def kernel_applies(q: Tensor, fp8: bool) -> bool:
     """Whether the Triton kernel serves these operands (shapes, dtypes and the GPU only: static
-    under compile): CUDA, fp16 / bf16, head dimension 16-128, and for fp8 a GPU with fp8 tensor
-    cores (compute capability 8.9 or later)."""
+    under compile): CUDA, fp16 / bf16, head dimension 16-128 (fp8: 32-128), and for fp8 a GPU
+    with fp8 tensor cores (compute capability 8.9 or later)."""
     if triton is None or q.device.type != "cuda" or q.dtype not in KERNEL_COMPUTE_DTYPES:
         return False
-    if q.shape[-1] not in KERNEL_WIDTHS:
+    if q.shape[-1] not in (FP8_WIDTHS if fp8 else KERNEL_WIDTHS):
         return False
     return not fp8 or torch.cuda.get_device_capability(q.device) >= (8, 9)
 
