@@ -166,11 +166,12 @@ if triton is not None:
             k = tl.load(k_ptrs, mask=offs_n[None, :] < keys_left, other=0.0)
         else:
             k = tl.load(k_ptrs)
-        scores = tl.dot(q, k) * qk_scale  # base-2 logits
+        scores = tl.dot(q, k)  # qk_scale (> 0) turns them into base-2 logits below
         if MASKED:
             scores = tl.where(offs_n[None, :] < keys_left, scores, float("-inf"))
-        new_max = tl.maximum(row_max, tl.max(scores, 1))
-        weights = tl.math.exp2(scores - new_max[:, None])
+        new_max = tl.maximum(row_max, tl.max(scores, 1) * qk_scale)
+        # One multiply-add per score before its exponential.
+        weights = tl.math.exp2(scores * qk_scale - new_max[:, None])
         correction = tl.math.exp2(row_max - new_max)
         row_sum = row_sum * correction + tl.sum(weights, 1)
         if MASKED:
@@ -181,7 +182,7 @@ if triton is not None:
             rounded = (weights * P_SCALE).to(tl.float8e4nv)
         else:
             rounded = round_to(weights, BF16)
-        acc = acc * correction[:, None] + tl.dot(rounded, v)
+        acc = tl.dot(rounded, v, acc * correction[:, None])
         return acc, row_sum, new_max
 
     @triton.jit
