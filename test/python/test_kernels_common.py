@@ -24,7 +24,13 @@ pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("triton") is None, reason="Triton is not installed"
 )
 
-KERNEL_MODULES = ("feed_forward", "norm_linear", "_common")
+KERNEL_MODULES = ("feed_forward", "norm_linear", "flash_attention", "_common")
+#: The jit helpers each operator's kernel reaches (Inductor's copy must define them).
+KERNEL_HELPERS = {
+    "feed_forward._feed_forward_kernel": {"round_to", "layer_norm_rows"},
+    "norm_linear._norm_linear_kernel": {"round_to", "layer_norm_rows"},
+    "flash_attention._flash_attention_kernel": {"round_to", "_flash_step"},
+}
 
 
 def _jit_functions():
@@ -59,7 +65,7 @@ def test_every_kernel_module_is_listed():
 
 def test_kernels_call_their_jit_helpers_by_their_own_names():
     kernels = dict(_jit_functions())
-    assert {"feed_forward._feed_forward_kernel", "norm_linear._norm_linear_kernel"} <= set(kernels)
+    assert set(KERNEL_HELPERS) <= set(kernels)
     helpers_seen = set()
     for where, kernel in kernels.items():
         for name, helper in _called_jit_names(kernel).items():
@@ -68,7 +74,7 @@ def test_kernels_call_their_jit_helpers_by_their_own_names():
                 f"{where} calls the jit function {helper.fn.__name__} as {name}: Inductor's "
                 f"generated module defines it as {helper.fn.__name__} only"
             )
-    assert {"round_to", "layer_norm_rows"} <= helpers_seen  # the walk reached the helpers
+    assert set().union(*KERNEL_HELPERS.values()) <= helpers_seen  # the walk reached them
 
 
 def test_inductors_copy_of_each_kernel_defines_every_function_it_calls():
@@ -78,7 +84,7 @@ def test_inductors_copy_of_each_kernel_defines_every_function_it_calls():
     if gather is None:
         pytest.skip("this torch gathers user kernels' source differently")
     kernels = {w: k for w, k in _jit_functions() if w.endswith("_kernel")}
-    assert len(kernels) == 2
+    assert set(kernels) == set(KERNEL_HELPERS)
     for where, kernel in kernels.items():
         tree = ast.parse(gather(kernel))
         defined = {n.name for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)}
@@ -88,7 +94,7 @@ def test_inductors_copy_of_each_kernel_defines_every_function_it_calls():
             if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
         }
         assert called - defined - set(dir(builtins)) == set(), where
-        assert {"round_to", "layer_norm_rows"} <= defined, where
+        assert KERNEL_HELPERS[where] <= defined, where
 
 
 def test_weights_cast_on_the_host_give_the_kernels_own_bits():
