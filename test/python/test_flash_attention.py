@@ -160,8 +160,9 @@ def test_kernel_under_the_interpreter_agrees_with_the_composite():
     """The Triton program on CPU tensors (a child under ``TRITON_INTERPRET=1``) with 16 x 16 and
     32 x 64 tiles: ragged tiles, the masked last key block, every width."""
     results = interpreter_child("import test_flash_attention as t; t.interpreter_cases()")
-    assert len(results) == 2 * len(CASES)  # two tiles
-    for half_vs_composite, half_error, fp8_error, shape in results:
+    assert results["batches_in_parts_equal_one_launch"] == [True, True]
+    assert len(results["cases"]) == 2 * len(CASES)  # two tiles
+    for half_vs_composite, half_error, fp8_error, shape in results["cases"]:
         assert half_vs_composite <= 2 * 2.0**-10, shape  # two fp16 roundings of the scale
         assert half_error <= HALF_BOUND and fp8_error <= FP8_BOUND, shape
 
@@ -169,9 +170,20 @@ def test_kernel_under_the_interpreter_agrees_with_the_composite():
 def interpreter_cases() -> None:
     """The child's side of the interpreter test: per tile and case, [the fp16 kernel's largest
     difference from the composite and both precisions' errors against fp64 (relative to the
-    output's largest magnitude), the output shape]."""
+    output's largest magnitude), the output shape]; and whether a batch launched in parts (the
+    grid's limit lowered to 3 of its 16 tables x heads) gives the one launch's bits."""
     import json
 
+    q, k, v = operands(CASES[0])
+    parts = []
+    for fp8 in (False, True):
+        with fa.tile_override((16, 16, 1, 1)):
+            whole = fa.run_kernel(q, k, v, fp8)
+            fa.MAX_GRID_BATCH = 3
+            try:
+                parts.append(torch.equal(fa.run_kernel(q, k, v, fp8), whole))
+            finally:
+                fa.MAX_GRID_BATCH = 65_535
     out = []
     for tile in ((16, 16, 1, 1), (32, 64, 1, 1)):
         with fa.tile_override(tile):
@@ -188,7 +200,7 @@ def interpreter_cases() -> None:
                         list(half.shape),
                     ]
                 )
-    print(json.dumps(out))
+    print(json.dumps({"cases": out, "batches_in_parts_equal_one_launch": parts}))
 
 
 @requires_cuda
