@@ -28,6 +28,8 @@ the ICL stage's padded backend.
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import sys
 from pathlib import Path
 
@@ -113,22 +115,31 @@ def methods(device, flash_sweep: bool = False) -> dict:
     from tabserve import ops
     from tabserve.kernels import flash_attention as fa
 
-    def flash(fp8, tile=None):
+    def flash(fp8, tile=None, mode=None):
         def attend(q, k, v):
-            if tile is None:
-                return ops.flash_attention(q, k, v, fp8)
-            with fa.tile_override(tile):
+            with contextlib.ExitStack() as stack:
+                if tile is not None:
+                    stack.enter_context(fa.tile_override(tile))
+                if mode is not None:
+                    stack.enter_context(fa.fp8_mode_override(*mode))
                 return ops.flash_attention(q, k, v, fp8)
 
         return attend
 
     for fp8, label in ((False, "half"), (True, "fp8")):
         found[f"tabserve flash {label}"] = flash(fp8)
-        for tile in fa.SWEEP if flash_sweep else ():
-            found[f"tabserve flash {label} {tile[0]}x{tile[1]} w{tile[2]} s{tile[3]}"] = flash(
-                fp8, tile
-            )
+        # fp8: each way of computing the weights (exp16, sum_mma) on each tile
+        modes = FP8_MODES if fp8 else (None,)
+        for tile, mode in itertools.product(fa.SWEEP if flash_sweep else (), modes):
+            name = f"tabserve flash {label} {tile[0]}x{tile[1]} w{tile[2]} s{tile[3]}"
+            if mode is not None:
+                name += "".join(f" {flag}" for flag, on in zip(("exp16", "sum_mma"), mode) if on)
+            found[name] = flash(fp8, tile, mode)
     return found
+
+
+#: The fp8 kernel's modes the sweep times (exp16, sum_mma: tabserve.kernels.flash_attention).
+FP8_MODES = ((False, False), (True, False), (False, True), (True, True))
 
 
 def padded_keys(k, v, n: int, length: int, seed: int = 1):

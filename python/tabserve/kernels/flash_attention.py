@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 
 import torch
 from torch import Tensor
@@ -50,12 +51,27 @@ COMPOSITE_SCORES = 1 << 27
 #: Tiles (queries per program, keys per step, warps, stages) per precision (``fp8``). Not yet
 #: timed on the H200: ``benchmarks/icl_attention.py`` sweeps :data:`SWEEP` (twenty-second
 #: session: written and checked here under the Triton interpreter only).
-TILES = {False: (128, 64, 4, 3), True: (128, 128, 8, 3)}
-SWEEP = ((128, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 3), (64, 128, 4, 3), (128, 128, 8, 4))
+TILES = {False: (128, 64, 8, 3), True: (64, 128, 4, 3)}
+SWEEP = (
+    (128, 64, 8, 3),
+    (64, 128, 4, 3),
+    (64, 64, 4, 3),
+    (128, 128, 4, 3),
+    (64, 128, 4, 4),
+    (128, 128, 8, 3),
+)
 #: CUDA's limit on a grid's second axis: larger batches run in several launches.
 MAX_GRID_BATCH = 65_535
 #: Set by :func:`tile_override` (the benchmark's sweep, the interpreter tests' small tiles).
 TILE_OVERRIDE = None
+#: How the fp8 kernel computes its weights and row sums (the composite follows): ``exp16``, the
+#: exponentials on half operands (``ex2.approx.f16x2``: two per instruction; their argument
+#: rounded to fp16, the weight rounded to fp16 before its e4m3 rounding); ``sum_mma``, the row
+#: sums of the e4m3 weights actually multiplied (a matmul by ones on the tensor cores) instead
+#: of the fp32 weights' (vector adds). :func:`fp8_mode_override` changes them (the sweep).
+FP8_MODE = {"exp16": False, "sum_mma": False}
+#: Columns of the ones matrix that ``sum_mma`` multiplies by (the narrowest fp8 matmul).
+SUM_COLUMNS = 16
 
 
 @contextlib.contextmanager
@@ -71,6 +87,18 @@ def tile_override(tile: tuple[int, int, int, int]):
         yield
     finally:
         TILE_OVERRIDE = saved
+
+
+@contextlib.contextmanager
+def fp8_mode_override(exp16: bool, sum_mma: bool):
+    """Every fp8 launch and composite inside computes its weights as ``exp16`` / ``sum_mma``
+    say (:data:`FP8_MODE`)."""
+    saved = dict(FP8_MODE)
+    FP8_MODE.update(exp16=bool(exp16), sum_mma=bool(sum_mma))
+    try:
+        yield
+    finally:
+        FP8_MODE.update(saved)
 
 
 def _check(q: Tensor, k: Tensor, v: Tensor) -> None:
@@ -100,8 +128,19 @@ def _check(q: Tensor, k: Tensor, v: Tensor) -> None:
 
 def fp8_operand(t: Tensor) -> tuple[Tensor, Tensor]:
     """``t`` as e4m3 scaled onto its range, and the fp32 scale (0-d) that undoes it."""
-    scale = t.abs().amax().float().clamp_min(torch.finfo(torch.float32).tiny) / E4M3_MAX
-    return (t.float() / scale).to(torch.float8_e4m3fn), scale
+    scale = _fp8_scale(t)
+    return _quantize(t, scale), scale
+
+
+def _fp8_scale(t: Tensor) -> Tensor:
+    """``t``'s largest magnitude over e4m3's (fp32, 0-d, at least fp32's smallest normal)."""
+    low, high = torch.aminmax(t)
+    largest = torch.maximum(high.float(), -low.float())
+    return largest.clamp_min(torch.finfo(torch.float32).tiny) / E4M3_MAX
+
+
+def _quantize(t: Tensor, scale: Tensor) -> Tensor:
+    return (t.float() / scale).to(torch.float8_e4m3fn)
 
 
 def flash_attention_composite(q: Tensor, k: Tensor, v: Tensor, fp8: bool = False) -> Tensor:
@@ -117,15 +156,29 @@ def flash_attention_composite(q: Tensor, k: Tensor, v: Tensor, fp8: bool = False
     parts = []
     for start in range(0, q.shape[-2], step):
         scores = qf[..., start : start + step, :] @ kf.transpose(-2, -1) * scale
+        if fp8:
+            parts.append(_fp8_weighted_sum(scores, vf))
+            continue
         weights = torch.exp(scores - scores.amax(-1, keepdim=True))
         row_sum = weights.sum(-1, keepdim=True)
-        if fp8:
-            rounded = (weights * P_SCALE).to(torch.float8_e4m3fn).float() / P_SCALE
-        else:
-            rounded = weights.to(q.dtype).float()
-        parts.append((rounded @ vf) / row_sum)
+        parts.append((weights.to(q.dtype).float() @ vf) / row_sum)
     out = torch.cat(parts, dim=-2) if parts else qf.new_empty(qf.shape)
     return out.to(q.dtype)
+
+
+def _fp8_weighted_sum(scores: Tensor, v: Tensor) -> Tensor:
+    """The fp8 kernel's softmax of ``scores`` (fp32) times ``v`` (fp32, e4m3 values): base-2
+    weights times :data:`P_SCALE` (the scale added to their exponent), rounded to e4m3 for the
+    product, as :data:`FP8_MODE` says."""
+    logits = scores * math.log2(math.e)
+    shifted = logits - logits.amax(-1, keepdim=True) + math.log2(P_SCALE)
+    if FP8_MODE["exp16"]:
+        weights = torch.exp2(shifted.half().float()).half().float()
+    else:
+        weights = torch.exp2(shifted)
+    rounded = weights.to(torch.float8_e4m3fn).float()
+    row_sum = (rounded if FP8_MODE["sum_mma"] else weights).sum(-1, keepdim=True)
+    return (rounded @ v) / row_sum
 
 
 #: Head dimensions of the fp8 kernel: Hopper's fp8 matmuls sum over at least 32 elements.
@@ -146,6 +199,18 @@ def kernel_applies(q: Tensor, fp8: bool) -> bool:
 if triton is not None:
 
     @triton.jit
+    def _exp2_half(x, ASM: tl.constexpr):
+        """2^x (fp32) as fp16: the argument rounded to fp16, two exponentials per instruction
+        (``ASM``; else the same roundings in fp32 maths, for the interpreter)."""
+        if ASM:
+            return tl.inline_asm_elementwise(
+                "ex2.approx.f16x2 $0, $1;", "=r,r", [x.to(tl.float16)],
+                dtype=tl.float16, is_pure=True, pack=2,
+            )  # fmt: skip
+        else:
+            return tl.math.exp2(x.to(tl.float16).to(tl.float32)).to(tl.float16)
+
+    @triton.jit
     def _flash_step(
         acc,
         row_sum,
@@ -153,12 +218,15 @@ if triton is not None:
         q,
         k_ptrs,
         v_ptrs,
+        ones,
         keys_left,
-        qk_scale,
         offs_n,
+        QK_SCALE,
         MASKED: tl.constexpr,
         FP8: tl.constexpr,
-        P_SCALE: tl.constexpr,
+        EXP16: tl.constexpr,
+        SUM_MMA: tl.constexpr,
+        ASM: tl.constexpr,
         BF16: tl.constexpr,
     ):
         """One block of keys: scores, the online softmax's update, and the weighted values."""
@@ -166,21 +234,33 @@ if triton is not None:
             k = tl.load(k_ptrs, mask=offs_n[None, :] < keys_left, other=0.0)
         else:
             k = tl.load(k_ptrs)
-        scores = tl.dot(q, k)  # qk_scale (> 0) turns them into base-2 logits below
+        scores = tl.dot(q, k)  # QK_SCALE (> 0) turns them into base-2 logits below
         if MASKED:
             scores = tl.where(offs_n[None, :] < keys_left, scores, float("-inf"))
-        new_max = tl.maximum(row_max, tl.max(scores, 1) * qk_scale)
-        # One multiply-add per score before its exponential.
-        weights = tl.math.exp2(scores * qk_scale - new_max[:, None])
+        new_max = tl.maximum(row_max, tl.max(scores, 1) * QK_SCALE)
         correction = tl.math.exp2(row_max - new_max)
-        row_sum = row_sum * correction + tl.sum(weights, 1)
         if MASKED:
             v = tl.load(v_ptrs, mask=offs_n[:, None] < keys_left, other=0.0)
         else:
             v = tl.load(v_ptrs)
         if FP8:
-            rounded = (weights * P_SCALE).to(tl.float8e4nv)
+            # log2(P_SCALE) = 8 added to the exponent: weights in (0, 256], one multiply-add.
+            shifted = scores * QK_SCALE - (new_max[:, None] - 8.0)
+            if EXP16:
+                half = _exp2_half(shifted, ASM)
+                rounded = half.to(tl.float8e4nv)
+            else:
+                weights = tl.math.exp2(shifted)
+                rounded = weights.to(tl.float8e4nv)
+            if SUM_MMA:
+                row_sum = tl.dot(rounded, ones, row_sum * correction[:, None])
+            elif EXP16:
+                row_sum = row_sum * correction + tl.sum(half.to(tl.float32), 1)
+            else:
+                row_sum = row_sum * correction + tl.sum(weights, 1)
         else:
+            weights = tl.math.exp2(scores * QK_SCALE - new_max[:, None])
+            row_sum = row_sum * correction + tl.sum(weights, 1)
             rounded = round_to(weights, BF16)
         acc = tl.dot(rounded, v, acc * correction[:, None])
         return acc, row_sum, new_max
@@ -201,17 +281,21 @@ if triton is not None:
         stride_vb,
         stride_vn,
         stride_vd,
-        sm_scale_log2,
+        SM_SCALE_LOG2: tl.constexpr,
         HEAD_DIM: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         FP8: tl.constexpr,
-        P_SCALE: tl.constexpr,
+        EXP16: tl.constexpr,
+        SUM_MMA: tl.constexpr,
+        SUM_COLUMNS: tl.constexpr,
+        ASM: tl.constexpr,
         BF16: tl.constexpr,
     ):
         """A tile of BLOCK_M queries of one (table, head) through all its keys. Out is
         (batch, queries, HEAD_DIM) contiguous, in q's dtype; Scales holds the fp8 scales of
-        q, k and v (unused otherwise)."""
+        q, k and v (unused otherwise). The scale is a constexpr (it depends on HEAD_DIM only):
+        a float argument may arrive as fp64 under torch.compile, and fp64 would spread."""
         batch = tl.program_id(1).to(tl.int64)
         offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_d = tl.arange(0, HEAD_DIM)
@@ -222,55 +306,108 @@ if triton is not None:
             mask=rows,
             other=0.0,
         )
-        qk_scale = sm_scale_log2
         if FP8:
-            qk_scale = qk_scale * tl.load(Scales) * tl.load(Scales + 1)
+            qk_scale = SM_SCALE_LOG2 * tl.load(Scales) * tl.load(Scales + 1)
+        else:
+            qk_scale = tl.full([], SM_SCALE_LOG2, tl.float32)
         # K's block read as (HEAD_DIM, BLOCK_N) and V's as (BLOCK_N, HEAD_DIM), the summed
         # dimension contiguous in both when V comes transposed (the fp8 launch's layout).
         k_ptrs = K + batch * stride_kb + offs_d[:, None] + offs_n[None, :] * stride_kn
         v_ptrs = V + batch * stride_vb + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd
         row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        row_sum = tl.zeros([BLOCK_M], tl.float32)
+        if FP8 and SUM_MMA:  # the row sums in every column of a (BLOCK_M, SUM_COLUMNS) matmul
+            row_sum = tl.zeros([BLOCK_M, SUM_COLUMNS], tl.float32)
+            ones = tl.full([BLOCK_N, SUM_COLUMNS], 1.0, tl.float32).to(tl.float8e4nv)
+        else:
+            row_sum = tl.zeros([BLOCK_M], tl.float32)
+            ones = 0
         acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
         full_keys = (n_keys // BLOCK_N) * BLOCK_N
         for _ in range(0, full_keys, BLOCK_N):
             acc, row_sum, row_max = _flash_step(
-                acc, row_sum, row_max, q, k_ptrs, v_ptrs, BLOCK_N, qk_scale, offs_n,
-                False, FP8, P_SCALE, BF16,
+                acc, row_sum, row_max, q, k_ptrs, v_ptrs, ones, BLOCK_N, offs_n, qk_scale,
+                False, FP8, EXP16, SUM_MMA, ASM, BF16,
             )  # fmt: skip
             k_ptrs += BLOCK_N * stride_kn
             v_ptrs += BLOCK_N * stride_vn
         if full_keys < n_keys:
             acc, row_sum, row_max = _flash_step(
-                acc, row_sum, row_max, q, k_ptrs, v_ptrs, n_keys - full_keys, qk_scale, offs_n,
-                True, FP8, P_SCALE, BF16,
+                acc, row_sum, row_max, q, k_ptrs, v_ptrs, ones, n_keys - full_keys, offs_n,
+                qk_scale, True, FP8, EXP16, SUM_MMA, ASM, BF16,
             )  # fmt: skip
+        if FP8 and SUM_MMA:
+            row_sum = tl.max(row_sum, 1)
         out = acc / row_sum[:, None]
         if FP8:
-            out = out * (tl.load(Scales + 2) / P_SCALE)
+            out = out * tl.load(Scales + 2)
         tl.store(
             Out + batch * n_queries * HEAD_DIM + offs_m[:, None] * HEAD_DIM + offs_d[None, :],
             out.to(Out.dtype.element_ty),
             mask=rows,
         )
 
+    @triton.jit
+    def _quantize_kernel(
+        X,
+        Y,
+        Scales,
+        which,
+        n_rows,
+        stride_xb,
+        stride_xr,
+        stride_yb,
+        stride_yr,
+        stride_yd,
+        DIM: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
+        """One block of rows of one batch of X (rows, DIM; DIM contiguous) divided by
+        Scales[which] and rounded to e4m3 into Y at its strides (V's transposed layout)."""
+        batch = tl.program_id(1).to(tl.int64)
+        offs_r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        offs_d = tl.arange(0, DIM)
+        rows = offs_r[:, None] < n_rows
+        x = tl.load(X + batch * stride_xb + offs_r[:, None] * stride_xr + offs_d[None, :], rows)
+        y = tl.math.div_rn(x.to(tl.float32), tl.load(Scales + which))
+        tl.store(
+            Y + batch * stride_yb + offs_r[:, None] * stride_yr + offs_d[None, :] * stride_yd,
+            y.to(tl.float8e4nv),
+            rows,
+        )
+
+    def _launch_quantize(x: Tensor, scales: Tensor, which: int, keys_major: bool, launcher):
+        """``x`` (batch, rows, dim) as e4m3 over ``scales[which]``; ``keys_major``: stored
+        (batch, dim, rows), returned as its transpose (the fp8 P @ V operand's layout)."""
+        batch, n_rows, dim = x.shape
+        shape = (batch, dim, n_rows) if keys_major else (batch, n_rows, dim)
+        out = torch.empty(shape, dtype=torch.float8_e4m3fn, device=x.device)
+        y = out.transpose(1, 2) if keys_major else out
+        block = 64
+        for start in range(0, batch, MAX_GRID_BATCH):
+            part = slice(start, min(batch, start + MAX_GRID_BATCH))
+            launcher(_quantize_kernel)[(triton.cdiv(n_rows, block), part.stop - part.start)](
+                x[part], y[part], scales, which, n_rows, x.stride(0), x.stride(1),
+                y.stride(0), y.stride(1), y.stride(2), DIM=dim, BLOCK=block,
+            )  # fmt: skip
+        return y
+
     def _launch(q: Tensor, k: Tensor, v: Tensor, fp8: bool, launcher) -> Tensor:
         *lead, n_queries, dim = q.shape
         n_keys = k.shape[-2]
         batch = math.prod(lead)
-        q3 = q.reshape(batch, n_queries, dim)
-        k3 = k.reshape(batch, n_keys, dim)
-        v3 = v.reshape(batch, n_keys, dim)
+        q3 = q.reshape(batch, n_queries, dim).contiguous()
+        k3 = k.reshape(batch, n_keys, dim).contiguous()
+        v3 = v.reshape(batch, n_keys, dim).contiguous()
         if fp8:
-            (q3, q_scale), (k3, k_scale) = fp8_operand(q3), fp8_operand(k3)
-            v3, v_scale = fp8_operand(v3)
-            v3 = v3.transpose(1, 2).contiguous().transpose(1, 2)  # keys contiguous per dim
-            scales = torch.stack([q_scale, k_scale, v_scale])
+            scales = torch.stack([_fp8_scale(t) for t in (q3, k3, v3)])
+            q3 = _launch_quantize(q3, scales, 0, False, launcher)
+            k3 = _launch_quantize(k3, scales, 1, False, launcher)
+            v3 = _launch_quantize(v3, scales, 2, True, launcher)  # keys contiguous per dim
         else:
-            q3, k3, v3 = q3.contiguous(), k3.contiguous(), v3.contiguous()
             scales = q3  # never read without FP8: any pointer will do
         out = torch.empty((batch, n_queries, dim), dtype=q.dtype, device=q.device)
         block_m, block_n, warps, stages = TILE_OVERRIDE or TILES[fp8]
+        interpreted = os.environ.get("TRITON_INTERPRET") == "1"
         # The batch rides the grid's second axis (CUDA's limit: MAX_GRID_BATCH): its query
         # tiles run next to each other and share its keys in L2.
         for start in range(0, batch, MAX_GRID_BATCH):
@@ -280,8 +417,9 @@ if triton is not None:
                 q3[part], k3[part], v3[part], out[part], scales, n_queries, n_keys,
                 q3.stride(0), q3.stride(1), k3.stride(0), k3.stride(1),
                 v3.stride(0), v3.stride(1), v3.stride(2),
-                math.log2(math.e) / math.sqrt(dim),
-                HEAD_DIM=dim, BLOCK_M=block_m, BLOCK_N=block_n, FP8=fp8, P_SCALE=P_SCALE,
+                SM_SCALE_LOG2=math.log2(math.e) / math.sqrt(dim), HEAD_DIM=dim,
+                BLOCK_M=block_m, BLOCK_N=block_n, FP8=fp8, EXP16=FP8_MODE["exp16"],
+                SUM_MMA=FP8_MODE["sum_mma"], SUM_COLUMNS=SUM_COLUMNS, ASM=not interpreted,
                 BF16=q.dtype == torch.bfloat16, num_warps=warps, num_stages=stages,
             )  # fmt: skip
         return out.view(*lead, n_queries, dim)
