@@ -121,25 +121,22 @@ def methods(device, flash_sweep: bool = False) -> dict:
                 if tile is not None:
                     stack.enter_context(fa.tile_override(tile))
                 if mode is not None:
-                    stack.enter_context(fa.fp8_mode_override(*mode))
+                    stack.enter_context(fa.mode_override(*mode))
                 return ops.flash_attention(q, k, v, fp8)
 
         return attend
 
     for fp8, label in ((False, "half"), (True, "fp8")):
         found[f"tabserve flash {label}"] = flash(fp8)
-        # fp8: each way of computing the weights (exp16, sum_mma) on each tile
-        modes = FP8_MODES if fp8 else (None,)
-        for tile, mode in itertools.product(fa.SWEEP if flash_sweep else (), modes):
+        for tile, mode in itertools.product(fa.SWEEP if flash_sweep else (), MODES):
             name = f"tabserve flash {label} {tile[0]}x{tile[1]} w{tile[2]} s{tile[3]}"
-            if mode is not None:
-                name += "".join(f" {flag}" for flag, on in zip(("exp16", "sum_mma"), mode) if on)
+            name += "".join(f" {flag}" for flag, on in zip(("ftz", "pipe"), mode) if on)
             found[name] = flash(fp8, tile, mode)
     return found
 
 
-#: The fp8 kernel's modes the sweep times (exp16, sum_mma: tabserve.kernels.flash_attention).
-FP8_MODES = ((False, False), (True, False), (False, True), (True, True))
+#: The kernel's key-loop modes the sweep times (ftz, pipe: tabserve.kernels.flash_attention).
+MODES = ((False, False), (True, False), (False, True), (True, True))
 
 
 def padded_keys(k, v, n: int, length: int, seed: int = 1):

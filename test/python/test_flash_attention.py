@@ -37,8 +37,8 @@ CASES = [
 #: operands (weights rounded to fp16 each: a few roundings) and for fp8 ones (e4m3 keeps 3
 #: mantissa bits: 2^-4 relative per rounding of q, k, v and the weights).
 HALF_BOUND, FP8_BOUND = 4e-3, 0.25
-#: The fp8 kernel's ways of computing its weights and row sums (``fa.FP8_MODE``: exp16, sum_mma).
-FP8_MODES = [(False, False), (True, False), (False, True), (True, True)]
+#: The kernel's ways of running its key loop (``fa.MODE``: ftz, pipe).
+MODES = [(False, False), (True, False), (False, True), (True, True)]
 
 
 def exact(q, k, v):
@@ -70,26 +70,6 @@ def test_composite_errs_as_its_roundings_do(case, fp8):
     assert error <= (FP8_BOUND if fp8 else HALF_BOUND)
     if fp8 and case[2] > 1:  # one key: every weight is 1, the output v's rounding alone
         assert error > relative_error(fa.flash_attention_composite(q, k, v), q, k, v)
-
-
-@pytest.mark.parametrize("mode", FP8_MODES)
-def test_each_fp8_mode_rounds_as_it_says(mode):
-    """Each fp8 mode's composite stays within e4m3's bound and moves the answer by its own
-    roundings only: fp16 exponentials by about fp16's precision of the weights (far below
-    e4m3's), row sums of the rounded weights by about e4m3's."""
-    q, k, v = operands(CASES[0])
-    with fa.fp8_mode_override(False, False):
-        base = fa.flash_attention_composite(q, k, v, True).double()
-    with fa.fp8_mode_override(*mode):
-        out = fa.flash_attention_composite(q, k, v, True)
-        assert fa.FP8_MODE == {"exp16": mode[0], "sum_mma": mode[1]}
-    assert fa.FP8_MODE == {"exp16": False, "sum_mma": False} or mode == (False, False)
-    assert relative_error(out, q, k, v) <= FP8_BOUND
-    moved = float((out.double() - base).abs().max() / base.abs().max())
-    if mode == (False, False):
-        assert moved == 0
-    else:  # sums of rounded weights; fp16 roundings before e4m3's (seen: 0.9% and 1.4%)
-        assert 0 < moved <= 2.0**-5
 
 
 def test_composite_in_fp32_is_softmax_attention():
@@ -184,16 +164,17 @@ def test_kernel_under_the_interpreter_agrees_with_the_composite():
     results = interpreter_child("import test_flash_attention as t; t.interpreter_cases()")
     assert results["batches_in_parts_equal_one_launch"] == [True, True]
     assert len(results["cases"]) == 2 * len(CASES)  # two tiles
-    for half_vs_composite, half_error, fp8_errors, shape in results["cases"]:
+    for half_vs_composite, half_error, fp8_error, pipe_equal, shape in results["cases"]:
         assert half_vs_composite <= 2 * 2.0**-10, shape  # two fp16 roundings of the scale
-        assert half_error <= HALF_BOUND, shape
-        assert len(fp8_errors) == len(FP8_MODES) and max(fp8_errors) <= FP8_BOUND, shape
+        assert half_error <= HALF_BOUND and fp8_error <= FP8_BOUND, shape
+        assert pipe_equal == [True, True], shape  # the same maths, issued in another order
 
 
 def interpreter_cases() -> None:
     """The child's side of the interpreter test: per tile and case, [the fp16 kernel's largest
-    difference from the composite, its error and each fp8 mode's against fp64 (relative to the
-    output's largest magnitude), the output shape]; and whether a batch launched in parts (the
+    difference from the composite, both precisions' errors against fp64 (relative to the
+    output's largest magnitude), whether the pipelined loop gives each precision's bits, the
+    output shape]; and whether a batch launched in parts (the
     grid's limit lowered to 3 of its 16 tables x heads) gives the one launch's bits."""
     import json
 
@@ -219,25 +200,30 @@ def interpreter_cases() -> None:
                     [
                         float((half.double() - composite.double()).abs().max()) / scale,
                         relative_error(half, q, k, v),
-                        [fp8_error(mode, q, k, v) for mode in FP8_MODES],
+                        relative_error(fa.run_kernel(q, k, v, True), q, k, v),
+                        [pipelined_equal(fp8, q, k, v) for fp8 in (False, True)],
                         list(half.shape),
                     ]
                 )
     print(json.dumps({"cases": out, "batches_in_parts_equal_one_launch": parts}))
 
 
-def fp8_error(mode, q, k, v) -> float:
-    with fa.fp8_mode_override(*mode):
-        return relative_error(fa.run_kernel(q, k, v, True), q, k, v)
+def pipelined_equal(fp8, q, k, v) -> bool:
+    with fa.mode_override(ftz=False, pipe=True):
+        pipelined = fa.run_kernel(q, k, v, fp8)
+    with fa.mode_override(ftz=False, pipe=False):
+        return torch.equal(pipelined, fa.run_kernel(q, k, v, fp8))
 
 
 @requires_cuda
 @pytest.mark.cuda
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_cuda_kernel_agrees_with_the_composite(case, dtype):
+@pytest.mark.parametrize("mode", MODES)
+def test_cuda_kernel_agrees_with_the_composite(case, dtype, mode):
     q, k, v = operands(case, dtype, "cuda")
-    got = ops.flash_attention(q, k, v)
+    with fa.mode_override(*mode):
+        got = ops.flash_attention(q, k, v)
     want = fa.flash_attention_composite(q, k, v)
     scale = float(exact(q, k, v).abs().max())
     eps = torch.finfo(dtype).eps
@@ -248,14 +234,14 @@ def test_cuda_kernel_agrees_with_the_composite(case, dtype):
 @requires_cuda
 @pytest.mark.cuda
 @pytest.mark.parametrize("case", CASES)
-@pytest.mark.parametrize("mode", FP8_MODES)
+@pytest.mark.parametrize("mode", MODES)
 def test_cuda_fp8_kernel_agrees_with_the_composite(case, mode):
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("fp8 tensor cores need compute capability 8.9")
     q, k, v = operands(case, torch.float16, "cuda")
-    with fa.fp8_mode_override(*mode):
+    with fa.mode_override(*mode):
         got = ops.flash_attention(q, k, v, fp8=True)
-        want = fa.flash_attention_composite(q, k, v, fp8=True)
+    want = fa.flash_attention_composite(q, k, v, fp8=True)
     error = relative_error(got, q, k, v)
     assert error <= FP8_BOUND
     # Same operands, same rounding of the weights up to the running maximum's rescaling.
