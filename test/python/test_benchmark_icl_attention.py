@@ -82,8 +82,8 @@ def test_cuda_methods_include_the_flash_kernel_and_its_sweep():
     swept = set(bench.methods(torch.device("cuda"), flash_sweep=True)) - set(plain)
     assert len(swept) == 2 * len(bench.MODES) * len(fa.SWEEP)
     assert {
-        "tabserve flash half 128x128 w8 s3",
-        "tabserve flash fp8 128x128 w8 s3",
+        "tabserve flash half 128x64 w8 s3",
+        "tabserve flash fp8 64x64 w4 s3",
         "tabserve flash fp8 64x128 w4 s3 ftz",
         "tabserve flash half 64x128 w4 s3 pipe",
         "tabserve flash fp8 64x128 w4 s3 ftz pipe",
