@@ -250,6 +250,24 @@ def test_cuda_fp8_kernel_agrees_with_the_composite(case, mode):
 
 @requires_cuda
 @pytest.mark.cuda
+@pytest.mark.parametrize("fp8", [False, True])
+def test_cuda_long_keys_with_values_of_one_sign_keep_their_sum(fp8):
+    """20,000 keys whose values share an offset (as a projection's bias gives them): the
+    output is near the offset, and a running sum that lost bits block after block (Hopper's
+    fp8 matmuls accumulate in reduced precision unless promoted) would drift from it. The
+    kernel stays within its composite's error plus a few roundings."""
+    if fp8 and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("fp8 tensor cores need compute capability 8.9")
+    q, k, v = operands(((2, 2), 256, 20_000, 64), torch.float16, "cuda", seed=3)
+    v = (v.float() * 0.5 + 3.0).half()
+    got = ops.flash_attention(q, k, v, fp8)
+    want = fa.flash_attention_composite(q, k, v, fp8)
+    bound = relative_error(want, q, k, v) + (2e-3 if fp8 else 2 * 2.0**-10)
+    assert relative_error(got, q, k, v) <= bound
+
+
+@requires_cuda
+@pytest.mark.cuda
 def test_cuda_icl_shape_compiles_into_one_graph_and_replays():
     """The ICL stage's call at a reduced size: 8 tables x 8 heads of 64, 3,000 keys; compiled
     with fullgraph and captured in a CUDA graph, both equal to eager bit for bit."""
