@@ -24,6 +24,22 @@ def test_quick_run_reports_rates_and_errors(tmp_path):
         flop = 4 * tables * bench.HEADS * queries * keys * bench.HEAD_DIM
         assert record["tflop_per_s"] == pytest.approx(flop / (record["median_ms"] / 1e3) / 1e12)
         assert record["max_abs_error_vs_fp32"] < 1e-5  # fp32 maths on the CPU
+        # values offset by VALUE_OFFSET: outputs near it, fp32 rounding of that size
+        assert record["max_abs_error_vs_fp32_offset_values"] < 1e-5 * bench.VALUE_OFFSET
+
+
+def test_offset_check_sees_a_drift_that_zero_mean_values_hide():
+    """A stand-in for a kernel that loses a fixed share of its output (what an accumulator
+    that drops bits on every block does to a running sum): small on zero-mean values, clear on
+    values that share an offset."""
+    q, k, v = bench.inputs(2, 70, 90, torch.float32, torch.device("cpu"))
+
+    def lossy(v):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v) * (1 - 1e-2)
+
+    plain = bench.max_error(lossy(v), q, k, v)
+    shifted = bench.max_error(lossy(v + bench.VALUE_OFFSET), q, k, v + bench.VALUE_OFFSET)
+    assert shifted > 1e-2 * bench.VALUE_OFFSET * 0.9 > plain
 
 
 def test_error_is_measured_against_fp32_softmax_attention():
