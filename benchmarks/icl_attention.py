@@ -29,8 +29,6 @@ the ICL stage's padded backend.
 
 from __future__ import annotations
 
-import contextlib
-import itertools
 import sys
 from pathlib import Path
 
@@ -121,30 +119,22 @@ def methods(device, flash_sweep: bool = False) -> dict:
     from tabserve import ops
     from tabserve.kernels import flash_attention as fa
 
-    def flash(fp8, tile=None, mode=None):
+    def flash(fp8, tile=None):
         def attend(q, k, v):
-            with contextlib.ExitStack() as stack:
-                if tile is not None:
-                    stack.enter_context(fa.tile_override(tile))
-                if mode is not None:
-                    stack.enter_context(fa.mode_override(*mode))
+            if tile is None:
+                return ops.flash_attention(q, k, v, fp8)
+            with fa.tile_override(tile):
                 return ops.flash_attention(q, k, v, fp8)
 
         return attend
 
     for fp8, label in ((False, "half"), (True, "fp8")):
         found[f"tabserve flash {label}"] = flash(fp8)
-        # the key-loop modes on fp8 only (the xlarge target's precision)
-        modes = MODES if fp8 else MODES[:1]
-        for tile, mode in itertools.product(fa.SWEEP if flash_sweep else (), modes):
-            name = f"tabserve flash {label} {tile[0]}x{tile[1]} w{tile[2]} s{tile[3]}"
-            name += "".join(f" {flag}" for flag, on in zip(("ftz", "pipe"), mode) if on)
-            found[name] = flash(fp8, tile, mode)
+        for tile in fa.SWEEP if flash_sweep else ():
+            found[f"tabserve flash {label} {tile[0]}x{tile[1]} w{tile[2]} s{tile[3]}"] = flash(
+                fp8, tile
+            )
     return found
-
-
-#: The kernel's key-loop modes the sweep times (ftz, pipe: tabserve.kernels.flash_attention).
-MODES = ((False, False), (True, False), (False, True), (True, True))
 
 
 def padded_keys(k, v, n: int, length: int, seed: int = 1):

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 
 import torch
 from torch import Tensor
@@ -60,15 +59,12 @@ SWEEP = ((128, 64, 8, 3), (64, 128, 4, 3), (64, 64, 4, 3), (64, 256, 4, 2))
 MAX_GRID_BATCH = 65_535
 #: Set by :func:`tile_override` (the benchmark's sweep, the interpreter tests' small tiles).
 TILE_OVERRIDE = None
-#: How the kernel runs its key loop (both precisions; the maths and so the composite are the
-#: same in every mode): ``ftz``, exponentials by ``ex2.approx.ftz.f32`` (weights below 2^-126
-#: flush to zero, which neither fp16 nor e4m3 keeps anyway); ``pipe``, each block's scores
-#: issued before the previous block's softmax, so the tensor cores can run under it.
-#: :func:`mode_override` changes them (the sweep). Measured on the H200 (twenty-third session)
-#: and dropped: exponentials on fp16 pairs (``ex2.approx.f16x2``, 10% slower) and row sums by a
-#: matmul of the e4m3 weights by ones (slower, and 1.5e-2 less accurate: Hopper's fp8 matmuls
-#: accumulate in reduced precision).
-MODE = {"ftz": False, "pipe": False}
+#: Tried and dropped (twenty-third session): exponentials on fp16 pairs (`ex2.approx.f16x2`: two
+#: `MUFU.EX2.F16` on sm_90, 10% slower on the H200) and row sums by a matmul of the e4m3 weights
+#: by ones (slower, and 1.5e-2 less accurate); also, from the PTX that Triton compiles here for
+#: sm_90 (no GPU needed: ``triton.compile`` with a ``GPUTarget``, then ``ptxas -v``): an explicit
+#: ``ex2.approx.ftz.f32`` (``tl.math.exp2`` already lowers to it) and issuing block j + 1's
+#: scores before block j's softmax (Triton waits on the matmul right after issuing it).
 
 
 @contextlib.contextmanager
@@ -84,17 +80,6 @@ def tile_override(tile: tuple[int, int, int, int]):
         yield
     finally:
         TILE_OVERRIDE = saved
-
-
-@contextlib.contextmanager
-def mode_override(ftz: bool, pipe: bool):
-    """Every launch inside runs its key loop as ``ftz`` / ``pipe`` say (:data:`MODE`)."""
-    saved = dict(MODE)
-    MODE.update(ftz=bool(ftz), pipe=bool(pipe))
-    try:
-        yield
-    finally:
-        MODE.update(saved)
 
 
 def _check(q: Tensor, k: Tensor, v: Tensor) -> None:
@@ -190,16 +175,6 @@ def kernel_applies(q: Tensor, fp8: bool) -> bool:
 if triton is not None:
 
     @triton.jit
-    def _exp2(x, FTZ: tl.constexpr):
-        """2^x (fp32); ``FTZ``: one ``ex2.approx.ftz.f32``, results below 2^-126 flushed."""
-        if FTZ:
-            return tl.inline_asm_elementwise(
-                "ex2.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True, pack=1
-            )
-        else:
-            return tl.math.exp2(x)
-
-    @triton.jit
     def _load_keys(k_ptrs, keys_left, offs_n, MASKED: tl.constexpr):
         """A block of K, (HEAD_DIM, BLOCK_N); ``MASKED``: the keys past ``keys_left`` zero."""
         if MASKED:
@@ -219,7 +194,6 @@ if triton is not None:
         QK_SCALE,
         MASKED: tl.constexpr,
         FP8: tl.constexpr,
-        FTZ: tl.constexpr,
         BF16: tl.constexpr,
     ):
         """One block's scores (BLOCK_M, BLOCK_N) into the online softmax and the weighted
@@ -227,27 +201,27 @@ if triton is not None:
         if MASKED:
             scores = tl.where(offs_n[None, :] < keys_left, scores, float("-inf"))
         new_max = tl.maximum(row_max, tl.max(scores, 1) * QK_SCALE)
-        correction = _exp2(row_max - new_max, FTZ)
+        correction = tl.math.exp2(row_max - new_max)
         if MASKED:
             v = tl.load(v_ptrs, mask=offs_n[:, None] < keys_left, other=0.0)
         else:
             v = tl.load(v_ptrs)
         if FP8:
             # log2(P_SCALE) = 8 added to the exponent: weights in (0, 256], one multiply-add.
-            weights = _exp2(scores * QK_SCALE - (new_max[:, None] - 8.0), FTZ)
+            weights = tl.math.exp2(scores * QK_SCALE - (new_max[:, None] - 8.0))
             rounded = weights.to(tl.float8e4nv)
         else:
-            weights = _exp2(scores * QK_SCALE - new_max[:, None], FTZ)
+            weights = tl.math.exp2(scores * QK_SCALE - new_max[:, None])
             rounded = round_to(weights, BF16)
         row_sum = row_sum * correction + tl.sum(weights, 1)
         if FP8:
-            # Hopper's fp8 matmuls add into their accumulator in reduced precision (Triton's
-            # default there: never promoted). Chained over every key block, the running sum
-            # drifted by ~2.6e-2 on 50,000 keys whose values share a sign (the H200's first
-            # model run failed its gate so): each block's product is added in fp32 instead.
-            acc = tl.dot(
-                rounded, v, acc * correction[:, None], max_num_imprecise_acc=offs_n.shape[0]
-            )
+            # Hopper's fp8 matmuls add into their accumulator in reduced precision, and Triton
+            # leaves them unpromoted there by default: chained over every key block, the running
+            # sum drifted (~2.6e-2 over 50,000 keys whose values share a sign; the H200's first
+            # model run failed its gate so). Each block's product starts from zero and is added
+            # in fp32 here. (Triton's own promotion, ``max_num_imprecise_acc``, made ptxas
+            # serialise the matmuls: warning C7514 in the sm_90 compile.)
+            acc = acc * correction[:, None] + tl.dot(rounded, v)
         else:
             acc = tl.dot(rounded, v, acc * correction[:, None])
         return acc, row_sum, new_max
@@ -273,8 +247,6 @@ if triton is not None:
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         FP8: tl.constexpr,
-        FTZ: tl.constexpr,
-        PIPE: tl.constexpr,
         BF16: tl.constexpr,
     ):
         """A tile of BLOCK_M queries of one (table, head) through all its keys. Out is
@@ -303,41 +275,19 @@ if triton is not None:
         row_sum = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
         full_keys = (n_keys // BLOCK_N) * BLOCK_N
-        if PIPE:
-            # Block j + 1's scores go to the tensor cores before block j's softmax.
-            if full_keys > 0:
-                scores = tl.dot(q, _load_keys(k_ptrs, BLOCK_N, offs_n, False))
-                for _ in range(BLOCK_N, full_keys, BLOCK_N):
-                    k_ptrs += BLOCK_N * stride_kn
-                    following = tl.dot(q, _load_keys(k_ptrs, BLOCK_N, offs_n, False))
-                    acc, row_sum, row_max = _softmax_step(
-                        acc, row_sum, row_max, scores, v_ptrs, BLOCK_N, offs_n, qk_scale,
-                        False, FP8, FTZ, BF16,
-                    )  # fmt: skip
-                    v_ptrs += BLOCK_N * stride_vn
-                    scores = following
-                acc, row_sum, row_max = _softmax_step(
-                    acc, row_sum, row_max, scores, v_ptrs, BLOCK_N, offs_n, qk_scale,
-                    False, FP8, FTZ, BF16,
-                )  # fmt: skip
-                k_ptrs += BLOCK_N * stride_kn
-                v_ptrs += BLOCK_N * stride_vn
-        else:
-            for _ in range(0, full_keys, BLOCK_N):
-                scores = tl.dot(q, _load_keys(k_ptrs, BLOCK_N, offs_n, False))
-                acc, row_sum, row_max = _softmax_step(
-                    acc, row_sum, row_max, scores, v_ptrs, BLOCK_N, offs_n, qk_scale,
-                    False, FP8, FTZ, BF16,
-                )  # fmt: skip
-                k_ptrs += BLOCK_N * stride_kn
-                v_ptrs += BLOCK_N * stride_vn
+        for _ in range(0, full_keys, BLOCK_N):
+            scores = tl.dot(q, _load_keys(k_ptrs, BLOCK_N, offs_n, False))
+            acc, row_sum, row_max = _softmax_step(
+                acc, row_sum, row_max, scores, v_ptrs, BLOCK_N, offs_n, qk_scale, False, FP8, BF16
+            )
+            k_ptrs += BLOCK_N * stride_kn
+            v_ptrs += BLOCK_N * stride_vn
         if full_keys < n_keys:
             keys_left = n_keys - full_keys
             scores = tl.dot(q, _load_keys(k_ptrs, keys_left, offs_n, True))
             acc, row_sum, row_max = _softmax_step(
-                acc, row_sum, row_max, scores, v_ptrs, keys_left, offs_n, qk_scale,
-                True, FP8, FTZ, BF16,
-            )  # fmt: skip
+                acc, row_sum, row_max, scores, v_ptrs, keys_left, offs_n, qk_scale, True, FP8, BF16
+            )
         out = acc / row_sum[:, None]
         if FP8:
             out = out * tl.load(Scales + 2)
@@ -408,7 +358,6 @@ if triton is not None:
             scales = q3  # never read without FP8: any pointer will do
         out = torch.empty((batch, n_queries, dim), dtype=q.dtype, device=q.device)
         block_m, block_n, warps, stages = TILE_OVERRIDE or TILES[fp8]
-        interpreted = os.environ.get("TRITON_INTERPRET") == "1"
         # The batch rides the grid's second axis (CUDA's limit: MAX_GRID_BATCH): its query
         # tiles run next to each other and share its keys in L2.
         for start in range(0, batch, MAX_GRID_BATCH):
@@ -419,8 +368,7 @@ if triton is not None:
                 q3.stride(0), q3.stride(1), k3.stride(0), k3.stride(1),
                 v3.stride(0), v3.stride(1), v3.stride(2),
                 SM_SCALE_LOG2=math.log2(math.e) / math.sqrt(dim), HEAD_DIM=dim,
-                BLOCK_M=block_m, BLOCK_N=block_n, FP8=fp8, FTZ=MODE["ftz"] and not interpreted,
-                PIPE=MODE["pipe"], BF16=q.dtype == torch.bfloat16, num_warps=warps, num_stages=stages,
+                BLOCK_M=block_m, BLOCK_N=block_n, FP8=fp8, BF16=q.dtype == torch.bfloat16, num_warps=warps, num_stages=stages,
             )  # fmt: skip
         return out.view(*lead, n_queries, dim)
 
