@@ -191,7 +191,10 @@ for part in "$@"; do
 import csv, sys
 rows = list(csv.reader(open(sys.argv[1])))
 head, units, data = rows[0], rows[1], rows[2:]
+# also each pipe's share (tensor / gmma, fma, alu, xu = the exponentials' unit): flash_attention
 keep = [i for i, h in enumerate(head) if "issue_stalled" in h and "ratio" in h
+        or h.startswith("sm__pipe_") and h.endswith("pct_of_peak_sustained_active")
+        or h.startswith("sm__inst_executed_pipe_") and h.endswith(".sum")
         or h in ("Kernel Name", "gpu__time_duration.sum", "sm__inst_executed.sum",
                  "smsp__inst_executed.avg.per_cycle_active", "sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active",
                  "smsp__issue_active.avg.pct_of_peak_sustained_active", "launch__registers_per_thread")]

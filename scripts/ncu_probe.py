@@ -2,11 +2,15 @@
 occupancy, DRAM and L2 throughput): the head-dim-16 attention on the row stage (plain and with
 RoPE), on the column stage's rows over the inducing points, and the fused feed-forward on the
 row stage's stream; with ``--feed-forward`` only the two feed-forward kernels on that stream
-(the Triton one and tabserve::feed_forward_resident). Each runs once first (Triton compiles,
-caches warm): skip those launches with ``--launch-skip``.
+(the Triton one and tabserve::feed_forward_resident); with ``--flash`` only
+tabserve::flash_attention on the ICL stage's train-row call (8 tables x 8 heads of 64, 16,384
+keys: xlarge's shape at a third of its rows, so each of Nsight's replays takes ~8 ms), fp8 then
+half operands. Each runs once first (Triton compiles, caches warm): skip those launches with
+``--launch-skip``.
 
     ncu --clock-control none --set full -k regex:"one_chunk|streaming|_feed_forward" \
         -c 4 -o probe python3 scripts/ncu_probe.py
+    NCU_ARGS=--flash NCU_KERNELS=_flash_attention_kernel bash scripts/device_bench.sh ncu
 """
 
 from __future__ import annotations
@@ -36,10 +40,24 @@ def feed_forward_calls() -> list:
     ]
 
 
+def flash_calls() -> list:
+    """tabserve::flash_attention on the ICL train-row call's shape (fewer keys), fp8 then half:
+    where its time goes between the exponentials, the other vector work and the matmuls."""
+    g = torch.Generator("cuda").manual_seed(0)
+    q, k, v = (
+        torch.randn(8, 8, 16_384, 64, generator=g, device="cuda").half() for _ in range(3)
+    )
+    return [lambda: ops.flash_attention(q, k, v, True), lambda: ops.flash_attention(q, k, v)]
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    calls = feed_forward_calls() if "--feed-forward" in argv else []
-    for name, batch, queries, keys, broadcast in [] if calls else attention_bench.CASES:
+    if "--flash" in argv:
+        calls = flash_calls()
+    else:
+        calls = feed_forward_calls() if "--feed-forward" in argv else []
+    only = "--feed-forward" in argv or "--flash" in argv
+    for name, batch, queries, keys, broadcast in [] if only else attention_bench.CASES:
         if name in ("row", "col-rows"):
             q, k, v = attention_bench.inputs(batch, queries, keys, broadcast, torch.float16, "cuda")
             calls.append(lambda q=q, k=k, v=v: ops.small_head_attention(q, k, v))
@@ -48,7 +66,7 @@ def main(argv=None) -> int:
             calls.append(
                 lambda q=q, k=k, v=v, t=tables: ops.small_head_attention(q, k, v, rotary=t)
             )
-    if "--feed-forward" not in argv:
+    if not only:
         calls += feed_forward_calls()[:1]
     for call in calls:  # warm-up: Triton compiles, nothing is cold when the profiler runs
         call()
