@@ -215,8 +215,8 @@ def main(argv=None) -> int:
                 runs["sdpa cudnn, sliced keys"] = lambda q=q, k=k, v=v: sliced(q, k, v)
         else:
             found = methods(device, args.flash_sweep)
+            # v a keyword: the offset-values check below passes its own
             runs = {m: lambda f=f, q=q, k=k, v=v: f(q, k, v) for m, f in found.items()}
-            # (each run also takes other values: the offset check below)
         flop = 4 * tables * HEADS * queries * k.shape[2] * HEAD_DIM  # over the real keys
         for method, run in runs.items():
             try:

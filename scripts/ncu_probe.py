@@ -44,19 +44,14 @@ def flash_calls() -> list:
     """tabserve::flash_attention on the ICL train-row call's shape (fewer keys), fp8 then half:
     where its time goes between the exponentials, the other vector work and the matmuls."""
     g = torch.Generator("cuda").manual_seed(0)
-    q, k, v = (
-        torch.randn(8, 8, 16_384, 64, generator=g, device="cuda").half() for _ in range(3)
-    )
+    q, k, v = (torch.randn(8, 8, 16_384, 64, generator=g, device="cuda").half() for _ in range(3))
     return [lambda: ops.flash_attention(q, k, v, True), lambda: ops.flash_attention(q, k, v)]
 
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if "--flash" in argv:
-        calls = flash_calls()
-    else:
-        calls = feed_forward_calls() if "--feed-forward" in argv else []
     only = "--feed-forward" in argv or "--flash" in argv
+    calls = flash_calls() if "--flash" in argv else feed_forward_calls() if only else []
     for name, batch, queries, keys, broadcast in [] if only else attention_bench.CASES:
         if name in ("row", "col-rows"):
             q, k, v = attention_bench.inputs(batch, queries, keys, broadcast, torch.float16, "cuda")

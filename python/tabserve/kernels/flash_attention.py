@@ -14,8 +14,9 @@ fp32, base-2 exponentials), so the scores never reach memory.
 it for the P @ V product. ``fp8=True``: Q, K and V rounded to ``float8_e4m3fn`` with one scale
 per tensor (its largest magnitude over 448, computed on the device: no synchronisation), the
 scores and the softmax in fp32, the weights (times :data:`P_SCALE`) rounded to e4m3 for P @ V,
-each key block's product added in fp32, the row sums kept in fp32: the roundings ``benchmarks/fp8_attention_emulation.py`` measured
-against the model's answers. On Hopper the two matmuls then run on the fp8 tensor cores.
+each key block's product added in fp32, the row sums kept in fp32: the roundings
+``benchmarks/fp8_attention_emulation.py`` measured against the model's answers. On Hopper the
+two matmuls then run on the fp8 tensor cores.
 
 One place for the operator: the schema (``torch.library.triton_op``), the composite ATen kernel
 (CPU, fp32, shapes or GPUs the kernel does not take: the same roundings with a two-pass softmax,
@@ -110,7 +111,7 @@ def _check(q: Tensor, k: Tensor, v: Tensor) -> None:
 def fp8_operand(t: Tensor) -> tuple[Tensor, Tensor]:
     """``t`` as e4m3 scaled onto its range, and the fp32 scale (0-d) that undoes it."""
     scale = _fp8_scale(t)
-    return _quantize(t, scale), scale
+    return (t.float() / scale).to(torch.float8_e4m3fn), scale
 
 
 def _fp8_scale(t: Tensor) -> Tensor:
@@ -118,10 +119,6 @@ def _fp8_scale(t: Tensor) -> Tensor:
     low, high = torch.aminmax(t)
     largest = torch.maximum(high.float(), -low.float())
     return largest.clamp_min(torch.finfo(torch.float32).tiny) / E4M3_MAX
-
-
-def _quantize(t: Tensor, scale: Tensor) -> Tensor:
-    return (t.float() / scale).to(torch.float8_e4m3fn)
 
 
 def flash_attention_composite(q: Tensor, k: Tensor, v: Tensor, fp8: bool = False) -> Tensor:
@@ -368,7 +365,8 @@ if triton is not None:
                 q3.stride(0), q3.stride(1), k3.stride(0), k3.stride(1),
                 v3.stride(0), v3.stride(1), v3.stride(2),
                 SM_SCALE_LOG2=math.log2(math.e) / math.sqrt(dim), HEAD_DIM=dim,
-                BLOCK_M=block_m, BLOCK_N=block_n, FP8=fp8, BF16=q.dtype == torch.bfloat16, num_warps=warps, num_stages=stages,
+                BLOCK_M=block_m, BLOCK_N=block_n, FP8=fp8, BF16=q.dtype == torch.bfloat16,
+                num_warps=warps, num_stages=stages,
             )  # fmt: skip
         return out.view(*lead, n_queries, dim)
 
