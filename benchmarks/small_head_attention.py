@@ -4,13 +4,17 @@ Cases are the head-dim-16 attentions of the driver's large workload (8 tables, 8
 2,048 test rows, 64 features): the row stage's self-attention over 68 tokens and its last block
 (the 4 CLS tokens over 68), the column stage's inducing points over the train rows and every row
 over the 128 induced tokens, with q, k and v as head-split views of packed projections (as the
-model makes them). Methods: the operator, SDPA with PyTorch's own choice, and SDPA restricted to
-cuDNN, memory-efficient and flash (chunked to the 65,535 batch limit, as the model does). Each
-method's error against fp32 maths on the first batch entries is reported next to its time.
+model makes them); and the xlarge workload's inducing points over its 50,000 train rows (one of
+the column stage's chunks: 40 feature groups of 8 tables). Methods: the operator, SDPA with
+PyTorch's own choice, SDPA restricted to cuDNN, memory-efficient and flash (chunked to the
+65,535 batch limit, as the model does), and ``tabserve.ops.flash_attention`` on half operands
+(read in place; ``head16-flash`` serves the inducing points with it). Each method's error
+against fp32 maths on the first batch entries is reported next to its time.
 
     python benchmarks/small_head_attention.py --device cuda
     python benchmarks/small_head_attention.py --quick        # CPU, small cases (op vs SDPA)
     python benchmarks/small_head_attention.py --methods "tabserve op" "sdpa cudnn"
+    python benchmarks/small_head_attention.py --device cuda --cases col-inducing
 """
 
 from __future__ import annotations
@@ -28,12 +32,14 @@ from tabserve.models.tabicl.layers import _in_cuda_batch_chunks
 from tabserve.models.tabicl.recipes import sdpa_context
 
 HEADS = 8
-#: (name, batch, queries, keys, broadcast queries): the large workload's head-dim-16 attentions.
+#: (name, batch, queries, keys, broadcast queries): the large workload's head-dim-16 attentions
+#: and one xlarge column-stage chunk's inducing points.
 CASES = [
     ("row", 8 * 10240, 68, 68, False),
     ("row-cls", 8 * 10240, 4, 68, False),
     ("col-inducing", 8 * 64, 128, 8192, True),
     ("col-rows", 8 * 64, 10240, 128, False),
+    ("xlarge col-inducing", 8 * 40, 128, 50000, True),
 ]
 QUICK_CASES = [("row", 64, 12, 12, False), ("col-inducing", 8, 128, 160, True)]
 #: Rows of the batch the error is measured on (fp32 maths on the host's copy).
@@ -41,7 +47,7 @@ CHECKED = 4
 
 
 def inputs(batch, queries, keys, broadcast, dtype, device):
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator(device=device).manual_seed(0)  # on the device: xlarge's are 12 GB
     width = 3 * HEADS * 16
 
     def split(t, i):
@@ -50,16 +56,16 @@ def inputs(batch, queries, keys, broadcast, dtype, device):
         )
 
     if broadcast:  # the learned inducing points, one set for every column
-        q = torch.randn(1, queries, HEADS * 16, generator=g).to(dtype).to(device)
+        q = torch.randn(1, queries, HEADS * 16, generator=g, device=device).to(dtype)
         q = q.unflatten(-1, (HEADS, 16)).transpose(1, 2).expand(batch, -1, -1, -1)
     else:
-        q = split(torch.randn(batch, queries, width, generator=g).to(dtype).to(device), 0)
-    kv = torch.randn(batch, keys, width, generator=g).to(dtype).to(device)
+        q = split(torch.randn(batch, queries, width, generator=g, device=device).to(dtype), 0)
+    kv = torch.randn(batch, keys, width, generator=g, device=device).to(dtype)
     return q, split(kv, 1), split(kv, 2)
 
 
 def methods(device):
-    found = {"tabserve op": ops.small_head_attention}
+    found = {"tabserve op": ops.small_head_attention, "tabserve flash half": ops.flash_attention}
     if device.type != "cuda":
         found["sdpa"] = F.scaled_dot_product_attention
         return found
@@ -106,11 +112,19 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--methods", nargs="+", metavar="NAME", help="only these methods (as the table names them)"
     )
+    parser.add_argument(
+        "--cases", nargs="+", metavar="TEXT", help="only the cases whose name contains one"
+    )
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype) if device.type == "cuda" else torch.float32
+    cases = QUICK_CASES if args.quick else CASES
+    if args.cases:
+        cases = [c for c in cases if any(text in c[0] for text in args.cases)]
+        if not cases:
+            raise SystemExit(f"--cases {args.cases} matches no case")
     records, rows = [], []
-    for name, batch, queries, keys, broadcast in QUICK_CASES if args.quick else CASES:
+    for name, batch, queries, keys, broadcast in cases:
         q, k, v = inputs(batch, queries, keys, broadcast, dtype, device)
         for method, fn in methods(device).items():
             if args.methods and method not in args.methods:

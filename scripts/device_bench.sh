@@ -70,23 +70,26 @@ for part in "$@"; do
     medium)
       bench medium medium many-class regression -- ${MEDIUM_CELLS:-c0-ref-fp32 c1-ref-fp16 c5-fp16 \
         c9-fp16-flash-cudnn-icl c18-fp16-buckets-cudagraphs c19-fp16-buckets-cudagraphs-kv} ;;
-    xlarge)  # c57: c52 with the ICL attention on tabserve's flash kernel, fp8 operands (c58:
-      # half operands, XLARGE_CELLS). c57's cold call took 155 s (twenty-third session) and the
-      # 200 s cell timeout stopped it, hence 400 s here; c0-ref-fp32 (the gate's reference) and
-      # c1-ref-fp16 take about 25 and 60 s, so one call holds c57 alone beside them.
+    xlarge)  # c59: c57 (c52 with the ICL attention on tabserve's flash kernel, fp8 operands) with
+      # the column stage's inducing points on it too (c58: half operands, XLARGE_CELLS). c57's
+      # cold call took 155 s (twenty-third session) and the 200 s cell timeout stopped it, hence
+      # 400 s here (run 5: c57's whole cell 262 s); c0-ref-fp32 (the gate's reference) and
+      # c1-ref-fp16 take about 25 and 90 s, so one call holds one such cell beside them.
       CELL_TIMEOUT=${CELL_TIMEOUT:-400} BENCH_ARGS=${BENCH_ARGS:---skip-phases end_to_end} \
         bench xlarge xlarge -- ${XLARGE_CELLS:-c1-ref-fp16 \
-        c57-fp16-compile-head16-fused-frozen-kvgraphs-ropeproj-outproj-rowtokens-gelu-iclfp8} ;;
+        c59-fp16-compile-head16-fused-frozen-kvgraphs-ropeproj-outproj-rowtokens-gelu-iclfp8-colflash} ;;
     stream)
       bench stream stream -- ${STREAM_CELLS:-c0-ref-fp32 c1-ref-fp16 c5-fp16 c18-fp16-buckets-cudagraphs} ;;
     restart)  # issue 6's restart target: compile-cache artifacts (c20) against bucket packages (c27)
       bench restart ${RESTART_WORKLOADS:-small} -- ${RESTART_CELLS:-c20-fp16-buckets-warm-cache \
         c27-fp16-buckets-aot-restart c29-fp16-buckets-aot-cudagraphs-restart} ;;
     attention)  # small_head_attention against the SDPA backends on the large workload's shapes
-      # ATTENTION_METHODS: only these methods, e.g. "tabserve op|sdpa cudnn" ('|'-separated).
+      # ATTENTION_METHODS: only these methods, e.g. "tabserve op|sdpa cudnn" ('|'-separated);
+      # ATTENTION_CASES: only the cases naming one of these words, e.g. "col-inducing".
       IFS='|' read -ra attention_methods <<<"${ATTENTION_METHODS:-}"
       timeout "$(left $((LIMIT - 10)))" python3 benchmarks/small_head_attention.py --device cuda \
-        ${ATTENTION_METHODS:+--methods "${attention_methods[@]}"} --budget 0.3 --json "$OUT/small-head-attention-cuda.json" >"$LOG/attention.log" 2>&1
+        ${ATTENTION_METHODS:+--methods "${attention_methods[@]}"} ${ATTENTION_CASES:+--cases $ATTENTION_CASES} \
+        --budget 0.3 --json "$OUT/small-head-attention-cuda.json" >"$LOG/attention.log" 2>&1
       echo "attention rc=$?"; tail -25 "$LOG/attention.log" ;;
     icl)  # the ICL stage's head-dim-64 attention per SDPA backend and tabserve's flash_attention
           # (benchmarks/icl_attention.py; ICL_ARGS, e.g. "--cases xlarge --flash-sweep"), after

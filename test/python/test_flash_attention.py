@@ -57,6 +57,42 @@ def operands(case, dtype=torch.float16, device="cpu", seed=0):
     ]
 
 
+def model_layouts(case, dtype=torch.float16, device="cpu", seed=0):
+    """Operands of a ``((batch, heads), queries, keys, dim)`` case as the model hands them:
+    head-split views of packed projections (batch, length, 3 x heads x dim), and the same with
+    one set of queries broadcast over the batch (stride 0: the column stage's inducing
+    points). Returns both (q, k, v) triples."""
+    (batch, heads), queries, keys, dim = case
+    g = torch.Generator(device=device).manual_seed(seed)
+    width = heads * dim
+
+    def split(packed, i):
+        return packed[..., i * width : (i + 1) * width].unflatten(-1, (heads, dim)).transpose(1, 2)
+
+    packed_q, packed_kv = (
+        torch.randn(batch, n, 3 * width, generator=g, device=device).to(dtype)
+        for n in (queries, keys)
+    )
+    k, v = split(packed_kv, 1), split(packed_kv, 2)
+    shared = split(packed_q[:1], 0).expand(batch, -1, -1, -1)
+    return (split(packed_q, 0), k, v), (shared, k, v)
+
+
+def layouts_agree(run, case, device="cpu", precisions=(False, True)) -> list[bool]:
+    """Per model layout and precision (``fp8``): ``run`` on the strided operands gives the bits
+    it gives on contiguous copies, in the (batch, queries, heads, dim) layout SDPA's kernels
+    write."""
+    found = []
+    for operands_ in model_layouts(case, device=device):
+        copies = [t.contiguous() for t in operands_]
+        for fp8 in precisions:
+            out = run(*operands_, fp8)
+            found.append(
+                torch.equal(out, run(*copies, fp8)) and out.transpose(1, 2).is_contiguous()
+            )
+    return found
+
+
 def relative_error(out, q, k, v) -> float:
     want = exact(q, k, v)
     return float((out.double() - want).abs().max() / want.abs().max())
@@ -162,9 +198,12 @@ def test_kernel_applies_to_cuda_half_operands_of_its_widths_only():
 @requires_triton
 def test_kernel_under_the_interpreter_agrees_with_the_composite():
     """The Triton program on CPU tensors (a child under ``TRITON_INTERPRET=1``) with 16 x 16 and
-    32 x 64 tiles: ragged tiles, the masked last key block, every width."""
+    32 x 64 tiles: ragged tiles, the masked last key block, every width; operands in the
+    model's strided layouts; a batch in several launches."""
     results = interpreter_child("import test_flash_attention as t; t.interpreter_cases()")
     assert results["batches_in_parts_equal_one_launch"] == [True, True]
+    # head-split views and broadcast queries read in place: the copies' bits, in SDPA's layout
+    assert results["strided_layouts_equal_contiguous"] == [[True] * 4] * 2
     assert len(results["cases"]) == 2 * len(CASES)  # two tiles
     for half_vs_composite, half_error, fp8_error, shape in results["cases"]:
         assert half_vs_composite <= 2 * 2.0**-10, shape  # two fp16 roundings of the scale
@@ -273,7 +312,17 @@ def interpreter_cases() -> None:
                         list(half.shape),
                     ]
                 )
-    print(json.dumps({"cases": out, "batches_in_parts_equal_one_launch": parts}))
+    with fa.tile_override((16, 16, 1, 1)):
+        layouts = [layouts_agree(fa.run_kernel, case) for case in (CASES[0], CASES[2])]
+    print(
+        json.dumps(
+            {
+                "cases": out,
+                "batches_in_parts_equal_one_launch": parts,
+                "strided_layouts_equal_contiguous": layouts,
+            }
+        )
+    )
 
 
 @requires_cuda
@@ -321,6 +370,18 @@ def test_cuda_long_keys_with_values_of_one_sign_keep_their_sum(fp8):
     want = fa.flash_attention_composite(q, k, v, fp8)
     bound = relative_error(want, q, k, v) + (2e-3 if fp8 else 2 * 2.0**-10)
     assert relative_error(got, q, k, v) <= bound
+
+
+@requires_cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("case", [((8, 8), 300, 1000, 64), ((40, 8), 128, 3000, 16)])
+def test_cuda_model_layouts_read_in_place_give_the_copies_bits(case):
+    """The ICL stage's head-split projections and the column stage's broadcast inducing points
+    (head dim 16, long key runs): read at their strides, the copies' results bit for bit."""
+    # fp8 where the kernel takes it (head dims from 32, compute capability 8.9)
+    fp8 = case[-1] >= 32 and torch.cuda.get_device_capability() >= (8, 9)
+    agree = layouts_agree(ops.flash_attention, case, "cuda", (False, True) if fp8 else (False,))
+    assert all(agree), agree
 
 
 @requires_cuda
@@ -373,6 +434,46 @@ def test_model_stage_on_the_operator_routes_its_unpadded_calls(backend, monkeypa
         assert difference <= 1e-5
     else:
         assert 1e-5 < difference < 2e-2
+
+
+def test_column_stage_on_head16_flash_splits_its_calls_by_key_run(monkeypatch):
+    """``head16-flash`` in the column stage: the rows over the 128 induced tokens on the
+    head-dim-16 operator, the inducing points over the train rows (longer runs) on this one,
+    half operands. Run on the CPU (fp32, heads of 4) with the head-dim-16 operator let in and
+    stood in for by SDPA: the answers are the plain model's within fp32 rounding."""
+    from tabicl_helpers import our_model, random_table
+    from tabserve.models.tabicl import layers
+    from tabserve.models.tabicl.recipes import set_stage_kernels
+
+    small, flash = [], []
+    original_flash = layers._flash_attention_op()
+    monkeypatch.setattr(layers, "_small_head_kernel_applies", lambda q, k, v: True)
+    monkeypatch.setattr(
+        ops,
+        "small_head_attention",
+        lambda q, k, v, n_keys, rotary: (
+            small.append((k.shape[-2], n_keys, rotary))
+            or torch.nn.functional.scaled_dot_product_attention(q, k, v)
+        ),
+    )
+    monkeypatch.setattr(
+        layers,
+        "_flash_attention_op",
+        lambda: (
+            lambda q, k, v, fp8: flash.append((k.shape[-2], fp8)) or original_flash(q, k, v, fp8)
+        ),
+    )
+    plain = our_model("clf", "tiny")
+    routed = copy.deepcopy(plain)
+    set_stage_kernels(routed.col_embedder, "head16-flash")
+    X, y = random_table(5, 2, 200, 12, 5, 3)  # 200 train rows: past the 128-key chunk
+    with torch.no_grad():
+        want = plain(X, y, return_logits=False)
+        got = routed(X, y, return_logits=False)
+    inducing = routed.col_embedder.tf_col.blocks[0].ind_vectors.shape[0]
+    assert small and set(small) == {(inducing, None, None)}
+    assert flash and set(flash) == {(200, False)}
+    assert float((got - want).abs().max()) <= 1e-5
 
 
 def test_composite_steps_through_queries_without_changing_the_result(monkeypatch):

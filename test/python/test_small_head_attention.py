@@ -385,12 +385,26 @@ def test_cuda_model_on_the_kernel_matches_sdpa_in_fp16(task, monkeypatch):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
-def test_cuda_model_stages_on_the_kernel_match_sdpa_in_fp16(monkeypatch):
+@pytest.mark.parametrize("col_backend", ["head16-short", "head16-flash"])
+def test_cuda_model_stages_on_the_kernel_match_sdpa_in_fp16(col_backend, monkeypatch):
     """The full v2 model with the row stage on the kernel (RoPE rotated in the kernel, the CLS
     block's keys too) and the column stage's short key runs on it (``head16-short``: the rows
-    over the induced tokens, not the inducing points over 240 train rows), against the same
-    model on SDPA, both under fp16 autocast: the fp16 recipes' tolerance (probabilities within
-    2e-2, argmax agreement >= 99%)."""
+    over the induced tokens, not the inducing points over 240 train rows, which
+    ``head16-flash`` sends to ``tabserve.ops.flash_attention``), against the same model on
+    SDPA, both under fp16 autocast: the fp16 recipes' tolerance (probabilities within 2e-2,
+    argmax agreement >= 99%)."""
+    from tabserve.models.tabicl import layers
+
+    flash_calls, flash = [], layers._flash_attention_op()
+    monkeypatch.setattr(
+        layers,
+        "_flash_attention_op",
+        lambda: (
+            lambda q, k, v, fp8: (
+                flash_calls.append((q.shape[-2], k.shape[-2], fp8)) or flash(q, k, v, fp8)
+            )
+        ),
+    )
     model = copy.deepcopy(our_model("clf", "full")).cuda()
     g = torch.Generator().manual_seed(3)
     X = torch.randn(2, 300, 10, generator=g).cuda()
@@ -404,7 +418,7 @@ def test_cuda_model_stages_on_the_kernel_match_sdpa_in_fp16(monkeypatch):
     monkeypatch.setattr(ops, "small_head_attention", recording)
     with torch.no_grad(), torch.autocast("cuda", dtype=torch.float16):
         set_stage_kernels(model.row_interactor, "head16")
-        set_stage_kernels(model.col_embedder, "head16-short")
+        set_stage_kernels(model.col_embedder, col_backend)
         kernel = model(X, y).float().softmax(-1)
         set_stage_kernels(model.row_interactor, "cudnn")
         set_stage_kernels(model.col_embedder, "cudnn")
@@ -414,6 +428,11 @@ def test_cuda_model_stages_on_the_kernel_match_sdpa_in_fp16(monkeypatch):
     inducing = model.col_embedder.tf_col.blocks[0].ind_vectors.shape[0]
     column = [c for c in calls if not c[2]]
     assert column and all(c == (300, inducing, False) for c in column)
+    if col_backend == "head16-flash":  # the inducing points over the train rows, one call per block
+        blocks = len(model.col_embedder.tf_col.blocks)
+        assert flash_calls == [(inducing, 240, False)] * blocks
+    else:
+        assert not flash_calls
     assert (kernel - plain).abs().max() <= 2e-2
     assert (kernel.argmax(-1) == plain.argmax(-1)).double().mean() >= 0.99
 

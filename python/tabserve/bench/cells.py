@@ -27,10 +27,11 @@ ATTENTION_BACKENDS = {
     "cudnn": "CUDNN_ATTENTION",
 }
 #: tabserve's own attention kernels (``head16``: :func:`tabserve.ops.small_head_attention`;
-#: ``head16-short``: the same where the keys fit its one staged chunk, <= 128; ``flash-half`` /
-#: ``flash-fp8``: :func:`tabserve.ops.flash_attention` on half / fp8 operands); the recipes'
-#: table (``recipes.KERNEL_BACKENDS``, kept equal by a test).
-KERNEL_BACKENDS = ("head16", "head16-short", "flash-half", "flash-fp8")
+#: ``head16-short``: the same where the keys fit its one staged chunk, <= 128; ``head16-flash``:
+#: ``head16-short`` with the longer key runs on ``flash-half``; ``flash-half`` / ``flash-fp8``:
+#: :func:`tabserve.ops.flash_attention` on half / fp8 operands); the recipes' table
+#: (``recipes.KERNEL_BACKENDS``, kept equal by a test).
+KERNEL_BACKENDS = ("head16", "head16-short", "head16-flash", "flash-half", "flash-fp8")
 #: The model's stages, in the order data flows through them.
 STAGES = ("col", "row", "icl")
 #: ``torch.compile`` modes a cell may ask for (None: eager).
@@ -721,6 +722,21 @@ CELLS: tuple[Cell, ...] = (
             ffn_gelu="rational",
         )
         for number, label in ((57, "fp8"), (58, "half"))
+    ),
+    # c57 with the column stage's inducing points over the train rows on the same kernel (half
+    # operands, head dim 16, read in place: no copies of the head-split keys): cuDNN took about
+    # 60 ms of c52's xlarge profile over those 3 x 3 calls (fifteenth session), ~2x the
+    # exponentials' floor; the rows over the 128 induced tokens stay on the head-dim-16 kernel.
+    dataclasses.replace(
+        _C42,
+        name="c59-fp16-compile-head16-fused-frozen-kvgraphs-ropeproj-outproj-rowtokens-gelu"
+        "-iclfp8-colflash",
+        description="c57 with the column stage's inducing points on tabserve's flash kernel",
+        attention={"row": "head16", "col": "head16-flash", "icl": "flash-fp8"},
+        rope_in_projection=True,
+        fused_out_projection=True,
+        fused_row_tokens=True,
+        ffn_gelu="rational",
     ),
 )
 

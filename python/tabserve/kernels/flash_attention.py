@@ -233,12 +233,18 @@ if triton is not None:
         n_queries,
         n_keys,
         stride_qb,
+        stride_qh,
         stride_qm,
         stride_kb,
+        stride_kh,
         stride_kn,
         stride_vb,
+        stride_vh,
         stride_vn,
         stride_vd,
+        stride_ob,
+        stride_oh,
+        stride_om,
         SM_SCALE_LOG2: tl.constexpr,
         HEAD_DIM: tl.constexpr,
         BLOCK_M: tl.constexpr,
@@ -246,28 +252,31 @@ if triton is not None:
         FP8: tl.constexpr,
         BF16: tl.constexpr,
     ):
-        """A tile of BLOCK_M queries of one (table, head) through all its keys. Out is
-        (batch, queries, HEAD_DIM) contiguous, in q's dtype; Scales holds the fp8 scales of
-        q, k and v (unused otherwise). The scale is a constexpr (it depends on HEAD_DIM only):
-        a float argument arrives as fp64 under torch.compile, and fp64 would spread."""
-        batch = tl.program_id(1).to(tl.int64)
+        """A tile of BLOCK_M queries of one (batch entry, head) through all its keys: program
+        (query tile, head, batch entry). Each operand is read at its own (batch, head, row)
+        strides, the head dimension contiguous (V's may be the keys instead: the fp8 launch's
+        layout), so head-split views of packed projections and broadcast queries (stride 0) need
+        no copy; Out gets q's dtype at its strides. Scales holds the fp8 scales of q, k and v
+        (unused otherwise). The scale is a constexpr (it depends on HEAD_DIM only): a float
+        argument arrives as fp64 under torch.compile, and fp64 would spread."""
+        head = tl.program_id(1).to(tl.int64)
+        batch = tl.program_id(2).to(tl.int64)
         offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_d = tl.arange(0, HEAD_DIM)
         offs_n = tl.arange(0, BLOCK_N)
         rows = offs_m[:, None] < n_queries
-        q = tl.load(
-            Q + batch * stride_qb + offs_m[:, None] * stride_qm + offs_d[None, :],
-            mask=rows,
-            other=0.0,
-        )
+        q_base = Q + batch * stride_qb + head * stride_qh
+        q = tl.load(q_base + offs_m[:, None] * stride_qm + offs_d[None, :], mask=rows, other=0.0)
         if FP8:
             qk_scale = SM_SCALE_LOG2 * tl.load(Scales) * tl.load(Scales + 1)
         else:
             qk_scale = tl.full([], SM_SCALE_LOG2, tl.float32)
         # K's block read as (HEAD_DIM, BLOCK_N) and V's as (BLOCK_N, HEAD_DIM), the summed
         # dimension contiguous in both when V comes transposed (the fp8 launch's layout).
-        k_ptrs = K + batch * stride_kb + offs_d[:, None] + offs_n[None, :] * stride_kn
-        v_ptrs = V + batch * stride_vb + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd
+        k_ptrs = K + batch * stride_kb + head * stride_kh
+        k_ptrs += offs_d[:, None] + offs_n[None, :] * stride_kn
+        v_ptrs = V + batch * stride_vb + head * stride_vh
+        v_ptrs += offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd
         row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
         row_sum = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
@@ -288,8 +297,9 @@ if triton is not None:
         out = acc / row_sum[:, None]
         if FP8:
             out = out * tl.load(Scales + 2)
+        out_ptrs = Out + batch * stride_ob + head * stride_oh
         tl.store(
-            Out + batch * n_queries * HEAD_DIM + offs_m[:, None] * HEAD_DIM + offs_d[None, :],
+            out_ptrs + offs_m[:, None] * stride_om + offs_d[None, :],
             out.to(Out.dtype.element_ty),
             mask=rows,
         )
@@ -302,73 +312,103 @@ if triton is not None:
         which,
         n_rows,
         stride_xb,
+        stride_xh,
         stride_xr,
         stride_yb,
+        stride_yh,
         stride_yr,
         stride_yd,
         DIM: tl.constexpr,
         BLOCK: tl.constexpr,
     ):
-        """One block of rows of one batch of X (rows, DIM; DIM contiguous) divided by
+        """One block of rows of one (batch entry, head) of X (DIM contiguous) divided by
         Scales[which] and rounded to e4m3 into Y at its strides (V's transposed layout)."""
-        batch = tl.program_id(1).to(tl.int64)
+        head = tl.program_id(1).to(tl.int64)
+        batch = tl.program_id(2).to(tl.int64)
         offs_r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         offs_d = tl.arange(0, DIM)
         rows = offs_r[:, None] < n_rows
-        x = tl.load(X + batch * stride_xb + offs_r[:, None] * stride_xr + offs_d[None, :], rows)
+        x_ptrs = X + batch * stride_xb + head * stride_xh
+        x = tl.load(x_ptrs + offs_r[:, None] * stride_xr + offs_d[None, :], rows)
         y = tl.math.div_rn(x.to(tl.float32), tl.load(Scales + which))
+        y_ptrs = Y + batch * stride_yb + head * stride_yh
         tl.store(
-            Y + batch * stride_yb + offs_r[:, None] * stride_yr + offs_d[None, :] * stride_yd,
+            y_ptrs + offs_r[:, None] * stride_yr + offs_d[None, :] * stride_yd,
             y.to(tl.float8e4nv),
             rows,
         )
 
+    def _batch_parts(batch: int):
+        """Slices of the batch axis that fit the grid's third axis (:data:`MAX_GRID_BATCH`)."""
+        return [
+            slice(start, min(batch, start + MAX_GRID_BATCH))
+            for start in range(0, batch, MAX_GRID_BATCH)
+        ]
+
     def _launch_quantize(x: Tensor, scales: Tensor, which: int, keys_major: bool, launcher):
-        """``x`` (batch, rows, dim) as e4m3 over ``scales[which]``; ``keys_major``: stored
-        (batch, dim, rows), returned as its transpose (the fp8 P @ V operand's layout)."""
-        batch, n_rows, dim = x.shape
-        shape = (batch, dim, n_rows) if keys_major else (batch, n_rows, dim)
+        """``x`` (batch, heads, rows, dim) as e4m3 over ``scales[which]``, contiguous;
+        ``keys_major``: stored (batch, heads, dim, rows), returned as its transpose (the fp8
+        P @ V operand's layout)."""
+        batch, heads, n_rows, dim = x.shape
+        shape = (batch, heads, dim, n_rows) if keys_major else (batch, heads, n_rows, dim)
         out = torch.empty(shape, dtype=torch.float8_e4m3fn, device=x.device)
-        y = out.transpose(1, 2) if keys_major else out
+        y = out.transpose(2, 3) if keys_major else out
         block = 64
-        for start in range(0, batch, MAX_GRID_BATCH):
-            part = slice(start, min(batch, start + MAX_GRID_BATCH))
-            launcher(_quantize_kernel)[(triton.cdiv(n_rows, block), part.stop - part.start)](
-                x[part], y[part], scales, which, n_rows, x.stride(0), x.stride(1),
-                y.stride(0), y.stride(1), y.stride(2), DIM=dim, BLOCK=block,
+        for part in _batch_parts(batch):
+            grid = (triton.cdiv(n_rows, block), heads, part.stop - part.start)
+            launcher(_quantize_kernel)[grid](
+                x[part], y[part], scales, which, n_rows, x.stride(0), x.stride(1), x.stride(2),
+                y.stride(0), y.stride(1), y.stride(2), y.stride(3), DIM=dim, BLOCK=block,
             )  # fmt: skip
         return y
+
+    def _batch_heads(t: Tensor) -> Tensor:
+        """``t`` (..., rows, dim) as a (batch, heads, rows, dim) view with the head dimension
+        contiguous, copying only where no such view exists (a strided last dimension, leading
+        dimensions that do not merge, more heads than the grid's axis takes)."""
+        if t.stride(-1) != 1:
+            t = t.contiguous()
+        if t.dim() == 2:
+            t = t[None, None]
+        elif t.dim() == 3:
+            t = t[:, None]
+        elif t.dim() > 4:
+            t = t.flatten(0, -4)  # a view where the leading strides allow
+        if t.shape[1] > MAX_GRID_BATCH:
+            t = t.flatten(0, 1)[:, None]
+        return t
 
     def _launch(q: Tensor, k: Tensor, v: Tensor, fp8: bool, launcher) -> Tensor:
         *lead, n_queries, dim = q.shape
         n_keys = k.shape[-2]
-        batch = math.prod(lead)
-        q3 = q.reshape(batch, n_queries, dim).contiguous()
-        k3 = k.reshape(batch, n_keys, dim).contiguous()
-        v3 = v.reshape(batch, n_keys, dim).contiguous()
+        q4, k4, v4 = (_batch_heads(t) for t in (q, k, v))
+        batch, heads = q4.shape[:2]
         if fp8:
-            scales = torch.stack([_fp8_scale(t) for t in (q3, k3, v3)])
-            q3 = _launch_quantize(q3, scales, 0, False, launcher)
-            k3 = _launch_quantize(k3, scales, 1, False, launcher)
-            v3 = _launch_quantize(v3, scales, 2, True, launcher)  # keys contiguous per dim
+            scales = torch.stack([_fp8_scale(t) for t in (q4, k4, v4)])
+            q4 = _launch_quantize(q4, scales, 0, False, launcher)
+            k4 = _launch_quantize(k4, scales, 1, False, launcher)
+            v4 = _launch_quantize(v4, scales, 2, True, launcher)  # keys contiguous per dim
         else:
-            scales = q3  # never read without FP8: any pointer will do
-        out = torch.empty((batch, n_queries, dim), dtype=q.dtype, device=q.device)
+            scales = q4  # never read without FP8: any pointer will do
+        # Written (batch, queries, heads, dim), as SDPA's kernels write theirs: merging the
+        # heads back into the embedding (the model's next step) is then a view.
+        out = torch.empty((batch, n_queries, heads, dim), dtype=q.dtype, device=q.device)
+        out4 = out.transpose(1, 2)
         block_m, block_n, warps, stages = TILE_OVERRIDE or TILES[fp8]
-        # The batch rides the grid's second axis (CUDA's limit: MAX_GRID_BATCH): its query
-        # tiles run next to each other and share its keys in L2.
-        for start in range(0, batch, MAX_GRID_BATCH):
-            part = slice(start, min(batch, start + MAX_GRID_BATCH))
-            grid = (triton.cdiv(n_queries, block_m), part.stop - part.start)
+        # Query tiles of one (batch entry, head) run next to each other and share its keys in
+        # L2; the batch rides the grid's third axis (CUDA's limit: MAX_GRID_BATCH).
+        for part in _batch_parts(batch):
+            grid = (triton.cdiv(n_queries, block_m), heads, part.stop - part.start)
             launcher(_flash_attention_kernel)[grid](
-                q3[part], k3[part], v3[part], out[part], scales, n_queries, n_keys,
-                q3.stride(0), q3.stride(1), k3.stride(0), k3.stride(1),
-                v3.stride(0), v3.stride(1), v3.stride(2),
+                q4[part], k4[part], v4[part], out4[part], scales, n_queries, n_keys,
+                q4.stride(0), q4.stride(1), q4.stride(2), k4.stride(0), k4.stride(1), k4.stride(2),
+                v4.stride(0), v4.stride(1), v4.stride(2), v4.stride(3),
+                out4.stride(0), out4.stride(1), out4.stride(2),
                 SM_SCALE_LOG2=math.log2(math.e) / math.sqrt(dim), HEAD_DIM=dim,
                 BLOCK_M=block_m, BLOCK_N=block_n, FP8=fp8, BF16=q.dtype == torch.bfloat16,
                 num_warps=warps, num_stages=stages,
             )  # fmt: skip
-        return out.view(*lead, n_queries, dim)
+        return out4.reshape(*lead, n_queries, dim)
 
     def run_kernel(q: Tensor, k: Tensor, v: Tensor, fp8: bool = False) -> Tensor:
         """The Triton kernel called directly (tests run it on CPU tensors under

@@ -93,10 +93,14 @@ ATTENTION_BACKENDS = {
 #: the kernel does not apply the stage runs PyTorch's default SDPA.
 #: ``flash-half`` / ``flash-fp8`` are :func:`tabserve.ops.flash_attention` on half or fp8
 #: operands (its Triton kernel on CUDA with fp16 / bf16, its composite elsewhere) for the
-#: stage's unpadded calls; padded calls keep ``prefix_attention``.
-FLASH_BACKENDS = {"flash-half": False, "flash-fp8": True}
-SMALL_HEAD_BACKENDS = ("head16", "head16-short")
-KERNEL_BACKENDS = (*SMALL_HEAD_BACKENDS, *FLASH_BACKENDS)
+#: stage's unpadded calls; padded calls keep ``prefix_attention``. ``head16-flash`` is
+#: ``head16-short`` with the longer unpadded key runs (the column stage's inducing points over
+#: the train rows) on ``flash-half`` instead of SDPA.
+FLASH_BACKENDS = {"flash-half": False, "flash-fp8": True, "head16-flash": False}
+SMALL_HEAD_BACKENDS = ("head16", "head16-short", "head16-flash")
+#: The small-head backends that take only key runs of one staged chunk (<= SHORT_KEYS).
+SHORT_KEY_BACKENDS = ("head16-short", "head16-flash")
+KERNEL_BACKENDS = ("head16", "head16-short", "head16-flash", "flash-half", "flash-fp8")
 #: ``prefix_attention`` backend of padded attention for each backend: flash / efficient have
 #: varlen kernels reading n on the device; cuDNN and math run SDPA with a key mask (``masked``),
 #: under the stage's ``sdpa_kernel``.
@@ -107,6 +111,7 @@ PREFIX_BACKENDS = {
     "math": "masked",
     "head16": "auto",
     "head16-short": "auto",
+    "head16-flash": "auto",
     "flash-half": "auto",
     "flash-fp8": "auto",
 }
@@ -349,16 +354,17 @@ def sdpa_context(backend: str):
 
 def set_stage_kernels(module: torch.nn.Module, backend: str) -> None:
     """Points every attention layer of one stage module at ``backend``'s kernels: the padded
-    attention kernel (:data:`PREFIX_BACKENDS`) and, for ``head16`` / ``head16-short``,
-    tabserve's head-dim-16 operator (``head16-short``: up to :data:`~.layers.SHORT_KEYS` keys),
-    for ``flash-half`` / ``flash-fp8`` its one-pass attention operator."""
+    attention kernel (:data:`PREFIX_BACKENDS`) and, for ``head16`` / ``head16-short`` /
+    ``head16-flash``, tabserve's head-dim-16 operator (the last two: up to
+    :data:`~.layers.SHORT_KEYS` keys), for ``flash-half`` / ``flash-fp8`` / ``head16-flash``
+    its one-pass attention operator (``head16-flash``: the longer key runs)."""
     from .layers import SHORT_KEYS, Attention
 
     for attention in module.modules():
         if isinstance(attention, Attention):
             attention.prefix_backend = PREFIX_BACKENDS[backend]
             attention.small_heads = backend in SMALL_HEAD_BACKENDS
-            attention.small_head_max_keys = SHORT_KEYS if backend == "head16-short" else None
+            attention.small_head_max_keys = SHORT_KEYS if backend in SHORT_KEY_BACKENDS else None
             attention.flash_fp8 = FLASH_BACKENDS.get(backend)
 
 
