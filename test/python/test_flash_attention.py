@@ -176,11 +176,13 @@ def test_cuda_operands_on_another_device_are_named():
 
 
 def test_tile_override_takes_powers_of_two_from_16_only():
-    for tile in ((8, 64, 4, 3), (128, 96, 4, 3), (64, 64, 0, 3)):
+    bad = ((8, 64, 4, 3), (128, 96, 4, 3), (64, 64, 0, 3), (64, 64, 4, 3, 16), (64, 64, 4, 3, 1, 2))
+    for tile in bad:
         with pytest.raises(ValueError, match="bad tile"), fa.tile_override(tile):
             pass
-    with fa.tile_override((16, 32, 1, 1)):
-        assert fa.TILE_OVERRIDE == (16, 32, 1, 1)
+    for tile in ((16, 32, 1, 1), (64, 128, 4, 3, 128)):  # the last with a register limit
+        with fa.tile_override(tile):
+            assert fa.TILE_OVERRIDE == tile
     assert fa.TILE_OVERRIDE is None
 
 

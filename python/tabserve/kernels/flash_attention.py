@@ -55,7 +55,7 @@ TILES = {False: (128, 64, 8, 3), True: (64, 128, 4, 3)}
 #: The sweep: the three fastest tiles of six timed in the twenty-third session (fp8: 64x128 w4
 #: 74 ms, 64x64 79, 128x64 w8 80; half: 128x64 w8 94, 64x64 97, 64x128 100). A 256-key block
 #: spills registers in the sm_90 compile (64 x 256, 4 warps: 892 bytes for half, 8 for fp8).
-SWEEP = ((128, 64, 8, 3), (64, 128, 4, 3), (64, 64, 4, 3))
+SWEEP = ((128, 64, 8, 3), (64, 128, 4, 3), (64, 64, 4, 3), (64, 128, 4, 3, 128))
 #: CUDA's limit on a grid's second axis: larger batches run in several launches.
 MAX_GRID_BATCH = 65_535
 #: Set by :func:`tile_override` (the benchmark's sweep, the interpreter tests' small tiles).
@@ -69,11 +69,18 @@ TILE_OVERRIDE = None
 
 
 @contextlib.contextmanager
-def tile_override(tile: tuple[int, int, int, int]):
-    """Every launch inside runs ``tile`` (queries per program, keys per step, warps, stages):
-    powers of two, both block sizes at least 16."""
-    block_m, block_n, warps, stages = tile
-    if any(b < 16 or b & (b - 1) for b in (block_m, block_n)) or warps < 1 or stages < 1:
+def tile_override(tile: tuple[int, ...]):
+    """Every launch inside runs ``tile`` (queries per program, keys per step, warps, stages,
+    and optionally a register limit per thread, Triton's ``maxnreg``: with 4 warps at most 128
+    lets a fourth program onto each SM): powers of two, both block sizes at least 16."""
+    block_m, block_n, warps, stages, *registers = tile
+    if (
+        any(b < 16 or b & (b - 1) for b in (block_m, block_n))
+        or warps < 1
+        or stages < 1
+        or len(registers) > 1
+        or any(r < 32 for r in registers)
+    ):
         raise ValueError(f"flash_attention: bad tile {tile}")
     global TILE_OVERRIDE
     saved, TILE_OVERRIDE = TILE_OVERRIDE, tuple(tile)
@@ -394,7 +401,8 @@ if triton is not None:
         # heads back into the embedding (the model's next step) is then a view.
         out = torch.empty((batch, n_queries, heads, dim), dtype=q.dtype, device=q.device)
         out4 = out.transpose(1, 2)
-        block_m, block_n, warps, stages = TILE_OVERRIDE or TILES[fp8]
+        block_m, block_n, warps, stages, *registers = TILE_OVERRIDE or TILES[fp8]
+        limit = {"maxnreg": registers[0]} if registers else {}
         # Query tiles of one (batch entry, head) run next to each other and share its keys in
         # L2; the batch rides the grid's third axis (CUDA's limit: MAX_GRID_BATCH).
         for part in _batch_parts(batch):
@@ -406,7 +414,7 @@ if triton is not None:
                 out4.stride(0), out4.stride(1), out4.stride(2),
                 SM_SCALE_LOG2=math.log2(math.e) / math.sqrt(dim), HEAD_DIM=dim,
                 BLOCK_M=block_m, BLOCK_N=block_n, FP8=fp8, BF16=q.dtype == torch.bfloat16,
-                num_warps=warps, num_stages=stages,
+                num_warps=warps, num_stages=stages, **limit,
             )  # fmt: skip
         return out4.reshape(*lead, n_queries, dim)
 
