@@ -208,11 +208,12 @@ def main(argv=None) -> int:
             k, v = k[:, :, :n], v[:, :, :n]  # the real keys: the sliced reference's and the check's
             k_padded, v_padded = padded_keys(k, v, n, length)
             n_keys = torch.tensor(n, device=device)
+            padded = (k_padded, v_padded, n_keys)
             for method, attend in prefix_methods(device).items():
-                runs[method] = lambda f=attend, q=q: f(q, k_padded, v_padded, n_keys)
+                runs[method] = lambda f=attend, q=q, p=padded: f(q, *p)
             if device.type == "cuda":
                 sliced = methods(device)["sdpa cudnn"]
-                runs["sdpa cudnn, sliced keys"] = lambda q=q, k=k, v=v: sliced(q, k, v)
+                runs["sdpa cudnn, sliced keys"] = lambda f=sliced, q=q, k=k, v=v: f(q, k, v)
         else:
             found = methods(device, args.flash_sweep)
             # v a keyword: the offset-values check below passes its own
