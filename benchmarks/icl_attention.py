@@ -131,9 +131,9 @@ def methods(device, flash_sweep: bool = False) -> dict:
     for fp8, label in ((False, "half"), (True, "fp8")):
         found[f"tabserve flash {label}"] = flash(fp8)
         for tile in fa.SWEEP if flash_sweep else ():
-            registers = f" r{tile[4]}" if len(tile) > 4 else ""
-            name = f"tabserve flash {label} {tile[0]}x{tile[1]} w{tile[2]} s{tile[3]}{registers}"
-            found[name] = flash(fp8, tile)
+            if tile.permuted and not fp8:  # (the permuted score columns are fp8's)
+                continue
+            found[f"tabserve flash {label} {tile.label}"] = flash(fp8, tile)
     return found
 
 

@@ -89,15 +89,19 @@ def test_prefix_lengths_follow_the_train_row_grid():
 
 def test_cuda_methods_include_the_flash_kernel_and_its_sweep():
     """The method table on CUDA (built without a GPU: nothing runs): tabserve's one-pass kernel
-    on half and fp8 operands, and with ``--flash-sweep`` each tile of its sweep."""
+    on half and fp8 operands, and with ``--flash-sweep`` each tile of its sweep (the permuted
+    score columns on fp8 only)."""
     from tabserve.kernels import flash_attention as fa
 
     plain = bench.methods(torch.device("cuda"))
     assert {"sdpa cudnn", "tabserve flash half", "tabserve flash fp8"} <= set(plain)
     swept = set(bench.methods(torch.device("cuda"), flash_sweep=True)) - set(plain)
-    assert len(swept) == 2 * len(fa.SWEEP)
+    permuted = sum(tile.permuted for tile in fa.SWEEP)
+    assert permuted and len(swept) == 2 * len(fa.SWEEP) - permuted
     assert {
         "tabserve flash half 128x64 w8 s3",
         "tabserve flash fp8 64x64 w4 s3",
         "tabserve flash fp8 64x128 w4 s3",
+        "tabserve flash fp8 64x128 w4 s3 r128",
+        "tabserve flash fp8 64x128 w4 s3 r168 permuted",
     } <= swept

@@ -9,6 +9,7 @@ so its fp8 runs are held to the fp64 bound only) and on CUDA (fp16, bf16, fp8).
 
 from __future__ import annotations
 
+import collections
 import copy
 import importlib.util
 import math
@@ -176,14 +177,23 @@ def test_cuda_operands_on_another_device_are_named():
 
 
 def test_tile_override_takes_powers_of_two_from_16_only():
-    bad = ((8, 64, 4, 3), (128, 96, 4, 3), (64, 64, 0, 3), (64, 64, 4, 3, 16), (64, 64, 4, 3, 1, 2))
+    bad = (
+        (8, 64, 4, 3),
+        (128, 96, 4, 3),
+        (64, 64, 0, 3),
+        (64, 64, 4, 3, 16),  # registers
+        (64, 64, 4, 3, None, 1),  # permuted: a bool
+        (64, 64, 4, 3, None, False, 7),  # too many fields
+        (64, 64),
+    )
     for tile in bad:
         with pytest.raises(ValueError, match="bad tile"), fa.tile_override(tile):
             pass
-    for tile in ((16, 32, 1, 1), (64, 128, 4, 3, 128)):  # the last with a register limit
+    for tile in ((16, 32, 1, 1), (64, 128, 4, 3, 128), fa.Tile(64, 128, 4, 3, 168, True)):
         with fa.tile_override(tile):
-            assert fa.TILE_OVERRIDE == tile
+            assert fa.TILE_OVERRIDE == fa.Tile(*tile)
     assert fa.TILE_OVERRIDE is None
+    assert fa.Tile(64, 128, 4, 3, 168, True).label == "64x128 w4 s3 r168 permuted"
 
 
 def test_kernel_applies_to_cuda_half_operands_of_its_widths_only():
@@ -206,16 +216,19 @@ def test_kernel_under_the_interpreter_agrees_with_the_composite():
     assert results["batches_in_parts_equal_one_launch"] == [True, True]
     # head-split views and broadcast queries read in place: the copies' bits, in SDPA's layout
     assert results["strided_layouts_equal_contiguous"] == [[True] * 4] * 2
+    # the permuted score columns (ragged last blocks included) change only the sums' order
+    assert max(results["fp8_permuted_vs_key_order"]) <= 2.0**-10
     assert len(results["cases"]) == 2 * len(CASES)  # two tiles
     for half_vs_composite, half_error, fp8_error, shape in results["cases"]:
         assert half_vs_composite <= 2 * 2.0**-10, shape  # two fp16 roundings of the scale
         assert half_error <= HALF_BOUND and fp8_error <= FP8_BOUND, shape
 
 
-def sm90_compile(fp8: bool, tile) -> tuple[str, str]:
+def sm90_compile(fp8: bool, tile) -> tuple[str, str, collections.Counter]:
     """The kernel compiled for sm_90 (the H200) here, without a GPU, as the JIT specialises the
     xlarge call's launch (16-divisible pointers, sizes and strides; the unit stride a
-    constant): its PTX and ``ptxas -v``'s report on it."""
+    constant) with ``tile`` (a :class:`~tabserve.kernels.flash_attention.Tile`): its PTX,
+    ``ptxas -v``'s report on it, and the opcodes of its main loop's SASS (``nvdisasm``)."""
     import subprocess
 
     import triton
@@ -223,16 +236,17 @@ def sm90_compile(fp8: bool, tile) -> tuple[str, str]:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    block_m, block_n, warps, stages = tile
+    tile = fa.Tile(*tile)
     element = "*fp8e4nv" if fp8 else "*fp16"
     types = {"Q": element, "K": element, "V": element, "Out": "*fp16", "Scales": "*fp32"}
     constants = {
         "SM_SCALE_LOG2": math.log2(math.e) / 8,
         "HEAD_DIM": 64,
-        "BLOCK_M": block_m,
-        "BLOCK_N": block_n,
+        "BLOCK_M": tile.block_m,
+        "BLOCK_N": tile.block_n,
         "FP8": fp8,
         "BF16": False,
+        "PERMUTED": fp8 and tile.permuted,
         # fp8's v is keys-contiguous, half's dims-contiguous
         ("stride_vn" if fp8 else "stride_vd"): 1,
     }
@@ -243,19 +257,46 @@ def sm90_compile(fp8: bool, tile) -> tuple[str, str]:
     }
     hints = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n not in constants}
     source = ASTSource(fa._flash_attention_kernel, signature, constexprs=constants, attrs=hints)
-    compiled = triton.compile(
-        source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages}
-    )
-    ptxas = knobs.nvidia.ptxas.path  # the one Triton compiled with
-    ptx = Path(tempfile.mkdtemp()) / "flash.ptx"
-    ptx.write_text(compiled.asm["ptx"])
-    report = subprocess.run(
-        [ptxas, "-arch=sm_90a", "-v", str(ptx), "-o", os.devnull],
+    options = {"num_warps": tile.warps, "num_stages": tile.stages}
+    if tile.registers:
+        options["maxnreg"] = tile.registers
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+    folder = Path(tempfile.mkdtemp())
+    (folder / "flash.ptx").write_text(compiled.asm["ptx"])
+    (folder / "flash.cubin").write_bytes(compiled.asm["cubin"])
+    limit = [f"--maxrregcount={tile.registers}"] if tile.registers else []
+    report = subprocess.run(  # the ptxas Triton compiled with
+        [knobs.nvidia.ptxas.path, "-arch=sm_90a", "-v", *limit, str(folder / "flash.ptx")]
+        + ["-o", os.devnull],
         capture_output=True,
         text=True,
         check=True,
     )
-    return compiled.asm["ptx"], report.stdout + report.stderr
+    sass = subprocess.run(
+        [knobs.nvidia.nvdisasm.path, "-c", str(folder / "flash.cubin")],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    return compiled.asm["ptx"], report.stdout + report.stderr, main_loop_opcodes(sass)
+
+
+def main_loop_opcodes(sass: str) -> collections.Counter:
+    """Opcodes (without modifiers) of the longest loop in ``nvdisasm`` output: from a label to
+    the last branch back to it."""
+    lines = [re.sub(r"/\*[^*]*\*/", "", line) for line in sass.splitlines()]
+    labels = {m.group(1): i for i, line in enumerate(lines) if (m := re.match(r"(\.L\w+):", line))}
+    loops = [
+        (labels[m.group(1)], i)
+        for i, line in enumerate(lines)
+        if (m := re.search(r"BRA\s+`\((\.L\w+)\)", line)) and labels.get(m.group(1), i) < i
+    ]
+    start, end = max(loops, key=lambda loop: loop[1] - loop[0])
+    found = collections.Counter()
+    for line in lines[start:end]:
+        if m := re.match(r"\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)\b", line):
+            found[m.group(1)] += 1
+    return found
 
 
 @requires_triton
@@ -264,7 +305,7 @@ def test_kernel_compiles_for_the_h200_without_spills_or_serialised_matmuls(fp8):
     """The default tile compiled for sm_90 (no GPU needed): no registers spilled, and no
     matmul that ptxas had to serialise (warning C7514, which Triton's own fp8 promotion,
     ``max_num_imprecise_acc``, caused; the kernel's per-block fp32 add does not)."""
-    ptx, report = sm90_compile(fp8, fa.TILES[fp8])
+    ptx, report, _ = sm90_compile(fp8, fa.TILES[fp8])
     used = re.search(r"Used (\d+) registers", report)
     assert used and int(used.group(1)) <= 255, report
     assert re.search(r"\b0 bytes spill stores", report), report
@@ -279,6 +320,22 @@ def test_kernel_compiles_for_the_h200_without_spills_or_serialised_matmuls(fp8):
         fresh = [line for line in pv if line.rstrip().endswith(", 0, 1, 1;")]
         steps = fa.TILES[True][1] // 32
         assert pv and len(fresh) * steps == len(pv), pv
+
+
+@requires_triton
+def test_permuted_fp8_tile_hands_its_weights_to_the_matmul_without_lane_shuffles():
+    """The sweep's permuted fp8 tile compiled for sm_90: its main loop has no lane shuffle
+    other than the row reductions' butterflies, no byte permutes and no local-memory traffic,
+    and at least 40 instructions fewer per key block than the same tile in key order; at most
+    168 registers (3 programs per SM)."""
+    (tile,) = [t for t in fa.SWEEP if t.permuted]
+    _, report, permuted = sm90_compile(True, tile)
+    _, _, natural = sm90_compile(True, tile._replace(permuted=False))
+    used = re.search(r"Used (\d+) registers", report)
+    assert used and int(used.group(1)) <= 168, report
+    assert natural["PRMT"] and natural["SHFL"] > permuted["SHFL"]  # what the order removes
+    assert permuted["PRMT"] == 0 and permuted["STL"] == permuted["LDL"] == 0, permuted
+    assert sum(natural.values()) - sum(permuted.values()) >= 40, (natural, permuted)
 
 
 def interpreter_cases() -> None:
@@ -316,12 +373,24 @@ def interpreter_cases() -> None:
                 )
     with fa.tile_override((16, 16, 1, 1)):
         layouts = [layouts_agree(fa.run_kernel, case) for case in (CASES[0], CASES[2])]
+    # fp8 with the permuted score columns against key order: the same weights and products,
+    # the row sums added in another order (largest difference over the output's scale)
+    permuted = []
+    for case in CASES:
+        q, k, v = operands(case)
+        with fa.tile_override((32, 64, 1, 1)):
+            natural = fa.run_kernel(q, k, v, True)
+        with fa.tile_override((32, 64, 1, 1, None, True)):
+            reordered = fa.run_kernel(q, k, v, True)
+        scale = float(natural.double().abs().max())
+        permuted.append(float((reordered.double() - natural.double()).abs().max()) / scale)
     print(
         json.dumps(
             {
                 "cases": out,
                 "batches_in_parts_equal_one_launch": parts,
                 "strided_layouts_equal_contiguous": layouts,
+                "fp8_permuted_vs_key_order": permuted,
             }
         )
     )

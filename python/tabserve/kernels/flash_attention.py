@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -48,18 +49,52 @@ P_SCALE = 256.0
 #: Score elements per step of the composite (2^27: 512 MiB of fp32 scores): it takes as many
 #: queries per step as fit, over every (table, head) and key at once.
 COMPOSITE_SCORES = 1 << 27
-#: Tiles (queries per program, keys per step, warps, stages) per precision (``fp8``): the
-#: fastest of :data:`SWEEP` on the xlarge workload's train-row call on the H200
-#: (``benchmarks/icl_attention.py --flash-sweep``, twenty-third session).
-TILES = {False: (128, 64, 8, 3), True: (64, 128, 4, 3)}
+
+
+class Tile(NamedTuple):
+    """One launch configuration of the kernel."""
+
+    #: Queries per program and keys per step: powers of two, at least 16.
+    block_m: int
+    block_n: int
+    warps: int
+    stages: int
+    #: Registers per thread at most (Triton's ``maxnreg``; None: the compiler's choice). With 4
+    #: warps, 168 keeps 3 programs on an SM (65,536 registers), 128 lets a fourth on.
+    registers: int | None = None
+    #: fp8 only: each block's score columns in :func:`_score_order`'s key order, so the weights
+    #: reach the P @ V matmul without lane shuffles (the sm_90 compile of the default tile:
+    #: 453 instructions per key block instead of 503, no SHFL.IDX / PRMT; 175 registers
+    #: unlimited, hence 168 with it).
+    permuted: bool = False
+
+    @property
+    def label(self) -> str:
+        registers = f" r{self.registers}" if self.registers else ""
+        order = " permuted" if self.permuted else ""
+        return f"{self.block_m}x{self.block_n} w{self.warps} s{self.stages}{registers}{order}"
+
+
+#: Tiles per precision (``fp8``): the fastest of :data:`SWEEP` on the xlarge workload's
+#: train-row call on the H200 (``benchmarks/icl_attention.py --flash-sweep``, twenty-third
+#: and twenty-fourth sessions).
+TILES = {False: Tile(128, 64, 8, 3), True: Tile(64, 128, 4, 3)}
 #: The sweep: the three fastest tiles of six timed in the twenty-third session (fp8: 64x128 w4
-#: 74 ms, 64x64 79, 128x64 w8 80; half: 128x64 w8 94, 64x64 97, 64x128 100). A 256-key block
-#: spills registers in the sm_90 compile (64 x 256, 4 warps: 892 bytes for half, 8 for fp8).
-SWEEP = ((128, 64, 8, 3), (64, 128, 4, 3), (64, 64, 4, 3), (64, 128, 4, 3, 128))
+#: 74 ms, 64x64 79, 128x64 w8 80; half: 128x64 w8 94, 64x64 97, 64x128 100), the fp8 default
+#: with 128 registers (twenty-fourth: 76.3 ms against 77.7 in one run, half spills there) and
+#: with the permuted score columns (not yet timed). A 256-key block spills registers in the
+#: sm_90 compile (64 x 256, 4 warps: 892 bytes for half, 8 for fp8).
+SWEEP = (
+    Tile(128, 64, 8, 3),
+    Tile(64, 128, 4, 3),
+    Tile(64, 64, 4, 3),
+    Tile(64, 128, 4, 3, 128),
+    Tile(64, 128, 4, 3, 168, permuted=True),
+)
 #: CUDA's limit on a grid's second axis: larger batches run in several launches.
 MAX_GRID_BATCH = 65_535
 #: Set by :func:`tile_override` (the benchmark's sweep, the interpreter tests' small tiles).
-TILE_OVERRIDE = None
+TILE_OVERRIDE: Tile | None = None
 #: Tried and dropped (twenty-third session): exponentials on fp16 pairs (`ex2.approx.f16x2`: two
 #: `MUFU.EX2.F16` on sm_90, 10% slower on the H200) and row sums by a matmul of the e4m3 weights
 #: by ones (slower, and 1.5e-2 less accurate); also, from the PTX that Triton compiles here for
@@ -69,21 +104,22 @@ TILE_OVERRIDE = None
 
 
 @contextlib.contextmanager
-def tile_override(tile: tuple[int, ...]):
-    """Every launch inside runs ``tile`` (queries per program, keys per step, warps, stages,
-    and optionally a register limit per thread, Triton's ``maxnreg``: with 4 warps at most 128
-    lets a fourth program onto each SM): powers of two, both block sizes at least 16."""
-    block_m, block_n, warps, stages, *registers = tile
+def tile_override(tile: Tile | tuple):
+    """Every launch inside runs ``tile`` (a :class:`Tile` or its fields as a tuple)."""
+    try:
+        tile = Tile(*tile)
+    except TypeError as e:
+        raise ValueError(f"flash_attention: bad tile {tile} ({e})") from None
     if (
-        any(b < 16 or b & (b - 1) for b in (block_m, block_n))
-        or warps < 1
-        or stages < 1
-        or len(registers) > 1
-        or any(r < 32 for r in registers)
+        any(b < 16 or b & (b - 1) for b in (tile.block_m, tile.block_n))
+        or tile.warps < 1
+        or tile.stages < 1
+        or (tile.registers is not None and tile.registers < 32)
+        or not isinstance(tile.permuted, bool)
     ):
-        raise ValueError(f"flash_attention: bad tile {tile}")
+        raise ValueError(f"flash_attention: bad tile {tuple(tile)}")
     global TILE_OVERRIDE
-    saved, TILE_OVERRIDE = TILE_OVERRIDE, tuple(tile)
+    saved, TILE_OVERRIDE = TILE_OVERRIDE, tile
     try:
         yield
     finally:
@@ -187,6 +223,34 @@ if triton is not None:
             return tl.load(k_ptrs)
 
     @triton.jit
+    def _score_order(offs_n, PERMUTED: tl.constexpr):
+        """The key behind each score column of a block: ``offs_n`` itself, or with ``PERMUTED``
+        within each 16 keys the order that puts Hopper's fp32 matmul result where its fp8
+        A operand wants it (:func:`_natural_order` undoes it for P @ V). A wgmma result gives
+        lane l % 4 the columns {2q, 2q+1, 2q+8, 2q+9} (q = l % 4: column bits 1-2 are lane
+        bits), an e4m3 A operand wants {4q..4q+3} (bits 2-3); so column c holds key
+        c0 + 2 c3 + 4 c1 + 8 c2 (bits of c), and the weights need no lane shuffles."""
+        if PERMUTED:
+            return (
+                (offs_n & ~15)
+                | (offs_n & 1)
+                | (((offs_n >> 3) & 1) << 1)
+                | (((offs_n >> 1) & 1) << 2)
+                | (((offs_n >> 2) & 1) << 3)
+            )
+        else:
+            return offs_n
+
+    @triton.jit
+    def _natural_order(weights):
+        """Weights whose column c scores key :func:`_score_order`'s f(c), in key order: a
+        permutation within each lane's registers (the lane bits stay put)."""
+        rows: tl.constexpr = weights.shape[0]
+        cols: tl.constexpr = weights.shape[1]
+        bits = tl.reshape(weights, (rows, cols // 16, 2, 2, 2, 2))
+        return tl.reshape(tl.permute(bits, (0, 1, 3, 4, 2, 5)), (rows, cols))
+
+    @triton.jit
     def _softmax_step(
         acc,
         row_sum,
@@ -195,15 +259,17 @@ if triton is not None:
         v_ptrs,
         keys_left,
         offs_n,
+        offs_s,
         QK_SCALE,
         MASKED: tl.constexpr,
         FP8: tl.constexpr,
         BF16: tl.constexpr,
+        PERMUTED: tl.constexpr,
     ):
         """One block's scores (BLOCK_M, BLOCK_N) into the online softmax and the weighted
-        values."""
+        values (``offs_s``: the key of each score column, ``offs_n`` of each row of V)."""
         if MASKED:
-            scores = tl.where(offs_n[None, :] < keys_left, scores, float("-inf"))
+            scores = tl.where(offs_s[None, :] < keys_left, scores, float("-inf"))
         new_max = tl.maximum(row_max, tl.max(scores, 1) * QK_SCALE)
         correction = tl.math.exp2(row_max - new_max)
         if MASKED:
@@ -213,7 +279,10 @@ if triton is not None:
         if FP8:
             # log2(P_SCALE) = 8 added to the exponent: weights in (0, 256], one multiply-add.
             weights = tl.math.exp2(scores * QK_SCALE - (new_max[:, None] - 8.0))
-            rounded = weights.to(tl.float8e4nv)
+            if PERMUTED:
+                rounded = _natural_order(weights).to(tl.float8e4nv)
+            else:
+                rounded = weights.to(tl.float8e4nv)
         else:
             weights = tl.math.exp2(scores * QK_SCALE - new_max[:, None])
             rounded = round_to(weights, BF16)
@@ -258,6 +327,7 @@ if triton is not None:
         BLOCK_N: tl.constexpr,
         FP8: tl.constexpr,
         BF16: tl.constexpr,
+        PERMUTED: tl.constexpr,
     ):
         """A tile of BLOCK_M queries of one (batch entry, head) through all its keys: program
         (query tile, head, batch entry). Each operand is read at its own (batch, head, row)
@@ -280,8 +350,9 @@ if triton is not None:
             qk_scale = tl.full([], SM_SCALE_LOG2, tl.float32)
         # K's block read as (HEAD_DIM, BLOCK_N) and V's as (BLOCK_N, HEAD_DIM), the summed
         # dimension contiguous in both when V comes transposed (the fp8 launch's layout).
+        offs_s = _score_order(offs_n, PERMUTED)  # the key behind each score column
         k_ptrs = K + batch * stride_kb + head * stride_kh
-        k_ptrs += offs_d[:, None] + offs_n[None, :] * stride_kn
+        k_ptrs += offs_d[:, None] + offs_s[None, :] * stride_kn
         v_ptrs = V + batch * stride_vb + head * stride_vh
         v_ptrs += offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd
         row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -289,18 +360,20 @@ if triton is not None:
         acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
         full_keys = (n_keys // BLOCK_N) * BLOCK_N
         for _ in range(0, full_keys, BLOCK_N):
-            scores = tl.dot(q, _load_keys(k_ptrs, BLOCK_N, offs_n, False))
+            scores = tl.dot(q, _load_keys(k_ptrs, BLOCK_N, offs_s, False))
             acc, row_sum, row_max = _softmax_step(
-                acc, row_sum, row_max, scores, v_ptrs, BLOCK_N, offs_n, qk_scale, False, FP8, BF16
-            )
+                acc, row_sum, row_max, scores, v_ptrs, BLOCK_N, offs_n, offs_s, qk_scale,
+                False, FP8, BF16, PERMUTED,
+            )  # fmt: skip
             k_ptrs += BLOCK_N * stride_kn
             v_ptrs += BLOCK_N * stride_vn
         if full_keys < n_keys:
             keys_left = n_keys - full_keys
-            scores = tl.dot(q, _load_keys(k_ptrs, keys_left, offs_n, True))
+            scores = tl.dot(q, _load_keys(k_ptrs, keys_left, offs_s, True))
             acc, row_sum, row_max = _softmax_step(
-                acc, row_sum, row_max, scores, v_ptrs, keys_left, offs_n, qk_scale, True, FP8, BF16
-            )
+                acc, row_sum, row_max, scores, v_ptrs, keys_left, offs_n, offs_s, qk_scale,
+                True, FP8, BF16, PERMUTED,
+            )  # fmt: skip
         out = acc / row_sum[:, None]
         if FP8:
             out = out * tl.load(Scales + 2)
@@ -401,20 +474,21 @@ if triton is not None:
         # heads back into the embedding (the model's next step) is then a view.
         out = torch.empty((batch, n_queries, heads, dim), dtype=q.dtype, device=q.device)
         out4 = out.transpose(1, 2)
-        block_m, block_n, warps, stages, *registers = TILE_OVERRIDE or TILES[fp8]
-        limit = {"maxnreg": registers[0]} if registers else {}
+        tile = TILE_OVERRIDE or TILES[fp8]
+        limit = {"maxnreg": tile.registers} if tile.registers else {}
         # Query tiles of one (batch entry, head) run next to each other and share its keys in
         # L2; the batch rides the grid's third axis (CUDA's limit: MAX_GRID_BATCH).
         for part in _batch_parts(batch):
-            grid = (triton.cdiv(n_queries, block_m), heads, part.stop - part.start)
+            grid = (triton.cdiv(n_queries, tile.block_m), heads, part.stop - part.start)
             launcher(_flash_attention_kernel)[grid](
                 q4[part], k4[part], v4[part], out4[part], scales, n_queries, n_keys,
                 q4.stride(0), q4.stride(1), q4.stride(2), k4.stride(0), k4.stride(1), k4.stride(2),
                 v4.stride(0), v4.stride(1), v4.stride(2), v4.stride(3),
                 out4.stride(0), out4.stride(1), out4.stride(2),
                 SM_SCALE_LOG2=math.log2(math.e) / math.sqrt(dim), HEAD_DIM=dim,
-                BLOCK_M=block_m, BLOCK_N=block_n, FP8=fp8, BF16=q.dtype == torch.bfloat16,
-                num_warps=warps, num_stages=stages, **limit,
+                BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, FP8=fp8,
+                BF16=q.dtype == torch.bfloat16, PERMUTED=fp8 and tile.permuted,
+                num_warps=tile.warps, num_stages=tile.stages, **limit,
             )  # fmt: skip
         return out4.reshape(*lead, n_queries, dim)
 
