@@ -738,6 +738,22 @@ CELLS: tuple[Cell, ...] = (
         fused_row_tokens=True,
         ffn_gelu="rational",
     ),
+    # c59 with every unpadded column-stage attention on the flash kernel (half operands): the
+    # rows over the 128 induced tokens too, where the head-dim-16 kernel ran at ~2.7x the
+    # exponentials' floor on large (3.53 ms, ninth session); the kernel against it on that
+    # shape is `small_head_attention.py --cases col-rows`' "tabserve flash half" row.
+    dataclasses.replace(
+        _C42,
+        name="c60-fp16-compile-head16-fused-frozen-kvgraphs-ropeproj-outproj-rowtokens-gelu"
+        "-iclfp8-colflashall",
+        description="c59 with all of the column stage's unpadded attention on tabserve's "
+        "flash kernel",
+        attention={"row": "head16", "col": "flash-half", "icl": "flash-fp8"},
+        rope_in_projection=True,
+        fused_out_projection=True,
+        fused_row_tokens=True,
+        ffn_gelu="rational",
+    ),
 )
 
 
