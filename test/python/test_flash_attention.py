@@ -30,13 +30,15 @@ requires_triton = pytest.mark.skipif(
 )
 
 #: (leading shape, queries, keys, dim): the ICL stage's shape at small sizes (heads of 64),
-#: ragged query and key tiles, one key, every kernel width.
+#: ragged query and key tiles, one key, every kernel width, no leading dimension and three.
 CASES = [
     ((2, 8), 40, 70, 64),
     ((3,), 16, 1, 64),
     ((1, 2), 33, 200, 16),
     ((2,), 20, 48, 32),
     ((1, 1), 17, 65, 128),
+    ((), 24, 40, 32),
+    ((2, 2, 3), 20, 30, 16),
 ]
 #: Largest |error| against fp64 maths, in units of the output's largest magnitude, for half
 #: operands (weights rounded to fp16 each: a few roundings) and for fp8 ones (e4m3 keeps 3
