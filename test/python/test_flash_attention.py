@@ -330,7 +330,8 @@ def test_permuted_fp8_tile_hands_its_weights_to_the_matmul_without_lane_shuffles
     other than the row reductions' butterflies, no byte permutes and no local-memory traffic,
     and at least 40 instructions fewer per key block than the same tile in key order; at most
     168 registers (3 programs per SM)."""
-    (tile,) = [t for t in fa.SWEEP if t.permuted]
+    tile = next(t for t in fa.SWEEP if t.permuted)  # the default tile's, 168 registers
+    assert tile._replace(registers=None, permuted=False) == fa.TILES[True]
     _, report, permuted = sm90_compile(True, tile)
     _, _, natural = sm90_compile(True, tile._replace(permuted=False))
     used = re.search(r"Used (\d+) registers", report)

@@ -81,15 +81,20 @@ class Tile(NamedTuple):
 TILES = {False: Tile(128, 64, 8, 3), True: Tile(64, 128, 4, 3)}
 #: The sweep: the three fastest tiles of six timed in the twenty-third session (fp8: 64x128 w4
 #: 74 ms, 64x64 79, 128x64 w8 80; half: 128x64 w8 94, 64x64 97, 64x128 100), the fp8 default
-#: with 128 registers (twenty-fourth: 76.3 ms against 77.7 in one run, half spills there) and
-#: with the permuted score columns (not yet timed). A 256-key block spills registers in the
-#: sm_90 compile (64 x 256, 4 warps: 892 bytes for half, 8 for fp8).
+#: with 128 registers (twenty-fourth: 76.3 ms against 77.7 in one run, half spills there), and
+#: three with the permuted score columns, not yet timed (sm_90 SASS per thread and key block,
+#: here: 64x128 3 stages 453 instructions for 64 scores against key order's 503; 2 stages 430,
+#: the pipeline's selects gone; 64x64 277 for 32, at 127 registers: 4 programs per SM). A
+#: 256-key block spills registers in the sm_90 compile (64 x 256, 4 warps: 892 bytes for half,
+#: 8 for fp8).
 SWEEP = (
     Tile(128, 64, 8, 3),
     Tile(64, 128, 4, 3),
     Tile(64, 64, 4, 3),
     Tile(64, 128, 4, 3, 128),
     Tile(64, 128, 4, 3, 168, permuted=True),
+    Tile(64, 128, 4, 2, 168, permuted=True),
+    Tile(64, 64, 4, 3, permuted=True),
 )
 #: CUDA's limit on a grid's second axis: larger batches run in several launches.
 MAX_GRID_BATCH = 65_535
