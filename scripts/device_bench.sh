@@ -76,7 +76,8 @@ for part in "$@"; do
       # 400 s here (run 5: c57's whole cell 262 s); c0-ref-fp32 (the gate's reference) and
       # c1-ref-fp16 take about 25 and 90 s, so one call holds one such cell beside them. c60:
       # c59 with the column stage's rows over the induced tokens on the flash kernel too (run
-      # `ATTENTION_CASES="col row" bash scripts/device_bench.sh attention` first: does it win?).
+      # `ATTENTION_CASES="col row" bash scripts/device_bench.sh attention` first: does it win?);
+      # c61: c59 with the ICL stage's train and test rows in one pass per block.
       CELL_TIMEOUT=${CELL_TIMEOUT:-400} BENCH_ARGS=${BENCH_ARGS:---skip-phases end_to_end} \
         bench xlarge xlarge -- ${XLARGE_CELLS:-c1-ref-fp16 \
         c59-fp16-compile-head16-fused-frozen-kvgraphs-ropeproj-outproj-rowtokens-gelu-iclfp8-colflash} ;;

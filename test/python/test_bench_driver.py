@@ -69,6 +69,7 @@ def test_every_tabserve_cell_is_a_recipe_with_its_fused_operators():
         assert recipe.cuda_graphs == cell.cuda_graphs and recipe.attention == cell.attention
         assert recipe.kv_graphs == cell.kv_graphs, cell.name
         assert recipe.shape_graphs == cell.shape_graphs, cell.name
+        assert recipe.icl_one_pass == cell.icl_one_pass, cell.name
     assert cell_by_name("c36-fp16-compile-head16-row-fused").fused_norm_linear
     from tabserve.models.tabicl import recipes
 

@@ -161,6 +161,38 @@ def test_kv_cache_matches_uncached_and_reference_cache(case):
         torch.testing.assert_close(stats["mean"], direct["mean"], atol=ATOL, rtol=0)
 
 
+@pytest.mark.parametrize(
+    "case",
+    [c for c in CLASSIFIER_CASES + REGRESSOR_CASES if c[5] <= 10],  # (the hierarchy: its own)
+    ids=_case_id,
+)
+def test_icl_one_pass_equals_the_cache_path_and_the_reference(case):
+    """``icl_one_pass``: train and test rows through each ICL block together give the
+    reference's outputs (and the cache path's) within fp32 rounding; padded calls (``n_train``)
+    keep the cache path."""
+    from tabserve.models.tabicl.recipes import set_icl_one_pass
+
+    X, y, want = _reference(case)
+    size, _, n, _, _, k = case
+    ours = copy.deepcopy(our_model(_task(k), size))  # cached: change a copy
+    set_icl_one_pass(ours, True)
+    assert ours.icl_predictor.one_pass
+    calls = []
+    original = ours.icl_predictor._forward_one_pass
+    ours.icl_predictor._forward_one_pass = lambda *a: calls.append(1) or original(*a)
+    with torch.no_grad():
+        got = ours(X, y)
+        cached = ours.forward_with_cache(X[:, n:], ours.build_cache(X[:, :n], y))
+    assert calls  # the one-pass path ran
+    torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
+    torch.testing.assert_close(got, cached, atol=ATOL, rtol=0)
+    R = torch.randn(2, n + 3, ours.icl_predictor.ln.normalized_shape[0])
+    calls.clear()
+    with torch.no_grad():
+        padded = ours.icl_predictor(R, y[:1].expand(2, -1), torch.tensor(n))
+    assert not calls and padded.shape[:2] == (2, 3)
+
+
 def test_cache_shapes_and_concat():
     ours = our_model("clf", "tiny")
     X, y = random_table(3, 2, 20, 5, 6, 3)

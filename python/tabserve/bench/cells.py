@@ -69,6 +69,8 @@ class Cell:
             feed-forward's Triton kernel (``Recipe.fused_out_projection``).
         fused_row_tokens: with ``fused_ffn``, the row stage's tokens written by the column
             stage's last fused feed-forward (``Recipe.fused_row_tokens``).
+        icl_one_pass: the ICL stage's train and test rows through each block in one pass in
+            unpadded one-shot calls (``Recipe.icl_one_pass``).
         ffn_projecting_tile: with ``fused_out_projection``, the fused feed-forward's long-stream
             tile (tokens, warps, stages) for the launches that fold the out-projection
             (``kernels.feed_forward.PROJECTING_LONG_CONFIG``), to measure a tile in the whole
@@ -111,6 +113,7 @@ class Cell:
     rope_in_projection: bool = False
     fused_out_projection: bool = False
     fused_row_tokens: bool = False
+    icl_one_pass: bool = False
     ffn_projecting_tile: tuple | None = None
     ffn_gelu: str | None = None
     checks_first: bool = False
@@ -753,6 +756,22 @@ CELLS: tuple[Cell, ...] = (
         fused_out_projection=True,
         fused_row_tokens=True,
         ffn_gelu="rational",
+    ),
+    # c59 with the ICL stage's train and test rows in one pass per block: on xlarge the 12
+    # test-row calls took ~2.2 ms each on the fp8 kernel (1,000 queries, 1.5 ms of a merged
+    # call's time by its rate) and quantized the keys and values a second time (~13 ms in all
+    # by that estimate).
+    dataclasses.replace(
+        _C42,
+        name="c61-fp16-compile-head16-fused-frozen-kvgraphs-ropeproj-outproj-rowtokens-gelu"
+        "-iclfp8-colflash-iclonepass",
+        description="c59 with the ICL stage's train and test rows in one pass per block",
+        attention={"row": "head16", "col": "head16-flash", "icl": "flash-fp8"},
+        rope_in_projection=True,
+        fused_out_projection=True,
+        fused_row_tokens=True,
+        ffn_gelu="rational",
+        icl_one_pass=True,
     ),
 )
 

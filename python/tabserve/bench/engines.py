@@ -266,6 +266,7 @@ class TabserveEngine(Engine):
             rope_in_projection=False,
             fused_out_projection=False,
             fused_row_tokens=False,
+            icl_one_pass=False,
             freeze=False,
         )
         padded = ServedTabICL(plain, exact, _bucket_grid(self.cell.buckets))

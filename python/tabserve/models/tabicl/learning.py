@@ -77,6 +77,12 @@ class InContextLearner(nn.Module):
         self.decoder = nn.Sequential(
             nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, out_dim)
         )
+        #: The unpadded :meth:`forward` with train and test rows through each block in one
+        #: pass (queries: every row; keys: the train rows) instead of the train rows' cache
+        #: first and the test rows after it: one attention call per block instead of two, and
+        #: no test-row launches of their own. Same maths; a serving recipe sets it
+        #: (``icl_one_pass``).
+        self.one_pass = False
 
     def label_embedding(self, y: Tensor) -> Tensor:
         """``(B, N)`` labels -> ``(B, N, D)``."""
@@ -119,8 +125,21 @@ class InContextLearner(nn.Module):
     def forward(self, R: Tensor, y_train: Tensor, n_train: Tensor | None = None) -> Tensor:
         """Raw head outputs ``(B, M, out_dim)`` for the test rows of ``R (B, N + M, D)``."""
         rows = y_train.shape[1]
+        if self.one_pass and n_train is None:
+            return self._forward_one_pass(R, y_train)
         cache = self.build_cache(R[:, :rows], y_train, n_train)
         return self.forward_cached(R[:, rows:], cache, n_train)
+
+    def _forward_one_pass(self, R: Tensor, y_train: Tensor) -> Tensor:
+        """:meth:`forward` unpadded with every row a query of each block but the last (whose
+        train outputs nothing reads): the keys and values are the train rows', as the cache's."""
+        rows = y_train.shape[1]
+        x = torch.cat([R[:, :rows] + self.label_embedding(y_train), R[:, rows:]], dim=1)
+        *first, last = self.tf_icl.blocks
+        for block in first:
+            x = block(x, kv_rows=rows)
+        x = last(x[:, rows:], x[:, :rows])
+        return self.decoder(self.ln(x))
 
     def hierarchical_probs(self, R: Tensor, y_train: Tensor) -> Tensor:
         """Class probabilities ``(B, M, K)`` through the class hierarchy.

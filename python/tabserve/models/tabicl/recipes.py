@@ -53,6 +53,11 @@ Fields:
     fused_row_tokens: with ``fused_ffn``, the column stage's last feed-forward writes the row
         stage's tokens itself, CLS tokens first (the operator's ``row_prefix``), so no pass
         transposes the column stage's output and concatenates it with the CLS tokens.
+    icl_one_pass: the unpadded one-shot call's ICL stage takes train and test rows through each
+        block in one pass (every row a query, the train rows the keys) instead of the train
+        rows first and the test rows against their cache: one attention call per block
+        instead of two, no test-row launches of their own. The same maths in another grouping
+        of rows (fp8 attention: one query scale over both).
     freeze: Inductor's freezing (``torch._inductor.config.freezing``) for the compiled graphs:
         the weights become constants of each graph, so what depends on weights alone (their
         casts to fp16 / bf16 under autocast, ...) is computed once at compile time instead of at
@@ -142,6 +147,7 @@ class Recipe:
     rope_in_projection: bool = False
     fused_out_projection: bool = False
     fused_row_tokens: bool = False
+    icl_one_pass: bool = False
     freeze: bool = False
     compile_backend: str = "inductor"
     description: str = ""
@@ -414,6 +420,15 @@ def set_fused_operators(module: torch.nn.Module, fields) -> None:
     set_rope_in_projection(module, fields.rope_in_projection)
     set_fused_out_projection(module, fields.fused_out_projection)
     set_fused_row_tokens(module, fields.fused_row_tokens)
+    set_icl_one_pass(module, fields.icl_one_pass)
+
+
+def set_icl_one_pass(module: torch.nn.Module, on: bool) -> None:
+    """Points the ICL stage of ``module`` at one pass of train and test rows per block (``on``,
+    unpadded one-shot calls) or at the train rows' cache first."""
+    from .learning import InContextLearner
+
+    _set_flag(module, InContextLearner, "one_pass", on)
 
 
 def set_rope_in_projection(module: torch.nn.Module, on: bool) -> None:
@@ -748,6 +763,7 @@ def recipe_from_cell(fields: dict, name: str | None = None) -> Recipe:
         rope_in_projection=bool(fields.get("rope_in_projection")),
         fused_out_projection=bool(fields.get("fused_out_projection")),
         fused_row_tokens=bool(fields.get("fused_row_tokens")),
+        icl_one_pass=bool(fields.get("icl_one_pass")),
         freeze=bool(fields.get("freeze")),
         description="promoted by the benchmark driver",
     )
