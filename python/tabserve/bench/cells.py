@@ -250,6 +250,19 @@ _C42 = dataclasses.replace(
     kv_graphs=True,
 )
 
+#: c59, which c60 and c61 vary (see the table).
+_C59 = dataclasses.replace(
+    _C42,
+    name="c59-fp16-compile-head16-fused-frozen-kvgraphs-ropeproj-outproj-rowtokens-gelu"
+    "-iclfp8-colflash",
+    description="c57 with the column stage's inducing points on tabserve's flash kernel",
+    attention={"row": "head16", "col": "head16-flash", "icl": "flash-fp8"},
+    rope_in_projection=True,
+    fused_out_projection=True,
+    fused_row_tokens=True,
+    ffn_gelu="rational",
+)
+
 CELLS: tuple[Cell, ...] = (
     # Baselines: the reference package as a user runs it.
     Cell(
@@ -730,47 +743,26 @@ CELLS: tuple[Cell, ...] = (
     # operands, head dim 16, read in place: no copies of the head-split keys): cuDNN took about
     # 60 ms of c52's xlarge profile over those 3 x 3 calls (fifteenth session), ~2x the
     # exponentials' floor; the rows over the 128 induced tokens stay on the head-dim-16 kernel.
-    dataclasses.replace(
-        _C42,
-        name="c59-fp16-compile-head16-fused-frozen-kvgraphs-ropeproj-outproj-rowtokens-gelu"
-        "-iclfp8-colflash",
-        description="c57 with the column stage's inducing points on tabserve's flash kernel",
-        attention={"row": "head16", "col": "head16-flash", "icl": "flash-fp8"},
-        rope_in_projection=True,
-        fused_out_projection=True,
-        fused_row_tokens=True,
-        ffn_gelu="rational",
-    ),
+    _C59,
     # c59 with every unpadded column-stage attention on the flash kernel (half operands): the
     # rows over the 128 induced tokens too, where the head-dim-16 kernel ran at ~2.7x the
     # exponentials' floor on large (3.53 ms, ninth session); the kernel against it on that
     # shape is `small_head_attention.py --cases col-rows`' "tabserve flash half" row.
     dataclasses.replace(
-        _C42,
-        name="c60-fp16-compile-head16-fused-frozen-kvgraphs-ropeproj-outproj-rowtokens-gelu"
-        "-iclfp8-colflashall",
+        _C59,
+        name=f"{_C59.name.replace('c59', 'c60', 1)}all",
         description="c59 with all of the column stage's unpadded attention on tabserve's "
         "flash kernel",
-        attention={"row": "head16", "col": "flash-half", "icl": "flash-fp8"},
-        rope_in_projection=True,
-        fused_out_projection=True,
-        fused_row_tokens=True,
-        ffn_gelu="rational",
+        attention={**_C59.attention, "col": "flash-half"},
     ),
     # c59 with the ICL stage's train and test rows in one pass per block: on xlarge the 12
     # test-row calls took ~2.2 ms each on the fp8 kernel (1,000 queries, 1.5 ms of a merged
     # call's time by its rate) and quantized the keys and values a second time (~13 ms in all
     # by that estimate).
     dataclasses.replace(
-        _C42,
-        name="c61-fp16-compile-head16-fused-frozen-kvgraphs-ropeproj-outproj-rowtokens-gelu"
-        "-iclfp8-colflash-iclonepass",
+        _C59,
+        name=f"{_C59.name.replace('c59', 'c61', 1)}-iclonepass",
         description="c59 with the ICL stage's train and test rows in one pass per block",
-        attention={"row": "head16", "col": "head16-flash", "icl": "flash-fp8"},
-        rope_in_projection=True,
-        fused_out_projection=True,
-        fused_row_tokens=True,
-        ffn_gelu="rational",
         icl_one_pass=True,
     ),
 )
