@@ -15,6 +15,7 @@ against fp32 maths on the first batch entries is reported next to its time.
     python benchmarks/small_head_attention.py --quick        # CPU, small cases (op vs SDPA)
     python benchmarks/small_head_attention.py --methods "tabserve op" "sdpa cudnn"
     python benchmarks/small_head_attention.py --device cuda --cases col-inducing
+    python benchmarks/small_head_attention.py --device cuda --cases col --flash-sweep
 """
 
 from __future__ import annotations
@@ -64,8 +65,24 @@ def inputs(batch, queries, keys, broadcast, dtype, device):
     return q, split(kv, 1), split(kv, 2)
 
 
-def methods(device):
+def methods(device, flash_sweep: bool = False):
+    """``{name: attend(q, k, v)}``: the operator, ``tabserve.ops.flash_attention`` (half; with
+    ``flash_sweep`` also on each tile of its sweep but the fp8-only permuted ones) and, on CUDA,
+    the SDPA backends."""
     found = {"tabserve op": ops.small_head_attention, "tabserve flash half": ops.flash_attention}
+    if flash_sweep:
+        from tabserve.kernels import flash_attention as fa
+
+        def tiled(tile):
+            def attend(q, k, v):
+                with fa.tile_override(tile):
+                    return ops.flash_attention(q, k, v)
+
+            return attend
+
+        for tile in fa.SWEEP:
+            if not tile.permuted:
+                found[f"tabserve flash half {tile.label}"] = tiled(tile)
     if device.type != "cuda":
         found["sdpa"] = F.scaled_dot_product_attention
         return found
@@ -115,6 +132,11 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--cases", nargs="+", metavar="TEXT", help="only the cases whose name contains one"
     )
+    parser.add_argument(
+        "--flash-sweep",
+        action="store_true",
+        help="tabserve's flash_attention on each (half) tile of its sweep too",
+    )
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype) if device.type == "cuda" else torch.float32
@@ -126,7 +148,7 @@ def main(argv=None) -> int:
     records, rows = [], []
     for name, batch, queries, keys, broadcast in cases:
         q, k, v = inputs(batch, queries, keys, broadcast, dtype, device)
-        for method, fn in methods(device).items():
+        for method, fn in methods(device, args.flash_sweep).items():
             if args.methods and method not in args.methods:
                 continue
             try:

@@ -88,10 +88,11 @@ for part in "$@"; do
         c27-fp16-buckets-aot-restart c29-fp16-buckets-aot-cudagraphs-restart} ;;
     attention)  # small_head_attention against the SDPA backends on the large workload's shapes
       # ATTENTION_METHODS: only these methods, e.g. "tabserve op|sdpa cudnn" ('|'-separated);
-      # ATTENTION_CASES: only the cases naming one of these words, e.g. "col-inducing".
+      # ATTENTION_CASES: only the cases naming one of these words, e.g. "col-inducing";
+      # ATTENTION_ARGS: more arguments, e.g. --flash-sweep (the flash kernel's half tiles).
       IFS='|' read -ra attention_methods <<<"${ATTENTION_METHODS:-}"
       timeout "$(left $((LIMIT - 10)))" python3 benchmarks/small_head_attention.py --device cuda \
-        ${ATTENTION_METHODS:+--methods "${attention_methods[@]}"} ${ATTENTION_CASES:+--cases $ATTENTION_CASES} \
+        ${ATTENTION_METHODS:+--methods "${attention_methods[@]}"} ${ATTENTION_CASES:+--cases $ATTENTION_CASES} ${ATTENTION_ARGS:-} \
         --budget 0.3 --json "$OUT/small-head-attention-cuda.json" >"$LOG/attention.log" 2>&1
       echo "attention rc=$?"; tail -25 "$LOG/attention.log" ;;
     icl)  # the ICL stage's head-dim-64 attention per SDPA backend and tabserve's flash_attention

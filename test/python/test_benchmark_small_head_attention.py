@@ -41,3 +41,24 @@ def test_quick_run_reports_rates_and_errors(tmp_path):
         assert record["median_ms"] > 0 and record["least_traffic_gb_per_s"] > 0
         assert record["tflop_per_s"] > 0
         assert record["max_abs_error_vs_fp32"] < 1e-5  # fp32 on the CPU: exact maths
+
+
+def test_methods_hold_the_flash_kernel_and_with_the_sweep_its_half_tiles(tmp_path):
+    """The flash kernel is a method on every device; ``--flash-sweep`` adds each half tile of
+    its sweep (the fp8-only permuted tiles left out), and a quick run of those agrees with fp32
+    maths on the CPU (the composite) and filters cases by ``--cases``."""
+    from tabserve.kernels import flash_attention as fa
+
+    plain = bench.methods(torch.device("cpu"))
+    assert {"tabserve op", "tabserve flash half"} <= set(plain)
+    swept = set(bench.methods(torch.device("cpu"), flash_sweep=True)) - set(plain)
+    assert swept == {f"tabserve flash half {t.label}" for t in fa.SWEEP if not t.permuted}
+    out = tmp_path / "sweep.json"
+    argv = ["--quick", "--device", "cpu", "--budget", "0.01", "--cases", "row", "--flash-sweep"]
+    assert bench.main([*argv, "--json", str(out)]) == 0
+    records = json.loads(out.read_text())["records"]
+    assert {r["case"] for r in records} == {"row"}
+    assert {r["method"] for r in records} >= swept
+    assert all(r["max_abs_error_vs_fp32"] < 1e-5 for r in records)
+    with pytest.raises(SystemExit, match="matches no case"):
+        bench.main(["--quick", "--device", "cpu", "--cases", "nothing-like-it"])
