@@ -329,6 +329,41 @@ def test_auto_recipe_reads_measurements(tmp_path):
         assert recipes.auto_recipe("cpu", 400, 10, kv_cache=True, path=path).name == "c13"
 
 
+def test_auto_recipe_without_fp8_takes_the_fastest_cell_without_it(tmp_path):
+    """``fp8=False`` (``recipe="auto-without-fp8"``): where the promoted recipe has an fp8
+    attention stage, the workload's ``<route>_without_fp8`` entry; a workload with neither is
+    left out, and one whose promoted recipe has no fp8 serves it as ``auto`` does."""
+    import json
+
+    def entry(cell, **fields):
+        return {"cell": cell, "median_ms": 1.0, "recipe": {"engine": "tabserve", **fields}}
+
+    fp8 = {"icl": "flash-fp8", "col": "head16-flash"}
+    path = tmp_path / "recipes.json"
+    workloads = {
+        "xlarge": {
+            "one_shot": entry("c59", precision="fp16", attention=fp8),
+            "one_shot_without_fp8": entry("c49", precision="fp16", attention={"row": "head16"}),
+            "kv_predict": entry("c57", precision="fp16", attention=fp8),
+            "shape": {"n_train": 50000, "n_features": 100},
+        },
+        "large": {
+            "one_shot": entry("c52", precision="fp16"),
+            "kv_predict": entry("c52", precision="fp16"),
+            "shape": {"n_train": 8192, "n_features": 64},
+        },
+    }
+    devices = {"cpu": {"workloads": workloads}}
+    path.write_text(json.dumps({"schema": "tabserve.recipes/1", "devices": devices}))
+    assert recipes.auto_recipe("cpu", 50000, 100, path=path).name == "c59"
+    plain = recipes.auto_recipe("cpu", 50000, 100, path=path, fp8=False)
+    assert plain.name == "c49" and not recipes.recipe_uses_fp8(plain)
+    assert recipes.recipe_uses_fp8(recipes.auto_recipe("cpu", 50000, 100, path=path))
+    # KV: xlarge has no fp8-free entry, so the closest other workload serves
+    assert recipes.auto_recipe("cpu", 50000, 100, True, path=path, fp8=False).name == "c52"
+    assert recipes.auto_recipe("cpu", 8000, 60, path=path, fp8=False).name == "c52"
+
+
 def test_auto_recipe_matches_task_and_class_regime(tmp_path):
     """Workloads of one shape but another task or class regime (the H200 document's medium,
     regression and many-class) must not stand in for each other; a criterion no workload meets
@@ -346,12 +381,23 @@ def test_auto_recipe_matches_task_and_class_regime(tmp_path):
         }
 
     path = tmp_path / "recipes.json"
-    path.write_text(json.dumps({"schema": "tabserve.recipes/1", "devices": {"cpu": {"workloads": {
-        "medium": workload("c-medium", 1024),
-        "many-class": workload("c-many", 1024, n_classes=25),
-        "regression": workload("c-reg", 1024, task="reg"),
-        "large": workload("c-large", 8192),
-    }}}}))
+    path.write_text(
+        json.dumps(
+            {
+                "schema": "tabserve.recipes/1",
+                "devices": {
+                    "cpu": {
+                        "workloads": {
+                            "medium": workload("c-medium", 1024),
+                            "many-class": workload("c-many", 1024, n_classes=25),
+                            "regression": workload("c-reg", 1024, task="reg"),
+                            "large": workload("c-large", 8192),
+                        }
+                    }
+                },
+            }
+        )
+    )
     pick = lambda **kw: recipes.auto_recipe("cpu", 1000, 20, path=path, **kw).name
     assert pick(task="clf", n_classes=3) == "c-medium"
     assert pick(task="clf", n_classes=11) == "c-many"
@@ -360,8 +406,21 @@ def test_auto_recipe_matches_task_and_class_regime(tmp_path):
     assert pick(task="clf", n_classes=11, many_classes_above=20) == "c-medium"
     assert recipes.auto_recipe("cpu", 8000, 20, path=path, task="reg").name == "c-reg"
     # Only classification measured: a regressor still gets the closest shape, not an error.
-    path.write_text(json.dumps({"schema": "tabserve.recipes/1", "devices": {"cpu": {"workloads": {
-        "large": workload("c-large", 8192), "medium": workload("c-medium", 1024)}}}}))
+    path.write_text(
+        json.dumps(
+            {
+                "schema": "tabserve.recipes/1",
+                "devices": {
+                    "cpu": {
+                        "workloads": {
+                            "large": workload("c-large", 8192),
+                            "medium": workload("c-medium", 1024),
+                        }
+                    }
+                },
+            }
+        )
+    )
     assert pick(task="reg") == "c-medium"
     assert recipes.auto_recipe("cpu", 8000, 20, path=path, task="reg").name == "c-large"
     with pytest.raises(ValueError, match="task must be"):
@@ -668,6 +727,10 @@ def test_estimator_auto_recipe_without_measurements_serves_fp32_eager(tmp_path, 
     clf = TabICLClassifier(
         n_estimators=2, model_path=reference_checkpoint("clf", "tiny"), device="cpu", recipe="auto"
     )
+    with pytest.warns(UserWarning, match="fp32-eager"):
+        clf.fit(X, y)
+    assert type(clf.model_) is TabICLv2
+    clf.set_params(recipe="auto-without-fp8")  # the same lookup, fp8 recipes left out
     with pytest.warns(UserWarning, match="fp32-eager"):
         clf.fit(X, y)
     assert type(clf.model_) is TabICLv2

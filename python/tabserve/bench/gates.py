@@ -187,8 +187,20 @@ def knobs_are_defaults(cell: Cell) -> bool:
     )
 
 
+#: Suffix of a route's promotion among the cells without fp8 maths, recorded where the route's
+#: fastest cell has them (``recipe="auto-without-fp8"`` reads it).
+WITHOUT_FP8 = "_without_fp8"
+
+
+def uses_fp8(cell: Cell) -> bool:
+    """Whether the cell computes in fp8 anywhere: an fp8 precision or an fp8 attention stage."""
+    return cell.precision == "fp8" or "flash-fp8" in cell.attention.values()
+
+
 def promote(results: list, cells: dict) -> dict:
-    """Per workload and route, the fastest promotable cell: ``{workload: {route: {...}}}``."""
+    """Per workload and route, the fastest promotable cell: ``{workload: {route: {...}}}``;
+    where that cell computes in fp8 (:func:`uses_fp8`), also the fastest without, under
+    ``route + WITHOUT_FP8`` (if any passed)."""
     promoted: dict = {}
     for result in results:
         cell = cells[result["cell"]]
@@ -198,11 +210,18 @@ def promote(results: list, cells: dict) -> dict:
             ms = latency(result, route)
             if ms is None:
                 continue
-            best = promoted.setdefault(result["workload"], {}).get(route)
-            if best is None or ms < best["median_ms"]:
-                promoted[result["workload"]][route] = {
-                    "cell": cell.name,
-                    "median_ms": ms,
-                    "recipe": cell.recipe(),
-                }
+            keys = (route,) if uses_fp8(cell) else (route, route + WITHOUT_FP8)
+            for key in keys:
+                best = promoted.setdefault(result["workload"], {}).get(key)
+                if best is None or ms < best["median_ms"]:
+                    promoted[result["workload"]][key] = {
+                        "cell": cell.name,
+                        "median_ms": ms,
+                        "recipe": cell.recipe(),
+                    }
+    for routes in promoted.values():
+        for route in ROUTES:
+            fastest, plain = routes.get(route), routes.get(route + WITHOUT_FP8)
+            if fastest is not None and plain is not None and plain["cell"] == fastest["cell"]:
+                del routes[route + WITHOUT_FP8]  # the same cell: said once
     return promoted

@@ -8,7 +8,9 @@ run as tensor maths on ``device``.
 
 ``recipe``: a name of :data:`.recipes.RECIPES` (``"fp16-buckets-compile"``, ...), a
 :class:`.recipes.Recipe`, or ``"auto"`` (what the benchmark driver measured fastest on this device
-for the closest workload; fp32 eager with a warning when nothing was measured). ``bucket_grid``:
+for the closest workload; fp32 eager with a warning when nothing was measured), or
+``"auto-without-fp8"`` (the same, never a recipe that computes in fp8: on the H200 the xlarge
+promotion has the ICL attention in fp8). ``bucket_grid``:
 the :class:`tabserve.buckets.BucketGrid` of bucketed recipes (default grid when None).
 """
 
@@ -116,7 +118,7 @@ class _TabICLBase(BaseEstimator):
                 f"{self.model_path} is a {kind} checkpoint; {type(self).__name__} needs the other kind"
             )
         recipe = self.recipe
-        if isinstance(recipe, str) and recipe == "auto":
+        if isinstance(recipe, str) and recipe in ("auto", "auto-without-fp8"):
             recipe = auto_recipe(
                 self.device_,
                 n_train,
@@ -125,6 +127,7 @@ class _TabICLBase(BaseEstimator):
                 task="clf" if self._classification else "reg",
                 n_classes=n_classes,
                 many_classes_above=model.config.max_classes,
+                fp8=recipe == "auto",
             )
         return serve(model, recipe, self.bucket_grid)
 

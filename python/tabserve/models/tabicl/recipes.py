@@ -730,8 +730,9 @@ DEFAULT_RECIPE = "fp32-eager"
 
 def get_recipe(recipe: str | Recipe | dict | None) -> Recipe:
     """A :class:`Recipe` from a name in :data:`RECIPES`, a Recipe, or a benchmark cell's recipe
-    dict (``Cell.recipe()``). ``None`` gives :data:`DEFAULT_RECIPE`. ``"auto"`` is resolved by
-    :func:`auto_recipe`, not here. Raises ValueError for unknown names or fields."""
+    dict (``Cell.recipe()``). ``None`` gives :data:`DEFAULT_RECIPE`. ``"auto"`` and
+    ``"auto-without-fp8"`` are resolved by :func:`auto_recipe`, not here. Raises ValueError for
+    unknown names or fields."""
     if recipe is None:
         return RECIPES[DEFAULT_RECIPE]
     if isinstance(recipe, Recipe):
@@ -740,7 +741,15 @@ def get_recipe(recipe: str | Recipe | dict | None) -> Recipe:
         return recipe_from_cell(recipe)
     if recipe in RECIPES:
         return RECIPES[recipe]
-    raise ValueError(f"unknown recipe {recipe!r}; known: auto, {', '.join(RECIPES)}")
+    raise ValueError(
+        f"unknown recipe {recipe!r}; known: auto, auto-without-fp8, {', '.join(RECIPES)}"
+    )
+
+
+def recipe_uses_fp8(fields: dict) -> bool:
+    """Whether a recipe (a :class:`Recipe` or a cell's recipe dict) computes in fp8 anywhere."""
+    get = fields.get if isinstance(fields, dict) else lambda key: getattr(fields, key, None)
+    return get("precision") == "fp8" or "flash-fp8" in (get("attention") or {}).values()
 
 
 def recipe_from_cell(fields: dict, name: str | None = None) -> Recipe:
@@ -787,10 +796,15 @@ def auto_recipe(
     task: str | None = None,
     n_classes: int | None = None,
     many_classes_above: int = 10,
+    fp8: bool = True,
 ) -> Recipe:
     """The recipe the benchmark driver promoted on this device for the closest workload.
 
-    Route ``kv_predict`` with a KV cache, else ``one_shot``. Among the workloads measured on that
+    Route ``kv_predict`` with a KV cache, else ``one_shot``. ``fp8=False``: never a recipe that
+    computes in fp8 (the fp8 ICL attention: answers within the reduced-precision gate, but
+    further from fp32 than fp16's); where the promoted one does, the driver's fastest without
+    fp8 on that workload (its ``<route>_without_fp8`` entry; a workload without one is left
+    out). Among the workloads measured on that
     route, those of the same ``task`` ("clf" or "reg") are preferred, then, for classification,
     those on the same side of ``many_classes_above`` classes (past it the model runs its
     hierarchical many-class path, a different workload); a criterion that no measured workload
@@ -807,10 +821,17 @@ def auto_recipe(
     except (OSError, ValueError, KeyError, TypeError):
         workloads = {}
     route = "kv_predict" if kv_cache else "one_shot"
+
+    def measured(entry: dict) -> dict | None:
+        promoted = entry.get(route)
+        if fp8 or not promoted or not recipe_uses_fp8(promoted.get("recipe") or {}):
+            return promoted
+        return entry.get(route + "_without_fp8")
+
     candidates = [
-        (entry["shape"], entry[route])
+        (entry["shape"], measured(entry))
         for entry in workloads.values()
-        if isinstance(entry, dict) and entry.get(route) and entry.get("shape")
+        if isinstance(entry, dict) and entry.get("shape") and measured(entry)
     ]
     if not candidates:
         warnings.warn(
@@ -830,8 +851,10 @@ def auto_recipe(
         many = n_classes > many_classes_above
         candidates = prefer(
             candidates,
-            lambda shape: shape.get("task", "clf") == "clf"
-            and (shape.get("n_classes", 2) > many_classes_above) == many,
+            lambda shape: (
+                shape.get("task", "clf") == "clf"
+                and (shape.get("n_classes", 2) > many_classes_above) == many
+            ),
         )
 
     def distance(shape: dict) -> float:
