@@ -162,9 +162,7 @@ def test_ffn_projecting_tile_is_a_checked_per_process_measurement_knob(tmp_path,
     # A served cell (buckets here; c50's kv_graphs on CUDA) sets it too.
     monkeypatch.setattr(feed_forward, "PROJECTING_LONG_CONFIG", feed_forward.LONG_CONFIG)
     served = dataclasses.replace(on_cpu, buckets="default")
-    engine = TabserveEngine(
-        served, workload_by_name("small-quick"), checkpoint, torch.device("cpu")
-    )
+    engine = TabserveEngine(served, workload_by_name("small-quick"), checkpoint, torch.device("cpu"))
     assert engine.served is not None and feed_forward.PROJECTING_LONG_CONFIG == (32, 4, 2)
     ab = _ab_of(c50, dataclasses.replace(c50, ffn_projecting_tile=None), tmp_path, checkpoint)
     assert ab["status"] == "skipped" and "process or model" in ab["reason"]
@@ -282,6 +280,7 @@ def test_generated_tables_are_seeded_random_and_complete():
         assert 2 <= n_classes <= 10
 
 
+
 def test_stream_warms_every_bucket_it_visits_with_another_table():
     """A bucketed cell's stream warm-up covers each bucket of the stream once, with a table of
     the bucket's own shape (not the stream's), so the timed fresh tables must neither recompile
@@ -301,7 +300,6 @@ def test_stream_warms_every_bucket_it_visits_with_another_table():
     ]
     plain = stream_warm_shapes(cell_by_name("c5-fp16"), stream, shapes, 0)
     assert plain == stream_shapes(stream, seed=1000)[:2]
-
 
 # -- subprocess isolation -----------------------------------------------------------------------
 
@@ -373,19 +371,14 @@ def test_warm_cache_cell_primes_then_restarts_from_the_saved_artifacts(tmp_path,
         spec = json.loads(Path(command[-1]).read_text())
         calls.append((spec, env))
         if spec.get("compile_cache_mode") == "save":
-            return {
-                "status": "ok",
-                "cold": {"first_call_ms": 30_000.0},
-                "wall_s": 40.0,
-                "compile_cache": {"bytes": 10, "artifacts": {"inductor": 2}},
-            }
+            return {"status": "ok", "cold": {"first_call_ms": 30_000.0}, "wall_s": 40.0,
+                    "compile_cache": {"bytes": 10, "artifacts": {"inductor": 2}}}
         return {"status": "ok", "cold": {"first_call_ms": 900.0}}
 
     monkeypatch.setattr(runner, "run_isolated", fake_run)
     cell = cell_by_name("c20-fp16-buckets-warm-cache")
-    args = dict(
-        run_dir=tmp_path, device="cuda", checkpoint=tmp_path / "m.ckpt", timeout_s=9, timing={}
-    )
+    args = dict(run_dir=tmp_path, device="cuda", checkpoint=tmp_path / "m.ckpt", timeout_s=9,
+                timing={})
     result = runner.run_cell(cell, workload_by_name("small"), **args)
     (prime, prime_env), (measured, measured_env) = calls
     assert prime["compile_cache_mode"] == "save" and measured["compile_cache_mode"] == "load"
@@ -397,18 +390,12 @@ def test_warm_cache_cell_primes_then_restarts_from_the_saved_artifacts(tmp_path,
     # estimator phases, which recompile and belong to other cells
     assert prime["spawned_at"] <= measured["spawned_at"]
     assert {"kv", "end_to_end"} <= set(measured["skip_phases"]) and "skip_phases" not in prime
-    printed = report.render(
-        {
-            "settings": {"device": "cuda", "checkpoint_note": "x"},
-            "environment": {"gpu": "G", "torch": "t", "tabicl": "2", "tabserve": "0"},
-            "results": [{**result, "ready_ms": 21_700.0}],
-            "promotion": {},
-        }
-    )
-    assert (
-        "small / c20-fp16-buckets-warm-cache: first answer 21.7 s after the process was "
-        "spawned (first call 900.0 ms; priming 30000 ms)"
-    ) in printed
+    printed = report.render({
+        "settings": {"device": "cuda", "checkpoint_note": "x"},
+        "environment": {"gpu": "G", "torch": "t", "tabicl": "2", "tabserve": "0"},
+        "results": [{**result, "ready_ms": 21_700.0}], "promotion": {}})
+    assert ("small / c20-fp16-buckets-warm-cache: first answer 21.7 s after the process was "
+            "spawned (first call 900.0 ms; priming 30000 ms)") in printed
 
     def failing_prime(command, result_path, timeout_s, env):
         return {"status": "failed", "reason": "priming: nothing compiled"}
@@ -550,6 +537,8 @@ def test_promotion_names_the_fastest_cell_without_fp8_where_an_fp8_one_wins():
     assert promoted["kv_predict_without_fp8"]["cell"] == "c2-fp32"
 
 
+
+
 def test_abba_summary():
     summary = timing.abba_summary([10, 10, 10, 10], [11, 11, 12, 12])
     assert summary["windows"] == 2 and summary["consistent"]
@@ -576,11 +565,7 @@ def test_plot_labels_bars_with_short_ids_in_cell_number_order(tmp_path, monkeypa
     assert report.cell_id("c52-fp16-compile-head16") == "c52" and report.cell_id("solo") == "solo"
     names = ["c10-fp16-compile", "c2-fp32", "x-other", "c1-ref-fp16"]
     assert sorted(names, key=report._cell_number) == [
-        "c1-ref-fp16",
-        "c2-fp32",
-        "c10-fp16-compile",
-        "x-other",
-    ]
+        "c1-ref-fp16", "c2-fp32", "c10-fp16-compile", "x-other"]
 
     import matplotlib.axes
 
@@ -594,13 +579,8 @@ def test_plot_labels_bars_with_short_ids_in_cell_number_order(tmp_path, monkeypa
     monkeypatch.setattr(matplotlib.axes.Axes, "set_yticks", recording)
     timed = {"median_ms": 2.0, "p20_ms": 1.9, "p80_ms": 2.1}
     results = [
-        {
-            "cell": name,
-            "workload": "w",
-            "status": "ok",
-            "one_shot": dict(timed),
-            "speedup": {"one_shot": {"ref16": 1.5}},
-        }
+        {"cell": name, "workload": "w", "status": "ok", "one_shot": dict(timed),
+         "speedup": {"one_shot": {"ref16": 1.5}}}
         for name in names
     ]
     document = {"results": results}
@@ -808,12 +788,8 @@ def test_cells_without_an_fp32_cell_get_a_gate_only_reference(tmp_path, capsys):
     assert result["gate"]["passed"] is None and document["promotion"] == {}
 
     # Merging: the gate-only result never replaces the earlier measured one.
-    measured = {
-        "workload": "small-quick",
-        "cell": "c0-ref-fp32",
-        "status": "ok",
-        "one_shot": {"median_ms": 5.0},
-    }
+    measured = {"workload": "small-quick", "cell": "c0-ref-fp32", "status": "ok",
+                "one_shot": {"median_ms": 5.0}}
     first = dict(document, results=[measured])
     second = dict(document, results=[dict(reference)])
     paths = [tmp_path / "a.json", tmp_path / "b.json"]
@@ -831,9 +807,7 @@ def test_gate_reference_cell_choice():
     from tabserve.bench.cli import gate_reference_cell
 
     assert gate_reference_cell([cell_by_name("c13-fp32-kv")], "cpu").name == "c0-ref-fp32"
-    assert (
-        gate_reference_cell([cell_by_name("c2-fp32"), cell_by_name("c13-fp32-kv")], "cpu") is None
-    )
+    assert gate_reference_cell([cell_by_name("c2-fp32"), cell_by_name("c13-fp32-kv")], "cpu") is None
     assert gate_reference_cell([], "cpu") is None
 
 
@@ -855,9 +829,7 @@ def test_aot_restart_cell_exports_then_serves_from_the_packages(tmp_path, capsys
     assert result["cold"]["jit"]["graphs"] == 0  # the restart traced nothing
     assert result["gate"]["passed"] is True and result["gate"]["one_shot"]["max_prob_diff"] < 1e-5
     assert result["ready_ms"] > result["cold"]["first_call_ms"]
-    assert result["kv"] == {
-        "skipped": "a warm-cache cell measures the restart's first answer and one-shot"
-    }
+    assert result["kv"] == {"skipped": "a warm-cache cell measures the restart's first answer and one-shot"}
     assert "small-quick" not in document["promotion"]  # packages are not a recipe name
     assert "c28-fp32-buckets-aot-restart: first answer" in capsys.readouterr().out
 
@@ -869,30 +841,21 @@ def test_targets_read_the_promoted_cells_and_never_call_unmeasured_met():
         return {"cell": cell, "workload": workload, "status": "ok", **phases}
 
     def memory(allocated):
-        return {
-            "median_ms": 1.0,
-            "memory": {"peak_allocated_bytes": allocated, "peak_reserved_bytes": 0},
-        }
+        return {"median_ms": 1.0, "memory": {"peak_allocated_bytes": allocated, "peak_reserved_bytes": 0}}
 
     results = [
-        ok(
-            "c10", "large", speedup={"one_shot": {"ref16": 4.2, "ref32": 9.9}, "kv": {"ref16": 3.0}}
-        ),
+        ok("c10", "large", speedup={"one_shot": {"ref16": 4.2, "ref32": 9.9}, "kv": {"ref16": 3.0}}),
         ok("c1-ref-fp16", "xlarge", one_shot=memory(100)),
         ok("c5", "xlarge", one_shot=memory(120), speedup={"one_shot": {"ref16": 3.5}}),
         ok("c18", "stream", stream={"fresh_over_warm_p50": 1.1, "recompiles": 2}),
         ok("c20", "small", priming={"cold_ms": 1.0}, ready_ms=21_700.0),
         {"cell": "c20", "workload": "large", "status": "timeout", "priming": {}, "ready_ms": 9.0},
     ]
-
     def best(cell):
         return {"cell": cell, "median_ms": 1.0}
 
-    promotion = {
-        "large": {"one_shot": best("c10"), "kv_predict": best("c10")},
-        "xlarge": {"one_shot": best("c5")},
-        "stream": {"stream": best("c18")},
-    }
+    promotion = {"large": {"one_shot": best("c10"), "kv_predict": best("c10")},
+                 "xlarge": {"one_shot": best("c5")}, "stream": {"stream": best("c18")}}
     rows = {r["target"]: r for r in targets.evaluate({"results": results, "promotion": promotion})}
     verdict = {name: row["verdict"] for name, row in rows.items()}
     assert verdict["large one-shot vs reference fp16"] == "met"  # 4.2 >= 4
@@ -905,19 +868,14 @@ def test_targets_read_the_promoted_cells_and_never_call_unmeasured_met():
     stream_target = "stream fresh p50 over warm, 0 recompiles / captures"
     assert verdict[stream_target] == "missed"  # fast, but recompiled
     for captures, expected in ((3, "missed"), (0, "met"), (None, "met")):  # None: no graphs
-        quiet = dict(
-            results[3], stream={"fresh_over_warm_p50": 1.1, "recompiles": 0, "captures": captures}
-        )
+        quiet = dict(results[3], stream={"fresh_over_warm_p50": 1.1, "recompiles": 0,
+                                         "captures": captures})
         again = {"results": [*results[:3], quiet, *results[4:]], "promotion": promotion}
         rows = {r["target"]: r for r in targets.evaluate(again)}
         assert rows[stream_target]["verdict"] == expected, captures
     restart = rows["restart from compile-cache artifacts, s"]  # the timed-out restart is ignored
     assert (restart["cell"], restart["workload"], restart["value"], restart["verdict"]) == (
-        "c20",
-        "small",
-        21.7,
-        "met",
-    )
+        "c20", "small", 21.7, "met")
     # A cell that captures graphs: its timed replays' peak misses the pool, the cold call's not.
     graphed = ok("c5", "xlarge", one_shot=memory(30), cold={"memory": {"peak_allocated_bytes": 90}},
                  captures=1, speedup={"one_shot": {"ref16": 3.5}})  # fmt: skip
@@ -925,14 +883,9 @@ def test_targets_read_the_promoted_cells_and_never_call_unmeasured_met():
         {"results": [*results[:2], graphed, *results[3:]], "promotion": promotion})}  # fmt: skip
     assert rows["xlarge peak memory over reference fp16"]["value"] == pytest.approx(0.9)
     assert targets.peak_allocated(dict(graphed, captures=None), "one_shot") == 30
-    printed = report.render(
-        {
-            "settings": {"device": "cuda", "checkpoint_note": "x"},
-            "environment": {"gpu": "G", "torch": "t", "tabicl": "2", "tabserve": "0"},
-            "results": results,
-            "promotion": promotion,
-        }
-    )
+    printed = report.render({"settings": {"device": "cuda", "checkpoint_note": "x"},
+                             "environment": {"gpu": "G", "torch": "t", "tabicl": "2", "tabserve": "0"},
+                             "results": results, "promotion": promotion})
     assert "Targets (issues 5 and 6" in printed and "not measured" in printed
 
 
@@ -1031,9 +984,7 @@ def test_stream_reports_fresh_over_warm_and_recompiles(tmp_path, capsys):
         assert len(stream["warm_samples_ms"]) == len(stream["shapes"]) == 4
         ratios = [f / w for f, w in zip(stream["samples_ms"], stream["warm_samples_ms"])]
         assert stream["fresh_over_warm_p50"] == pytest.approx(statistics.median(ratios))
-        assert stream["warm_median_ms"] == pytest.approx(
-            statistics.median(stream["warm_samples_ms"])
-        )
+        assert stream["warm_median_ms"] == pytest.approx(statistics.median(stream["warm_samples_ms"]))
         assert stream["recompiles"] == 0  # eager cells: nothing to compile
         assert stream["captures"] is None  # nor to capture
     printed = capsys.readouterr().out
@@ -1045,16 +996,7 @@ def test_profiler_splits_eager_time_by_stage_and_writes_tables(tmp_path):
     import profile_tabiclv2
 
     out, js = tmp_path / "profile.txt", tmp_path / "profile.json"
-    argv = [
-        "--device",
-        "cpu",
-        "--workload",
-        "small-quick",
-        "--model-size",
-        "tiny",
-        "--repeats",
-        "2",
-    ]
+    argv = ["--device", "cpu", "--workload", "small-quick", "--model-size", "tiny", "--repeats", "2"]
     argv += ["--cells", "c2-fp32", "c5-fp16", "--out", str(out), "--json", str(js)]
     assert profile_tabiclv2.main(argv + ["--trace", str(tmp_path / "traces")]) == 0
     eager, cuda_only = json.loads(js.read_text())
@@ -1066,11 +1008,8 @@ def test_profiler_splits_eager_time_by_stage_and_writes_tables(tmp_path):
     assert len(eager["stage_call_wall_ms"]) == 2
     assert sum(eager["stage_gpu_ms"].values()) <= 1.5 * max(eager["stage_call_wall_ms"])
     # A cell that cannot run on this device is reported, not fatal.
-    assert cuda_only == {
-        "cell": "c5-fp16",
-        "workload": "small-quick",
-        "skipped": "skipped: no CUDA device",
-    }
+    assert cuda_only == {"cell": "c5-fp16", "workload": "small-quick",
+                         "skipped": "skipped: no CUDA device"}
     assert "device_busy_ms" not in eager  # CPU: no kernel timeline
     top = eager["top_rows"]  # the heaviest operators as data, heaviest first
     assert 0 < len(top) <= profile_tabiclv2.TOP_ROWS and all(r["calls"] >= 1 for r in top)
@@ -1099,16 +1038,7 @@ def test_profiler_profiles_the_kv_cached_prediction(tmp_path, monkeypatch):
             lambda self, *a, _m=method, _f=original: calls.append(_m) or _f(self, *a),
         )
     js = tmp_path / "profile.json"
-    argv = [
-        "--device",
-        "cpu",
-        "--workload",
-        "small-quick",
-        "--model-size",
-        "tiny",
-        "--repeats",
-        "2",
-    ]
+    argv = ["--device", "cpu", "--workload", "small-quick", "--model-size", "tiny", "--repeats", "2"]
     argv += ["--cells", "c2-fp32", "--phase", "kv", "--out", str(tmp_path / "p.txt")]
     assert profile_tabiclv2.main(argv + ["--json", str(js)]) == 0
     (summary,) = json.loads(js.read_text())

@@ -381,23 +381,12 @@ def test_auto_recipe_matches_task_and_class_regime(tmp_path):
         }
 
     path = tmp_path / "recipes.json"
-    path.write_text(
-        json.dumps(
-            {
-                "schema": "tabserve.recipes/1",
-                "devices": {
-                    "cpu": {
-                        "workloads": {
-                            "medium": workload("c-medium", 1024),
-                            "many-class": workload("c-many", 1024, n_classes=25),
-                            "regression": workload("c-reg", 1024, task="reg"),
-                            "large": workload("c-large", 8192),
-                        }
-                    }
-                },
-            }
-        )
-    )
+    path.write_text(json.dumps({"schema": "tabserve.recipes/1", "devices": {"cpu": {"workloads": {
+        "medium": workload("c-medium", 1024),
+        "many-class": workload("c-many", 1024, n_classes=25),
+        "regression": workload("c-reg", 1024, task="reg"),
+        "large": workload("c-large", 8192),
+    }}}}))
     pick = lambda **kw: recipes.auto_recipe("cpu", 1000, 20, path=path, **kw).name
     assert pick(task="clf", n_classes=3) == "c-medium"
     assert pick(task="clf", n_classes=11) == "c-many"
@@ -406,21 +395,8 @@ def test_auto_recipe_matches_task_and_class_regime(tmp_path):
     assert pick(task="clf", n_classes=11, many_classes_above=20) == "c-medium"
     assert recipes.auto_recipe("cpu", 8000, 20, path=path, task="reg").name == "c-reg"
     # Only classification measured: a regressor still gets the closest shape, not an error.
-    path.write_text(
-        json.dumps(
-            {
-                "schema": "tabserve.recipes/1",
-                "devices": {
-                    "cpu": {
-                        "workloads": {
-                            "large": workload("c-large", 8192),
-                            "medium": workload("c-medium", 1024),
-                        }
-                    }
-                },
-            }
-        )
-    )
+    path.write_text(json.dumps({"schema": "tabserve.recipes/1", "devices": {"cpu": {"workloads": {
+        "large": workload("c-large", 8192), "medium": workload("c-medium", 1024)}}}}))
     assert pick(task="reg") == "c-medium"
     assert recipes.auto_recipe("cpu", 8000, 20, path=path, task="reg").name == "c-large"
     with pytest.raises(ValueError, match="task must be"):
