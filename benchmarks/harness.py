@@ -278,7 +278,8 @@ def compare_and_time(
 
 def attention_benchmark_parser(doc: str):
     """The options the attention benchmarks share (``--device``, ``--quick``, ``--dtype``,
-    ``--budget``, ``--json``); each adds its own."""
+    ``--budget``, ``--cases``: see :func:`selected_cases`, ``--flash-sweep``, ``--json``); each
+    adds its own."""
     import argparse
 
     parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
@@ -286,6 +287,14 @@ def attention_benchmark_parser(doc: str):
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--dtype", choices=("float16", "bfloat16"), default="float16")
     parser.add_argument("--budget", type=float, default=0.5, help="seconds per measurement")
+    parser.add_argument(
+        "--cases", nargs="+", metavar="TEXT", help="only the cases whose name contains one"
+    )
+    parser.add_argument(
+        "--flash-sweep",
+        action="store_true",
+        help="tabserve's flash_attention on each tile of its sweep too",
+    )
     parser.add_argument("--json", type=Path)
     return parser
 

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import attention_benchmark_parser, measure, print_table, write_json
+from harness import attention_benchmark_parser, measure, print_table, selected_cases, write_json
 
 HEADS, HEAD_DIM = 8, 64
 #: (name, tables, queries, keys): the ICL stage's calls of the large and xlarge workloads.
@@ -179,26 +179,16 @@ def max_error(out, q, k, v) -> float:
 def main(argv=None) -> int:
     parser = attention_benchmark_parser(__doc__)
     parser.add_argument(
-        "--cases", nargs="+", metavar="TEXT", help="only the cases whose name contains one"
-    )
-    parser.add_argument(
         "--prefix",
         action="store_true",
         help="the padded calls: tabserve.ops.prefix_attention per backend (see above)",
     )
-    parser.add_argument(
-        "--flash-sweep",
-        action="store_true",
-        help="CUDA: tabserve's flash_attention on each tile of its sweep too",
-    )
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype) if device.type == "cuda" else torch.float32
-    cases = QUICK_CASES if args.quick else PREFIX_CASES if args.prefix else CASES
-    if args.cases:
-        cases = [c for c in cases if any(text in c[0] for text in args.cases)]
-        if not cases:
-            raise SystemExit(f"--cases {args.cases} matches no case")
+    cases = selected_cases(
+        QUICK_CASES if args.quick else PREFIX_CASES if args.prefix else CASES, args
+    )
     records, rows = [], []
     for name, tables, queries, keys in cases:
         q, k, v = inputs(tables, queries, keys, dtype, device)

@@ -27,7 +27,14 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import attention_benchmark_parser, environment, measure, print_table, write_json
+from harness import (
+    attention_benchmark_parser,
+    environment,
+    measure,
+    print_table,
+    selected_cases,
+    write_json,
+)
 from tabserve import ops
 from tabserve.models.tabicl.layers import _in_cuda_batch_chunks
 from tabserve.models.tabicl.recipes import sdpa_context
@@ -129,24 +136,13 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--methods", nargs="+", metavar="NAME", help="only these methods (as the table names them)"
     )
-    parser.add_argument(
-        "--cases", nargs="+", metavar="TEXT", help="only the cases whose name contains one"
-    )
-    parser.add_argument(
-        "--flash-sweep",
-        action="store_true",
-        help="tabserve's flash_attention on each (half) tile of its sweep too",
-    )
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype) if device.type == "cuda" else torch.float32
-    cases = QUICK_CASES if args.quick else CASES
-    if args.cases:
-        cases = [c for c in cases if any(text in c[0] for text in args.cases)]
-        if not cases:
-            raise SystemExit(f"--cases {args.cases} matches no case")
     records, rows = [], []
-    for name, batch, queries, keys, broadcast in cases:
+    for name, batch, queries, keys, broadcast in selected_cases(
+        QUICK_CASES if args.quick else CASES, args
+    ):
         q, k, v = inputs(batch, queries, keys, broadcast, dtype, device)
         for method, fn in methods(device, args.flash_sweep).items():
             if args.methods and method not in args.methods:

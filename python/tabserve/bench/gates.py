@@ -15,6 +15,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from tabserve.models.tabicl.recipes import WITHOUT_FP8, recipe_uses_fp8
+
 from .cells import Cell
 
 #: Cells whose outputs the others are gated against, in order of preference.
@@ -187,14 +189,10 @@ def knobs_are_defaults(cell: Cell) -> bool:
     )
 
 
-#: Suffix of a route's promotion among the cells without fp8 maths, recorded where the route's
-#: fastest cell has them (``recipe="auto-without-fp8"`` reads it).
-WITHOUT_FP8 = "_without_fp8"
-
-
-def uses_fp8(cell: Cell) -> bool:
-    """Whether the cell computes in fp8 anywhere: an fp8 precision or an fp8 attention stage."""
-    return cell.precision == "fp8" or "flash-fp8" in cell.attention.values()
+#: Whether a cell computes in fp8 (an fp8 precision or an fp8 attention stage): where a route's
+#: fastest cell does, its fastest without goes under ``route + WITHOUT_FP8`` too
+#: (``recipe="auto-without-fp8"`` reads it).
+uses_fp8 = recipe_uses_fp8
 
 
 def promote(results: list, cells: dict) -> dict:

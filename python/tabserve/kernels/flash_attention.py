@@ -96,7 +96,8 @@ SWEEP = (
     Tile(64, 128, 4, 2, 168, permuted=True),
     Tile(64, 64, 4, 3, permuted=True),
 )
-#: CUDA's limit on a grid's second axis: larger batches run in several launches.
+#: CUDA's limit on a grid's second and third axes (heads, batch): larger batches run in several
+#: launches, more heads are folded into the batch.
 MAX_GRID_BATCH = 65_535
 #: Set by :func:`tile_override` (the benchmark's sweep, the interpreter tests' small tiles).
 TILE_OVERRIDE: Tile | None = None

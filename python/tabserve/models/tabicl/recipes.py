@@ -746,8 +746,14 @@ def get_recipe(recipe: str | Recipe | dict | None) -> Recipe:
     )
 
 
-def recipe_uses_fp8(fields: dict) -> bool:
-    """Whether a recipe (a :class:`Recipe` or a cell's recipe dict) computes in fp8 anywhere."""
+#: Suffix of a route's entry in the recipe file naming its fastest cell without fp8 maths,
+#: written by the benchmark driver where the route's fastest cell has them.
+WITHOUT_FP8 = "_without_fp8"
+
+
+def recipe_uses_fp8(fields) -> bool:
+    """Whether a recipe (a :class:`Recipe`, a benchmark cell, or a cell's recipe dict) computes
+    in fp8 anywhere: an fp8 precision or an fp8 attention stage."""
     get = fields.get if isinstance(fields, dict) else lambda key: getattr(fields, key, None)
     return get("precision") == "fp8" or "flash-fp8" in (get("attention") or {}).values()
 
@@ -826,7 +832,7 @@ def auto_recipe(
         promoted = entry.get(route)
         if fp8 or not promoted or not recipe_uses_fp8(promoted.get("recipe") or {}):
             return promoted
-        return entry.get(route + "_without_fp8")
+        return entry.get(route + WITHOUT_FP8)
 
     candidates = [
         (entry["shape"], measured(entry))
