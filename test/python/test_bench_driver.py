@@ -73,9 +73,10 @@ def test_every_tabserve_cell_is_a_recipe_with_its_fused_operators():
     assert cell_by_name("c36-fp16-compile-head16-row-fused").fused_norm_linear
     from tabserve.models.tabicl import recipes
 
-    # the named fp8 recipes are their cells' (c57, c59), field for field
+    # the named fp8 recipes are their cells' (c57, c59, c61), field for field
     base = "fp16-compile-head16-fused-frozen-kvgraphs-ropeproj-outproj-rowtokens"
-    for number, suffix in ((57, "-iclfp8"), (59, "-iclfp8-colflash")):
+    fp8_named = ((57, "-iclfp8"), (59, "-iclfp8-colflash"), (61, "-iclfp8-colflash-iclonepass"))
+    for number, suffix in fp8_named:
         (cell,) = select_cells([f"c{number}-*"])
         measured = recipe_from_cell(cell.recipe(), name=base + suffix)
         assert recipes.RECIPES[base + suffix].replace(description="") == measured.replace(

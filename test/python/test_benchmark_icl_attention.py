@@ -104,5 +104,5 @@ def test_cuda_methods_include_the_flash_kernel_and_its_sweep():
         "tabserve flash fp8 64x128 w4 s3",
         "tabserve flash fp8 64x128 w4 s3 r128",
         "tabserve flash fp8 64x128 w4 s3 r168 permuted",
-        "tabserve flash fp8 64x64 w4 s3 permuted",
+        "tabserve flash fp8 64x128 w4 s2 r168 permuted",
     } <= swept

@@ -304,13 +304,17 @@ def main_loop_opcodes(sass: str) -> collections.Counter:
 @requires_triton
 @pytest.mark.parametrize("fp8", [False, True])
 def test_kernel_compiles_for_the_h200_without_spills_or_serialised_matmuls(fp8):
-    """The default tile compiled for sm_90 (no GPU needed): no registers spilled, and no
+    """The default tile compiled for sm_90 (no GPU needed): no local-memory traffic in the
+    key-block loop (fp8's register cap, 168, spills a few bytes outside it: at most 16), and no
     matmul that ptxas had to serialise (warning C7514, which Triton's own fp8 promotion,
     ``max_num_imprecise_acc``, caused; the kernel's per-block fp32 add does not)."""
-    ptx, report, _ = sm90_compile(fp8, fa.TILES[fp8])
+    tile = fa.TILES[fp8]
+    ptx, report, loop = sm90_compile(fp8, tile)
     used = re.search(r"Used (\d+) registers", report)
-    assert used and int(used.group(1)) <= 255, report
-    assert re.search(r"\b0 bytes spill stores", report), report
+    assert used and int(used.group(1)) <= (tile.registers or 255), report
+    spilled = re.search(r"\b(\d+) bytes spill stores", report)
+    assert spilled and int(spilled.group(1)) <= (16 if tile.registers else 0), report
+    assert loop["STL"] == loop["LDL"] == 0, loop
     assert "C7514" not in report and "serialized" not in report, report
     if fp8:
         # P @ V (weights from registers, m64 x n64 x k32 steps): each key block's product starts
@@ -326,12 +330,12 @@ def test_kernel_compiles_for_the_h200_without_spills_or_serialised_matmuls(fp8):
 
 @requires_triton
 def test_permuted_fp8_tile_hands_its_weights_to_the_matmul_without_lane_shuffles():
-    """The sweep's permuted fp8 tile compiled for sm_90: its main loop has no lane shuffle
-    other than the row reductions' butterflies, no byte permutes and no local-memory traffic,
-    and at least 40 instructions fewer per key block than the same tile in key order; at most
-    168 registers (3 programs per SM)."""
-    tile = next(t for t in fa.SWEEP if t.permuted)  # the default tile's, 168 registers
-    assert tile._replace(registers=None, permuted=False) == fa.TILES[True]
+    """The default fp8 tile (permuted, in the sweep) compiled for sm_90: its main loop has no
+    lane shuffle other than the row reductions' butterflies, no byte permutes and no
+    local-memory traffic, and at least 40 instructions fewer per key block than the same tile
+    in key order; at most 168 registers (3 programs per SM)."""
+    tile = fa.TILES[True]
+    assert tile.permuted and tile in fa.SWEEP
     _, report, permuted = sm90_compile(True, tile)
     _, _, natural = sm90_compile(True, tile._replace(permuted=False))
     used = re.search(r"Used (\d+) registers", report)

@@ -710,8 +710,8 @@ _variant(
 )
 #: c49 with the ICL stage's unpadded attention on tabserve's flash kernel, fp8 operands (cell
 #: c57), and with the column stage's inducing points over the train rows on it too, half
-#: operands (cell c59: the fastest on xlarge on the H200, 1,564 ms, 2.82x; its gate 5.5e-3 of
-#: probability against fp32, where c49's fp16 is 1.5e-3: the one named recipe with fp8 maths).
+#: operands (cell c59: 1,564 ms on xlarge on the H200, 2.82x; its gate 5.5e-3 of probability
+#: against fp32, where c49's fp16 is 1.5e-3).
 _variant(
     "fp16-compile-head16-fused-frozen-kvgraphs-ropeproj-outproj-rowtokens",
     "-iclfp8",
@@ -723,6 +723,14 @@ _variant(
     "-colflash",
     "with the column stage's inducing points on tabserve's flash kernel too (half operands)",
     attention={"row": "head16", "col": "head16-flash", "icl": "flash-fp8"},
+)
+#: c59 with the ICL stage's train and test rows in one pass per block (cell c61: the fastest on
+#: xlarge on the H200, 1,514 ms, 2.94x, gate 5.2e-3; twenty-fifth session).
+_variant(
+    "fp16-compile-head16-fused-frozen-kvgraphs-ropeproj-outproj-rowtokens-iclfp8-colflash",
+    "-iclonepass",
+    "with the ICL stage's train and test rows in one pass per block (unpadded one-shot calls)",
+    icl_one_pass=True,
 )
 del _base
 DEFAULT_RECIPE = "fp32-eager"
