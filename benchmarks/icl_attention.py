@@ -131,7 +131,7 @@ def methods(device, flash_sweep: bool = False) -> dict:
     for fp8, label in ((False, "half"), (True, "fp8")):
         found[f"tabserve flash {label}"] = flash(fp8)
         for tile in fa.SWEEP if flash_sweep else ():
-            if tile.permuted and not fp8:  # (the permuted score columns are fp8's)
+            if tile.fp8_only and not fp8:  # (permuted score columns, TMA: fp8's)
                 continue
             found[f"tabserve flash {label} {tile.label}"] = flash(fp8, tile)
     return found

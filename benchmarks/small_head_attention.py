@@ -74,7 +74,7 @@ def inputs(batch, queries, keys, broadcast, dtype, device):
 
 def methods(device, flash_sweep: bool = False):
     """``{name: attend(q, k, v)}``: the operator, ``tabserve.ops.flash_attention`` (half; with
-    ``flash_sweep`` also on each tile of its sweep but the fp8-only permuted ones) and, on CUDA,
+    ``flash_sweep`` also on each tile of its sweep but the fp8-only ones) and, on CUDA,
     the SDPA backends."""
     found = {"tabserve op": ops.small_head_attention, "tabserve flash half": ops.flash_attention}
     if flash_sweep:
@@ -88,7 +88,7 @@ def methods(device, flash_sweep: bool = False):
             return attend
 
         for tile in fa.SWEEP:
-            if not tile.permuted:
+            if not tile.fp8_only:
                 found[f"tabserve flash half {tile.label}"] = tiled(tile)
     if device.type != "cuda":
         found["sdpa"] = F.scaled_dot_product_attention

@@ -96,8 +96,8 @@ def test_cuda_methods_include_the_flash_kernel_and_its_sweep():
     plain = bench.methods(torch.device("cuda"))
     assert {"sdpa cudnn", "tabserve flash half", "tabserve flash fp8"} <= set(plain)
     swept = set(bench.methods(torch.device("cuda"), flash_sweep=True)) - set(plain)
-    permuted = sum(tile.permuted for tile in fa.SWEEP)
-    assert permuted and len(swept) == 2 * len(fa.SWEEP) - permuted
+    fp8_only = sum(tile.fp8_only for tile in fa.SWEEP)
+    assert fp8_only and len(swept) == 2 * len(fa.SWEEP) - fp8_only
     assert {
         "tabserve flash half 128x64 w8 s3",
         "tabserve flash fp8 64x64 w4 s3",
@@ -105,4 +105,5 @@ def test_cuda_methods_include_the_flash_kernel_and_its_sweep():
         "tabserve flash fp8 64x128 w4 s3 r128",
         "tabserve flash fp8 64x128 w4 s3 r168 permuted",
         "tabserve flash fp8 64x128 w4 s2 r168 permuted",
+        "tabserve flash fp8 64x128 w4 s3 r128 permuted tma",
     } <= swept

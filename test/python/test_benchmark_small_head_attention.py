@@ -45,14 +45,14 @@ def test_quick_run_reports_rates_and_errors(tmp_path):
 
 def test_methods_hold_the_flash_kernel_and_with_the_sweep_its_half_tiles(tmp_path):
     """The flash kernel is a method on every device; ``--flash-sweep`` adds each half tile of
-    its sweep (the fp8-only permuted tiles left out), and a quick run of those agrees with fp32
+    its sweep (the fp8-only tiles left out), and a quick run of those agrees with fp32
     maths on the CPU (the composite) and filters cases by ``--cases``."""
     from tabserve.kernels import flash_attention as fa
 
     plain = bench.methods(torch.device("cpu"))
     assert {"tabserve op", "tabserve flash half"} <= set(plain)
     swept = set(bench.methods(torch.device("cpu"), flash_sweep=True)) - set(plain)
-    assert swept == {f"tabserve flash half {t.label}" for t in fa.SWEEP if not t.permuted}
+    assert swept == {f"tabserve flash half {t.label}" for t in fa.SWEEP if not t.fp8_only}
     out = tmp_path / "sweep.json"
     argv = ["--quick", "--device", "cpu", "--budget", "0.01", "--cases", "row", "--flash-sweep"]
     assert bench.main([*argv, "--json", str(out)]) == 0

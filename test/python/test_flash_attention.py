@@ -9,6 +9,7 @@ so its fp8 runs are held to the fp64 bound only) and on CUDA (fp16, bf16, fp8).
 
 from __future__ import annotations
 
+import contextlib
 import collections
 import copy
 import importlib.util
@@ -213,13 +214,17 @@ def test_kernel_applies_to_cuda_half_operands_of_its_widths_only():
 def test_kernel_under_the_interpreter_agrees_with_the_composite():
     """The Triton program on CPU tensors (a child under ``TRITON_INTERPRET=1``) with 16 x 16 and
     32 x 64 tiles: ragged tiles, the masked last key block, every width; operands in the
-    model's strided layouts; a batch in several launches."""
+    model's strided layouts; a batch in several launches; fp8's permuted score columns and
+    TMA descriptors."""
     results = interpreter_child("import test_flash_attention as t; t.interpreter_cases()")
     assert results["batches_in_parts_equal_one_launch"] == [True, True]
     # head-split views and broadcast queries read in place: the copies' bits, in SDPA's layout
     assert results["strided_layouts_equal_contiguous"] == [[True] * 4] * 2
     # the permuted score columns (ragged last blocks included) change only the sums' order
     assert max(results["fp8_permuted_vs_key_order"]) <= 2.0**-10
+    # TMA descriptors over the padded copies read what the pointers read (keys past 16-key
+    # groups, ragged last blocks, K in score order)
+    assert results["fp8_tma_equals_pointer_loads"] == [True] * 2 * len(CASES)
     assert len(results["cases"]) == 2 * len(CASES)  # two tiles
     for half_vs_composite, half_error, fp8_error, shape in results["cases"]:
         assert half_vs_composite <= 2 * 2.0**-10, shape  # two fp16 roundings of the scale
@@ -241,6 +246,10 @@ def sm90_compile(fp8: bool, tile) -> tuple[str, str, collections.Counter]:
     tile = fa.Tile(*tile)
     element = "*fp8e4nv" if fp8 else "*fp16"
     types = {"Q": element, "K": element, "V": element, "Out": "*fp16", "Scales": "*fp32"}
+    tma = fp8 and tile.tma
+    if tma:  # the 2-d descriptors over K's (keys, dim) and V's (dim, keys) storage
+        types["K"] = f"tensordesc<fp8e4nv[{tile.block_n}, 64]>"
+        types["V"] = f"tensordesc<fp8e4nv[64, {tile.block_n}]>"
     constants = {
         "SM_SCALE_LOG2": math.log2(math.e) / 8,
         "HEAD_DIM": 64,
@@ -249,6 +258,7 @@ def sm90_compile(fp8: bool, tile) -> tuple[str, str, collections.Counter]:
         "FP8": fp8,
         "BF16": False,
         "PERMUTED": fp8 and tile.permuted,
+        "TMA": tma,
         # fp8's v is keys-contiguous, half's dims-contiguous
         ("stride_vn" if fp8 else "stride_vd"): 1,
     }
@@ -257,7 +267,11 @@ def sm90_compile(fp8: bool, tile) -> tuple[str, str, collections.Counter]:
         n: "constexpr" if n in constants else types.get(n, "i64" if "_b" in n else "i32")
         for n in names
     }
-    hints = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n not in constants}
+    hints = {
+        (i,): [["tt.divisibility", 16]]
+        for i, n in enumerate(names)
+        if n not in constants and not types.get(n, "").startswith("tensordesc")
+    }
     source = ASTSource(fa._flash_attention_kernel, signature, constexprs=constants, attrs=hints)
     options = {"num_warps": tile.warps, "num_stages": tile.stages}
     if tile.registers:
@@ -285,13 +299,15 @@ def sm90_compile(fp8: bool, tile) -> tuple[str, str, collections.Counter]:
 
 def main_loop_opcodes(sass: str) -> collections.Counter:
     """Opcodes (without modifiers) of the longest loop in ``nvdisasm`` output: from a label to
-    the last branch back to it."""
+    the last predicated branch back to it (an unconditional one back is the return from an
+    out-of-line wait, as TMA's barrier waits have)."""
     lines = [re.sub(r"/\*[^*]*\*/", "", line) for line in sass.splitlines()]
     labels = {m.group(1): i for i, line in enumerate(lines) if (m := re.match(r"(\.L\w+):", line))}
     loops = [
         (labels[m.group(1)], i)
         for i, line in enumerate(lines)
-        if (m := re.search(r"BRA\s+`\((\.L\w+)\)", line)) and labels.get(m.group(1), i) < i
+        if (m := re.search(r"@!?U?P\w+\s+BRA\s+`\((\.L\w+)\)", line))
+        and labels.get(m.group(1), i) < i
     ]
     start, end = max(loops, key=lambda loop: loop[1] - loop[0])
     found = collections.Counter()
@@ -345,6 +361,19 @@ def test_permuted_fp8_tile_hands_its_weights_to_the_matmul_without_lane_shuffles
     assert sum(natural.values()) - sum(permuted.values()) >= 40, (natural, permuted)
 
 
+@requires_triton
+@pytest.mark.parametrize("tile", [t for t in fa.SWEEP if t.tma], ids=lambda t: t.label)
+def test_tma_fp8_tiles_load_through_descriptors_without_per_thread_copies(tile):
+    """Each TMA tile of the sweep compiled for sm_90: its key-block loop issues TMA loads
+    (UTMALDG) and no per-thread copies (LDGSTS), touches no local memory, and keeps within
+    its register cap (128: four 4-warp programs per SM)."""
+    _, report, loop = sm90_compile(True, tile)
+    used = re.search(r"Used (\d+) registers", report)
+    assert used and int(used.group(1)) <= tile.registers, report
+    assert loop["UTMALDG"] and not loop["LDGSTS"], loop
+    assert loop["STL"] == loop["LDL"] == 0, loop
+
+
 def interpreter_cases() -> None:
     """The child's side of the interpreter test: per tile and case, [the fp16 kernel's largest
     difference from the composite, both precisions' errors against fp64 (relative to the
@@ -391,6 +420,16 @@ def interpreter_cases() -> None:
             reordered = fa.run_kernel(q, k, v, True)
         scale = float(natural.double().abs().max())
         permuted.append(float((reordered.double() - natural.double()).abs().max()) / scale)
+    # K and V through TMA descriptors (zero-padded e4m3 copies, K stored in score order when
+    # permuted) against pointer loads, key order and permuted: the same bits
+    tma = []
+    for case in CASES:
+        q, k, v = operands(case)
+        for order in (False, True):
+            with fa.tile_override((32, 64, 1, 1, None, order)):
+                loaded = fa.run_kernel(q, k, v, True)
+            with fa.tile_override((32, 64, 1, 1, None, order, True)):
+                tma.append(torch.equal(fa.run_kernel(q, k, v, True), loaded))
     print(
         json.dumps(
             {
@@ -398,6 +437,7 @@ def interpreter_cases() -> None:
                 "batches_in_parts_equal_one_launch": parts,
                 "strided_layouts_equal_contiguous": layouts,
                 "fp8_permuted_vs_key_order": permuted,
+                "fp8_tma_equals_pointer_loads": tma,
             }
         )
     )
@@ -488,24 +528,31 @@ def test_cuda_model_layouts_read_in_place_give_the_copies_bits(case):
 
 @requires_cuda
 @pytest.mark.cuda
-def test_cuda_icl_shape_compiles_into_one_graph_and_replays():
+@pytest.mark.parametrize(
+    "tile", [None, *(t for t in fa.SWEEP if t.tma)], ids=lambda t: t and t.label.replace(" ", "-")
+)
+def test_cuda_icl_shape_compiles_into_one_graph_and_replays(tile):
     """The ICL stage's call at a reduced size: 8 tables x 8 heads of 64, 3,000 keys; compiled
-    with fullgraph and captured in a CUDA graph, both equal to eager bit for bit."""
+    with fullgraph and captured in a CUDA graph, both equal to eager bit for bit; with the
+    default tiles and each TMA tile of the sweep (fp8: descriptors made at trace time by
+    Inductor, and baked into the graph)."""
     q, k, v = operands(((8, 8), 1000, 3000, 64), torch.float16, "cuda")
-    for fp8 in (False, True):
-        if fp8 and torch.cuda.get_device_capability() < (8, 9):
-            continue
-        eager = ops.flash_attention(q, k, v, fp8)
-        compiled = torch.compile(
-            lambda a, b, c, fp8=fp8: ops.flash_attention(a, b, c, fp8), fullgraph=True
-        )
-        assert torch.equal(compiled(q, k, v), eager)
-        graph = torch.cuda.CUDAGraph()
-        ops.flash_attention(q, k, v, fp8)  # warm up outside the capture
-        with torch.cuda.graph(graph):
-            replayed = ops.flash_attention(q, k, v, fp8)
-        graph.replay()
-        assert torch.equal(replayed, eager)
+    torch._dynamo.reset()  # (the tile is read when tracing)
+    with fa.tile_override(tile) if tile else contextlib.nullcontext():
+        for fp8 in (False, True) if tile is None else (True,):
+            if fp8 and torch.cuda.get_device_capability() < (8, 9):
+                continue
+            eager = ops.flash_attention(q, k, v, fp8)
+            compiled = torch.compile(
+                lambda a, b, c, fp8=fp8: ops.flash_attention(a, b, c, fp8), fullgraph=True
+            )
+            assert torch.equal(compiled(q, k, v), eager)
+            graph = torch.cuda.CUDAGraph()
+            ops.flash_attention(q, k, v, fp8)  # warm up outside the capture
+            with torch.cuda.graph(graph):
+                replayed = ops.flash_attention(q, k, v, fp8)
+            graph.replay()
+            assert torch.equal(replayed, eager)
 
 
 @pytest.mark.parametrize("backend", ["flash-half", "flash-fp8"])

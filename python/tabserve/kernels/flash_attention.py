@@ -40,6 +40,11 @@ if triton is not None:
 
     from ._common import round_to
 
+    try:  # Triton 3.4 on: host-side tensor descriptors (TMA)
+        from triton.tools.tensor_descriptor import TensorDescriptor
+    except ImportError:  # pragma: no cover
+        TensorDescriptor = None
+
 _OPERATOR = "tabserve::flash_attention"
 #: e4m3's largest finite value: each tensor's largest magnitude is scaled onto it.
 E4M3_MAX = 448.0
@@ -67,18 +72,39 @@ class Tile(NamedTuple):
     #: 453 instructions per key block instead of 503, no SHFL.IDX / PRMT; 175 registers
     #: unlimited, hence 168 with it).
     permuted: bool = False
+    #: fp8 only: K and V read through Hopper's tensor memory accelerator (host-side
+    #: ``TensorDescriptor``s over the e4m3 copies the operator makes anyway: each head's keys
+    #: padded with zeros to a multiple of 16, K stored in :func:`_score_order`'s order when
+    #: ``permuted``), instead of per-thread ``cp.async`` copies and their address arithmetic.
+    tma: bool = False
 
     @property
     def label(self) -> str:
         registers = f" r{self.registers}" if self.registers else ""
         order = " permuted" if self.permuted else ""
-        return f"{self.block_m}x{self.block_n} w{self.warps} s{self.stages}{registers}{order}"
+        tma = " tma" if self.tma else ""
+        return f"{self.block_m}x{self.block_n} w{self.warps} s{self.stages}{registers}{order}{tma}"
+
+    @property
+    def fp8_only(self) -> bool:
+        """Whether the tile's options act on fp8 launches only (half ones ignore them)."""
+        return self.permuted or self.tma
 
 
 #: Tiles per precision (``fp8``): the fastest of :data:`SWEEP` on the xlarge workload's
 #: train-row call on the H200 (``benchmarks/icl_attention.py --flash-sweep``, twenty-third to
 #: twenty-fifth sessions; fp8's permuted tile: 73.0 ms against 77.7 in key order, one run).
 TILES = {False: Tile(128, 64, 8, 3), True: Tile(64, 128, 4, 3, 168, permuted=True)}
+#: Half's tile for head dimensions up to 16, the column stage's inducing points over the train
+#: rows (``benchmarks/small_head_attention.py --cases col --flash-sweep``, twenty-fifth session,
+#: one H200 run: xlarge 6.30 ms against the default's 6.74, large 1.52 against 1.77).
+SMALL_HEAD_TILE = Tile(64, 128, 4, 3, 128)
+
+
+def default_tile(fp8: bool, dim: int) -> Tile:
+    """The tile a launch runs without :func:`tile_override`."""
+    return TILES[True] if fp8 else TILES[False] if dim > 16 else SMALL_HEAD_TILE
+
 #: The sweep: the three fastest tiles of six timed in the twenty-third session (fp8: 64x128 w4
 #: 74 ms, 64x64 79, 128x64 w8 80; half: 128x64 w8 94, 64x64 97, 64x128 100), the 64x128 fp8
 #: tile with 128 registers (twenty-fourth: 76.3 ms against 77.7 in one run, half spills there),
@@ -86,8 +112,12 @@ TILES = {False: Tile(128, 64, 8, 3), True: Tile(64, 128, 4, 3, 168, permuted=Tru
 #: SASS per thread and key block: 453 instructions for 64 scores against key order's 503, 430
 #: with 2 stages). Dropped: 64x64 permuted (79.1 ms; it returned NaN rows on the H200 for 16
 #: queries and one key, a case the 64x128 tile gets right: the permutation is the same maths, so
-#: the compiled layout change is suspect, not followed further). A 256-key block spills
-#: registers in the sm_90 compile (64 x 256, 4 warps: 892 bytes for half, 8 for fp8).
+#: the compiled layout change is suspect, not followed further). Not yet timed: the permuted
+#: tile with K and V through TMA (sm_90 compile with Triton 3.6: 444 instructions per key block
+#: against 449, the per-thread copies' address arithmetic gone; 132 registers unlimited
+#: against 175, so at 128 (8 bytes spilled outside the loop) 4 programs fit an SM, 53 KB of
+#: shared memory each). A 256-key block spills registers in the sm_90 compile (64 x 256, 4
+#: warps: 892 bytes for half, 8 for fp8).
 SWEEP = (
     Tile(128, 64, 8, 3),
     Tile(64, 128, 4, 3),
@@ -95,6 +125,8 @@ SWEEP = (
     Tile(64, 128, 4, 3, 128),
     Tile(64, 128, 4, 3, 168, permuted=True),
     Tile(64, 128, 4, 2, 168, permuted=True),
+    Tile(64, 128, 4, 3, 168, permuted=True, tma=True),
+    Tile(64, 128, 4, 3, 128, permuted=True, tma=True),
 )
 #: CUDA's limit on a grid's second and third axes (heads, batch): larger batches run in several
 #: launches, more heads are folded into the batch.
@@ -122,6 +154,7 @@ def tile_override(tile: Tile | tuple):
         or tile.stages < 1
         or (tile.registers is not None and tile.registers < 32)
         or not isinstance(tile.permuted, bool)
+        or not isinstance(tile.tma, bool)
     ):
         raise ValueError(f"flash_attention: bad tile {tuple(tile)}")
     global TILE_OVERRIDE
@@ -263,6 +296,7 @@ if triton is not None:
         row_max,
         scores,
         v_ptrs,
+        v_at,
         keys_left,
         offs_n,
         offs_s,
@@ -271,14 +305,19 @@ if triton is not None:
         FP8: tl.constexpr,
         BF16: tl.constexpr,
         PERMUTED: tl.constexpr,
+        TMA: tl.constexpr,
     ):
         """One block's scores (BLOCK_M, BLOCK_N) into the online softmax and the weighted
-        values (``offs_s``: the key of each score column, ``offs_n`` of each row of V)."""
+        values (``offs_s``: the key of each score column, ``offs_n`` of each row of V). V's
+        block comes from ``v_ptrs``, or with ``TMA`` from the descriptor ``v_ptrs`` at ``v_at``
+        (stored (dim, keys): zeros past the keys, no mask needed)."""
         if MASKED:
             scores = tl.where(offs_s[None, :] < keys_left, scores, float("-inf"))
         new_max = tl.maximum(row_max, tl.max(scores, 1) * QK_SCALE)
         correction = tl.math.exp2(row_max - new_max)
-        if MASKED:
+        if TMA:
+            v = tl.trans(v_ptrs.load(v_at))
+        elif MASKED:
             v = tl.load(v_ptrs, mask=offs_n[:, None] < keys_left, other=0.0)
         else:
             v = tl.load(v_ptrs)
@@ -334,6 +373,7 @@ if triton is not None:
         FP8: tl.constexpr,
         BF16: tl.constexpr,
         PERMUTED: tl.constexpr,
+        TMA: tl.constexpr,
     ):
         """A tile of BLOCK_M queries of one (batch entry, head) through all its keys: program
         (query tile, head, batch entry). Each operand is read at its own (batch, head, row)
@@ -341,7 +381,10 @@ if triton is not None:
         layout), so head-split views of packed projections and broadcast queries (stride 0) need
         no copy; Out gets q's dtype at its strides. Scales holds the fp8 scales of q, k and v
         (unused otherwise). The scale is a constexpr (it depends on HEAD_DIM only): a float
-        argument arrives as fp64 under torch.compile, and fp64 would spread."""
+        argument arrives as fp64 under torch.compile, and fp64 would spread. With ``TMA``, K
+        and V are 2-d descriptors over the e4m3 copies, (batch x heads x padded keys, dim) and
+        (batch x heads x dim, padded keys), each head's keys padded to a multiple of 16 (K's
+        stored in score order where ``PERMUTED``); their strides arguments are unused."""
         head = tl.program_id(1).to(tl.int64)
         batch = tl.program_id(2).to(tl.int64)
         offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -357,29 +400,49 @@ if triton is not None:
         # K's block read as (HEAD_DIM, BLOCK_N) and V's as (BLOCK_N, HEAD_DIM), the summed
         # dimension contiguous in both when V comes transposed (the fp8 launch's layout).
         offs_s = _score_order(offs_n, PERMUTED)  # the key behind each score column
-        k_ptrs = K + batch * stride_kb + head * stride_kh
-        k_ptrs += offs_d[:, None] + offs_s[None, :] * stride_kn
-        v_ptrs = V + batch * stride_vb + head * stride_vh
-        v_ptrs += offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd
+        full_keys = (n_keys // BLOCK_N) * BLOCK_N
+        if TMA:
+            # (the descriptors' rows: this (batch entry, head)'s first key, first dim)
+            pair = (batch * tl.num_programs(1) + head).to(tl.int32)
+            k_row = pair * ((n_keys + 15) // 16 * 16)
+            v_row = pair * HEAD_DIM
+        else:
+            k_ptrs = K + batch * stride_kb + head * stride_kh
+            k_ptrs += offs_d[:, None] + offs_s[None, :] * stride_kn
+            v_ptrs = V + batch * stride_vb + head * stride_vh
+            v_ptrs += offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd
         row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
         row_sum = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-        full_keys = (n_keys // BLOCK_N) * BLOCK_N
-        for _ in range(0, full_keys, BLOCK_N):
-            scores = tl.dot(q, _load_keys(k_ptrs, BLOCK_N, offs_s, False))
-            acc, row_sum, row_max = _softmax_step(
-                acc, row_sum, row_max, scores, v_ptrs, BLOCK_N, offs_n, offs_s, qk_scale,
-                False, FP8, BF16, PERMUTED,
-            )  # fmt: skip
-            k_ptrs += BLOCK_N * stride_kn
-            v_ptrs += BLOCK_N * stride_vn
+        for start in range(0, full_keys, BLOCK_N):
+            if TMA:
+                scores = tl.dot(q, tl.trans(K.load([k_row + start, 0])))
+                acc, row_sum, row_max = _softmax_step(
+                    acc, row_sum, row_max, scores, V, [v_row, start], BLOCK_N, offs_n, offs_s,
+                    qk_scale, False, FP8, BF16, PERMUTED, True,
+                )  # fmt: skip
+            else:
+                scores = tl.dot(q, _load_keys(k_ptrs, BLOCK_N, offs_s, False))
+                acc, row_sum, row_max = _softmax_step(
+                    acc, row_sum, row_max, scores, v_ptrs, None, BLOCK_N, offs_n, offs_s,
+                    qk_scale, False, FP8, BF16, PERMUTED, False,
+                )  # fmt: skip
+                k_ptrs += BLOCK_N * stride_kn
+                v_ptrs += BLOCK_N * stride_vn
         if full_keys < n_keys:
             keys_left = n_keys - full_keys
-            scores = tl.dot(q, _load_keys(k_ptrs, keys_left, offs_s, True))
-            acc, row_sum, row_max = _softmax_step(
-                acc, row_sum, row_max, scores, v_ptrs, keys_left, offs_n, offs_s, qk_scale,
-                True, FP8, BF16, PERMUTED,
-            )  # fmt: skip
+            if TMA:
+                scores = tl.dot(q, tl.trans(K.load([k_row + full_keys, 0])))
+                acc, row_sum, row_max = _softmax_step(
+                    acc, row_sum, row_max, scores, V, [v_row, full_keys], keys_left, offs_n,
+                    offs_s, qk_scale, True, FP8, BF16, PERMUTED, True,
+                )  # fmt: skip
+            else:
+                scores = tl.dot(q, _load_keys(k_ptrs, keys_left, offs_s, True))
+                acc, row_sum, row_max = _softmax_step(
+                    acc, row_sum, row_max, scores, v_ptrs, None, keys_left, offs_n, offs_s,
+                    qk_scale, True, FP8, BF16, PERMUTED, False,
+                )  # fmt: skip
         out = acc / row_sum[:, None]
         if FP8:
             out = out * tl.load(Scales + 2)
@@ -397,6 +460,7 @@ if triton is not None:
         Scales,
         which,
         n_rows,
+        n_out,
         stride_xb,
         stride_xh,
         stride_xr,
@@ -406,22 +470,30 @@ if triton is not None:
         stride_yd,
         DIM: tl.constexpr,
         BLOCK: tl.constexpr,
+        PERMUTED: tl.constexpr,
     ):
         """One block of rows of one (batch entry, head) of X (DIM contiguous) divided by
-        Scales[which] and rounded to e4m3 into Y at its strides (V's transposed layout)."""
+        Scales[which] and rounded to e4m3 into Y at its strides (V's transposed layout): Y's
+        ``n_out`` rows, those from X's ``n_rows`` on zero; with ``PERMUTED``, row r of Y is
+        X's row :func:`_score_order` (r) (the TMA launch's K: loaded in order, it gives the
+        score columns that order)."""
         head = tl.program_id(1).to(tl.int64)
         batch = tl.program_id(2).to(tl.int64)
         offs_r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         offs_d = tl.arange(0, DIM)
-        rows = offs_r[:, None] < n_rows
+        source = _score_order(offs_r, PERMUTED)
         x_ptrs = X + batch * stride_xb + head * stride_xh
-        x = tl.load(x_ptrs + offs_r[:, None] * stride_xr + offs_d[None, :], rows)
+        x = tl.load(
+            x_ptrs + source[:, None] * stride_xr + offs_d[None, :],
+            source[:, None] < n_rows,
+            other=0.0,
+        )
         y = tl.math.div_rn(x.to(tl.float32), tl.load(Scales + which))
         y_ptrs = Y + batch * stride_yb + head * stride_yh
         tl.store(
             y_ptrs + offs_r[:, None] * stride_yr + offs_d[None, :] * stride_yd,
             y.to(tl.float8e4nv),
-            rows,
+            offs_r[:, None] < n_out,
         )
 
     def _batch_parts(batch: int):
@@ -431,20 +503,31 @@ if triton is not None:
             for start in range(0, batch, MAX_GRID_BATCH)
         ]
 
-    def _launch_quantize(x: Tensor, scales: Tensor, which: int, keys_major: bool, launcher):
-        """``x`` (batch, heads, rows, dim) as e4m3 over ``scales[which]``, contiguous;
-        ``keys_major``: stored (batch, heads, dim, rows), returned as its transpose (the fp8
-        P @ V operand's layout)."""
+    def _launch_quantize(
+        x: Tensor,
+        scales: Tensor,
+        which: int,
+        keys_major: bool,
+        launcher,
+        n_out: int | None = None,
+        permuted: bool = False,
+    ):
+        """``x`` (batch, heads, rows, dim) as e4m3 over ``scales[which]``, contiguous, with
+        ``n_out`` rows (``x``'s by default; zeros past them) and ``permuted`` in
+        :func:`_score_order`'s order; ``keys_major``: stored (batch, heads, dim, rows),
+        returned as its transpose (the fp8 P @ V operand's layout)."""
         batch, heads, n_rows, dim = x.shape
-        shape = (batch, heads, dim, n_rows) if keys_major else (batch, heads, n_rows, dim)
+        n_out = n_rows if n_out is None else n_out
+        shape = (batch, heads, dim, n_out) if keys_major else (batch, heads, n_out, dim)
         out = torch.empty(shape, dtype=torch.float8_e4m3fn, device=x.device)
         y = out.transpose(2, 3) if keys_major else out
         block = 64
         for part in _batch_parts(batch):
-            grid = (triton.cdiv(n_rows, block), heads, part.stop - part.start)
+            grid = (triton.cdiv(n_out, block), heads, part.stop - part.start)
             launcher(_quantize_kernel)[grid](
-                x[part], y[part], scales, which, n_rows, x.stride(0), x.stride(1), x.stride(2),
-                y.stride(0), y.stride(1), y.stride(2), y.stride(3), DIM=dim, BLOCK=block,
+                x[part], y[part], scales, which, n_rows, n_out, x.stride(0), x.stride(1),
+                x.stride(2), y.stride(0), y.stride(1), y.stride(2), y.stride(3), DIM=dim,
+                BLOCK=block, PERMUTED=permuted,
             )  # fmt: skip
         return y
 
@@ -469,34 +552,54 @@ if triton is not None:
         n_keys = k.shape[-2]
         q4, k4, v4 = (_batch_heads(t) for t in (q, k, v))
         batch, heads = q4.shape[:2]
+        tile = TILE_OVERRIDE or default_tile(fp8, dim)
+        # each head's keys padded to a multiple of 16 for the TMA launch
+        padded = -(-n_keys // 16) * 16
+        tma = fp8 and tile.tma and _tma_applies(q, batch * heads * max(padded, dim))
         if fp8:
             scales = torch.stack([_fp8_scale(t) for t in (q4, k4, v4)])
+            n_out = padded if tma else n_keys
             q4 = _launch_quantize(q4, scales, 0, False, launcher)
-            k4 = _launch_quantize(k4, scales, 1, False, launcher)
-            v4 = _launch_quantize(v4, scales, 2, True, launcher)  # keys contiguous per dim
+            k4 = _launch_quantize(k4, scales, 1, False, launcher, n_out, tma and tile.permuted)
+            v4 = _launch_quantize(v4, scales, 2, True, launcher, n_out)  # keys contiguous
         else:
             scales = q4  # never read without FP8: any pointer will do
         # Written (batch, queries, heads, dim), as SDPA's kernels write theirs: merging the
         # heads back into the embedding (the model's next step) is then a view.
         out = torch.empty((batch, n_queries, heads, dim), dtype=q.dtype, device=q.device)
         out4 = out.transpose(1, 2)
-        tile = TILE_OVERRIDE or TILES[fp8]
         limit = {"maxnreg": tile.registers} if tile.registers else {}
         # Query tiles of one (batch entry, head) run next to each other and share its keys in
         # L2; the batch rides the grid's third axis (CUDA's limit: MAX_GRID_BATCH).
         for part in _batch_parts(batch):
             grid = (triton.cdiv(n_queries, tile.block_m), heads, part.stop - part.start)
+            k_arg, v_arg = k4[part], v4[part]
+            if tma:  # 2-d views of the e4m3 copies' storage
+                k_arg = TensorDescriptor.from_tensor(
+                    k_arg.reshape(-1, dim), [tile.block_n, dim]
+                )
+                v_arg = TensorDescriptor.from_tensor(
+                    v_arg.transpose(2, 3).reshape(-1, padded), [dim, tile.block_n]
+                )
             launcher(_flash_attention_kernel)[grid](
-                q4[part], k4[part], v4[part], out4[part], scales, n_queries, n_keys,
+                q4[part], k_arg, v_arg, out4[part], scales, n_queries, n_keys,
                 q4.stride(0), q4.stride(1), q4.stride(2), k4.stride(0), k4.stride(1), k4.stride(2),
                 v4.stride(0), v4.stride(1), v4.stride(2), v4.stride(3),
                 out4.stride(0), out4.stride(1), out4.stride(2),
                 SM_SCALE_LOG2=math.log2(math.e) / math.sqrt(dim), HEAD_DIM=dim,
                 BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, FP8=fp8,
-                BF16=q.dtype == torch.bfloat16, PERMUTED=fp8 and tile.permuted,
+                BF16=q.dtype == torch.bfloat16, PERMUTED=fp8 and tile.permuted, TMA=tma,
                 num_warps=tile.warps, num_stages=tile.stages, **limit,
             )  # fmt: skip
         return out4.reshape(*lead, n_queries, dim)
+
+    def _tma_applies(q: Tensor, rows: int) -> bool:
+        """Whether a launch may read through TMA descriptors: Triton's host-side descriptors,
+        a GPU with a tensor memory accelerator (Hopper on) or the interpreter (CPU tensors),
+        and descriptor rows that int32 coordinates reach."""
+        if TensorDescriptor is None or rows >= 2**31:
+            return False
+        return q.device.type == "cpu" or torch.cuda.get_device_capability(q.device) >= (9, 0)
 
     def run_kernel(q: Tensor, k: Tensor, v: Tensor, fp8: bool = False) -> Tensor:
         """The Triton kernel called directly (tests run it on CPU tensors under
