@@ -9,8 +9,8 @@ so its fp8 runs are held to the fp64 bound only) and on CUDA (fp16, bf16, fp8).
 
 from __future__ import annotations
 
-import contextlib
 import collections
+import contextlib
 import copy
 import importlib.util
 import math

@@ -105,6 +105,7 @@ def default_tile(fp8: bool, dim: int) -> Tile:
     """The tile a launch runs without :func:`tile_override`."""
     return TILES[True] if fp8 else TILES[False] if dim > 16 else SMALL_HEAD_TILE
 
+
 #: The sweep: the three fastest tiles of six timed in the twenty-third session (fp8: 64x128 w4
 #: 74 ms, 64x64 79, 128x64 w8 80; half: 128x64 w8 94, 64x64 97, 64x128 100), the 64x128 fp8
 #: tile with 128 registers (twenty-fourth: 76.3 ms against 77.7 in one run, half spills there),
@@ -575,9 +576,7 @@ if triton is not None:
             grid = (triton.cdiv(n_queries, tile.block_m), heads, part.stop - part.start)
             k_arg, v_arg = k4[part], v4[part]
             if tma:  # 2-d views of the e4m3 copies' storage
-                k_arg = TensorDescriptor.from_tensor(
-                    k_arg.reshape(-1, dim), [tile.block_n, dim]
-                )
+                k_arg = TensorDescriptor.from_tensor(k_arg.reshape(-1, dim), [tile.block_n, dim])
                 v_arg = TensorDescriptor.from_tensor(
                     v_arg.transpose(2, 3).reshape(-1, padded), [dim, tile.block_n]
                 )
