@@ -40,6 +40,7 @@ CASES = [
     ((1, 1), 17, 65, 128),
     ((), 24, 40, 32),
     ((2, 2, 3), 20, 30, 16),
+    ((2,), 1, 33, 64),
 ]
 #: Largest |error| against fp64 maths, in units of the output's largest magnitude, for half
 #: operands (weights rounded to fp16 each: a few roundings) and for fp8 ones (e4m3 keeps 3
@@ -524,6 +525,24 @@ def test_cuda_model_layouts_read_in_place_give_the_copies_bits(case):
     fp8 = case[-1] >= 32 and torch.cuda.get_device_capability() >= (8, 9)
     agree = layouts_agree(ops.flash_attention, case, "cuda", (False, True) if fp8 else (False,))
     assert all(agree), agree
+
+
+@requires_cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("shape", [((3,), 16, 1, 64), ((2,), 1, 33, 64), ((2,), 1, 1, 64)])
+def test_cuda_fp8_one_key_or_one_query_eager_and_compiled(shape):
+    """Counts of one, which Triton and Inductor would compile as constants (a kernel so
+    specialised returned NaN rows for one key): the default fp8 tile's output is finite and
+    within the composite's error bound, eager and compiled alike."""
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("fp8 tensor cores need compute capability 8.9")
+    q, k, v = operands(shape, torch.float16, "cuda", seed=5)
+    eager = ops.flash_attention(q, k, v, True)
+    want = fa.flash_attention_composite(q, k, v, fp8=True)
+    assert relative_error(eager, q, k, v) <= 2 * relative_error(want, q, k, v) + 1e-3
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda a, b, c: ops.flash_attention(a, b, c, True), fullgraph=True)
+    assert torch.equal(compiled(q, k, v), eager)
 
 
 @requires_cuda

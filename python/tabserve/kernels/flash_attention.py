@@ -35,10 +35,19 @@ from torch import Tensor
 
 from ._common import KERNEL_COMPUTE_DTYPES, KERNEL_WIDTHS, define_operator, triton
 
+#: Added to the query and key counts the kernel is passed: Triton's launcher and Inductor both
+#: compile an integer argument equal to 1 as a constant, and the fp8 kernel with permuted score
+#: columns so specialised for one key returned NaN rows on the H200 (twenty-sixth session; the
+#: general kernel, run over the same key, is right). Offset by 16, no count reaches 1 and the
+#: counts keep their divisibility by 16, the other specialisation.
+COUNT_OFFSET = 16
+
 if triton is not None:
     import triton.language as tl
 
     from ._common import round_to
+
+    _COUNT_OFFSET = tl.constexpr(COUNT_OFFSET)  # (the kernel's view of it)
 
     try:  # Triton 3.4 on: host-side tensor descriptors (TMA)
         from triton.tools.tensor_descriptor import TensorDescriptor
@@ -93,8 +102,9 @@ class Tile(NamedTuple):
 
 #: Tiles per precision (``fp8``): the fastest of :data:`SWEEP` on the xlarge workload's
 #: train-row call on the H200 (``benchmarks/icl_attention.py --flash-sweep``, twenty-third to
-#: twenty-fifth sessions; fp8's permuted tile: 73.0 ms against 77.7 in key order, one run).
-TILES = {False: Tile(128, 64, 8, 3), True: Tile(64, 128, 4, 3, 168, permuted=True)}
+#: twenty-sixth sessions; fp8: permuted score columns 73.0 ms against 77.7 in key order, one run;
+#: with K and V through TMA at 128 registers 69.0 against 71.9, the next run).
+TILES = {False: Tile(128, 64, 8, 3), True: Tile(64, 128, 4, 3, 128, permuted=True, tma=True)}
 #: Half's tile for head dimensions up to 16, the column stage's inducing points over the train
 #: rows (``benchmarks/small_head_attention.py --cases col --flash-sweep``, twenty-fifth session,
 #: one H200 run: xlarge 6.30 ms against the default's 6.74, large 1.52 against 1.77).
@@ -113,11 +123,11 @@ def default_tile(fp8: bool, dim: int) -> Tile:
 #: SASS per thread and key block: 453 instructions for 64 scores against key order's 503, 430
 #: with 2 stages). Dropped: 64x64 permuted (79.1 ms; it returned NaN rows on the H200 for 16
 #: queries and one key, a case the 64x128 tile gets right: the permutation is the same maths, so
-#: the compiled layout change is suspect, not followed further). Not yet timed: the permuted
-#: tile with K and V through TMA (sm_90 compile with Triton 3.6: 444 instructions per key block
-#: against 449, the per-thread copies' address arithmetic gone; 132 registers unlimited
-#: against 175, so at 128 (8 bytes spilled outside the loop) 4 programs fit an SM, 53 KB of
-#: shared memory each). A 256-key block spills registers in the sm_90 compile (64 x 256, 4
+#: the compiled layout change is suspect, not followed further). The permuted tile with K and V
+#: through TMA (twenty-sixth session: 72.0 ms at 168 registers, 69.0 at 128; sm_90 compile with
+#: Triton 3.6: 444 instructions per key block against 449, the per-thread copies' address
+#: arithmetic gone; 132 registers unlimited against 175, so at 128, 8 bytes spilled outside the
+#: loop, 4 programs fit an SM, 53 KB of shared memory each). A 256-key block spills registers in the sm_90 compile (64 x 256, 4
 #: warps: 892 bytes for half, 8 for fp8).
 SWEEP = (
     Tile(128, 64, 8, 3),
@@ -352,8 +362,8 @@ if triton is not None:
         V,
         Out,
         Scales,
-        n_queries,
-        n_keys,
+        query_limit,
+        key_limit,
         stride_qb,
         stride_qh,
         stride_qm,
@@ -385,7 +395,10 @@ if triton is not None:
         argument arrives as fp64 under torch.compile, and fp64 would spread. With ``TMA``, K
         and V are 2-d descriptors over the e4m3 copies, (batch x heads x padded keys, dim) and
         (batch x heads x dim, padded keys), each head's keys padded to a multiple of 16 (K's
-        stored in score order where ``PERMUTED``); their strides arguments are unused."""
+        stored in score order where ``PERMUTED``); their strides arguments are unused.
+        ``query_limit`` and ``key_limit`` are the counts plus :data:`COUNT_OFFSET`."""
+        n_queries = query_limit - _COUNT_OFFSET
+        n_keys = key_limit - _COUNT_OFFSET
         head = tl.program_id(1).to(tl.int64)
         batch = tl.program_id(2).to(tl.int64)
         offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -581,7 +594,8 @@ if triton is not None:
                     v_arg.transpose(2, 3).reshape(-1, padded), [dim, tile.block_n]
                 )
             launcher(_flash_attention_kernel)[grid](
-                q4[part], k_arg, v_arg, out4[part], scales, n_queries, n_keys,
+                q4[part], k_arg, v_arg, out4[part], scales, n_queries + COUNT_OFFSET,
+                n_keys + COUNT_OFFSET,
                 q4.stride(0), q4.stride(1), q4.stride(2), k4.stride(0), k4.stride(1), k4.stride(2),
                 v4.stride(0), v4.stride(1), v4.stride(2), v4.stride(3),
                 out4.stride(0), out4.stride(1), out4.stride(2),
