@@ -561,7 +561,16 @@ if triton is not None:
             t = t.flatten(0, 1)[:, None]
         return t
 
-    def _launch(q: Tensor, k: Tensor, v: Tensor, fp8: bool, launcher) -> Tensor:
+    def _uses_tma(q: Tensor, k: Tensor, fp8: bool) -> bool:
+        """Whether this launch reads K and V through TMA descriptors: an fp8 tile asking for
+        it (:data:`TILE_OVERRIDE` or the default) where :func:`_tma_applies`."""
+        tile = TILE_OVERRIDE or default_tile(fp8, q.shape[-1])
+        if not (fp8 and tile.tma):
+            return False
+        rows = math.prod(k.shape[:-2]) * max(-(-k.shape[-2] // 16) * 16, k.shape[-1])
+        return _tma_applies(q, rows)
+
+    def _launch(q: Tensor, k: Tensor, v: Tensor, fp8: bool, launcher, tma: bool) -> Tensor:
         *lead, n_queries, dim = q.shape
         n_keys = k.shape[-2]
         q4, k4, v4 = (_batch_heads(t) for t in (q, k, v))
@@ -569,7 +578,6 @@ if triton is not None:
         tile = TILE_OVERRIDE or default_tile(fp8, dim)
         # each head's keys padded to a multiple of 16 for the TMA launch
         padded = -(-n_keys // 16) * 16
-        tma = fp8 and tile.tma and _tma_applies(q, batch * heads * max(padded, dim))
         if fp8:
             scales = torch.stack([_fp8_scale(t) for t in (q4, k4, v4)])
             n_out = padded if tma else n_keys
@@ -578,10 +586,7 @@ if triton is not None:
             v4 = _launch_quantize(v4, scales, 2, True, launcher, n_out)  # keys contiguous
         else:
             scales = q4  # never read without FP8: any pointer will do
-        # Written (batch, queries, heads, dim), as SDPA's kernels write theirs: merging the
-        # heads back into the embedding (the model's next step) is then a view.
-        out = torch.empty((batch, n_queries, heads, dim), dtype=q.dtype, device=q.device)
-        out4 = out.transpose(1, 2)
+        out4 = _new_output(q, batch, heads).transpose(1, 2)
         limit = {"maxnreg": tile.registers} if tile.registers else {}
         # Query tiles of one (batch entry, head) run next to each other and share its keys in
         # L2; the batch rides the grid's third axis (CUDA's limit: MAX_GRID_BATCH).
@@ -614,20 +619,45 @@ if triton is not None:
             return False
         return q.device.type == "cpu" or torch.cuda.get_device_capability(q.device) >= (9, 0)
 
+    def _new_output(q: Tensor, batch: int, heads: int) -> Tensor:
+        """The output's storage, (batch, queries, heads, dim), as SDPA's kernels write theirs:
+        merging the heads back into the embedding (the model's next step) is then a view."""
+        return q.new_empty((batch, q.shape[-2], heads, q.shape[-1]))
+
     def run_kernel(q: Tensor, k: Tensor, v: Tensor, fp8: bool = False) -> Tensor:
         """The Triton kernel called directly (tests run it on CPU tensors under
         ``TRITON_INTERPRET=1``); no checks beyond :func:`_check`."""
         _check(q, k, v)
-        return _launch(q, k, v, fp8, lambda kernel: kernel)
+        return _launch(q, k, v, fp8, lambda kernel: kernel, _uses_tma(q, k, fp8))
+
+    def _tma_launch(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """The fp8 launch with TMA descriptors, by Triton's own launcher: torch 2.11's
+        ``triton_op`` tracing keeps a host-side descriptor as an object holding a fake tensor
+        (Inductor's graph cache then failed on it, H200, twenty-sixth session), so these
+        launches sit in an operator Inductor calls as it is (its scales and quantisation
+        included)."""
+        return _launch(q, k, v, True, lambda kernel: kernel, True)
+
+    def _tma_output(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """:func:`_tma_launch`'s fake kernel: its output's shape and strides."""
+        *lead, n_queries, dim = q.shape
+        batch, heads = _batch_heads(q).shape[:2]
+        out4 = _new_output(q, batch, heads).transpose(1, 2)
+        return out4.reshape(*lead, n_queries, dim)
+
+    _tma_op = torch.library.custom_op("tabserve::flash_attention_tma", _tma_launch, mutates_args=())
+    _tma_op.register_fake(_tma_output)
 
 
 def _flash_attention(q: Tensor, k: Tensor, v: Tensor, fp8: bool = False) -> Tensor:
     _check(q, k, v)
     if q.shape[-2] == 0 or not kernel_applies(q, fp8):
         return flash_attention_composite(q, k, v, fp8)
+    if _uses_tma(q, k, fp8):
+        return _tma_op(q, k, v)
     from torch.library import wrap_triton
 
-    return _launch(q, k, v, fp8, wrap_triton)
+    return _launch(q, k, v, fp8, wrap_triton, False)
 
 
 flash_attention_op = define_operator(_OPERATOR, _flash_attention)
