@@ -37,9 +37,10 @@ from ._common import KERNEL_COMPUTE_DTYPES, KERNEL_WIDTHS, define_operator, trit
 
 #: Added to the query and key counts the kernel is passed: Triton's launcher and Inductor both
 #: compile an integer argument equal to 1 as a constant, and the fp8 kernel with permuted score
-#: columns so specialised for one key returned NaN rows on the H200 (twenty-sixth session; the
-#: general kernel, run over the same key, is right). Offset by 16, no count reaches 1 and the
-#: counts keep their divisibility by 16, the other specialisation.
+#: columns so specialised for one key returned NaN rows on the H200 (twenty-fifth and
+#: twenty-sixth sessions; key order was right, and so is the general kernel over one key: the
+#: CUDA tests at one key and one query pass). Offset by 16, no count reaches 1 and the counts
+#: keep their divisibility by 16, the other specialisation.
 COUNT_OFFSET = 16
 
 if triton is not None:
@@ -121,9 +122,8 @@ def default_tile(fp8: bool, dim: int) -> Tile:
 #: tile with 128 registers (twenty-fourth: 76.3 ms against 77.7 in one run, half spills there),
 #: and the permuted score columns (twenty-fifth, one run: 3 stages 73.0 ms, 2 stages 75.0; sm_90
 #: SASS per thread and key block: 453 instructions for 64 scores against key order's 503, 430
-#: with 2 stages). Dropped: 64x64 permuted (79.1 ms; it returned NaN rows on the H200 for 16
-#: queries and one key, a case the 64x128 tile gets right: the permutation is the same maths, so
-#: the compiled layout change is suspect, not followed further). The permuted tile with K and V
+#: with 2 stages). Dropped as slower: 64x64 permuted (79.1 ms; its NaN rows for one key were
+#: the one-key specialisation :data:`COUNT_OFFSET` avoids). The permuted tile with K and V
 #: through TMA (twenty-sixth session: 72.0 ms at 168 registers, 69.0 at 128; sm_90 compile with
 #: Triton 3.6: 444 instructions per key block against 449, the per-thread copies' address
 #: arithmetic gone; 132 registers unlimited against 175, so at 128, 8 bytes spilled outside the

@@ -725,7 +725,7 @@ _variant(
     attention={"row": "head16", "col": "head16-flash", "icl": "flash-fp8"},
 )
 #: c59 with the ICL stage's train and test rows in one pass per block (cell c61: the fastest on
-#: xlarge on the H200, 1,514 ms, 2.94x, gate 5.2e-3; twenty-fifth session).
+#: xlarge on the H200, 1,488 ms, 3.00x in its run, gate 4.9e-3; twenty-sixth session).
 _variant(
     "fp16-compile-head16-fused-frozen-kvgraphs-ropeproj-outproj-rowtokens-iclfp8-colflash",
     "-iclonepass",
