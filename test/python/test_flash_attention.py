@@ -187,7 +187,8 @@ def test_tile_override_takes_powers_of_two_from_16_only():
         (64, 64, 0, 3),
         (64, 64, 4, 3, 16),  # registers
         (64, 64, 4, 3, None, 1),  # permuted: a bool
-        (64, 64, 4, 3, None, False, 7),  # too many fields
+        (64, 64, 4, 3, None, False, 1),  # tma: a bool
+        (64, 64, 4, 3, None, False, False, 8),  # too many fields
         (64, 64),
     )
     for tile in bad:
@@ -198,6 +199,8 @@ def test_tile_override_takes_powers_of_two_from_16_only():
             assert fa.TILE_OVERRIDE == fa.Tile(*tile)
     assert fa.TILE_OVERRIDE is None
     assert fa.Tile(64, 128, 4, 3, 168, True).label == "64x128 w4 s3 r168 permuted"
+    assert fa.Tile(64, 128, 4, 3, 128, True, True).label == "64x128 w4 s3 r128 permuted tma"
+    assert fa.Tile(64, 64, 4, 3, tma=True).fp8_only and not fa.Tile(64, 64, 4, 3).fp8_only
 
 
 def test_kernel_applies_to_cuda_half_operands_of_its_widths_only():
@@ -373,6 +376,43 @@ def test_tma_fp8_tiles_load_through_descriptors_without_per_thread_copies(tile):
     assert used and int(used.group(1)) <= tile.registers, report
     assert loop["UTMALDG"] and not loop["LDGSTS"], loop
     assert loop["STL"] == loop["LDL"] == 0, loop
+
+
+def tma_operator_case() -> None:
+    """The child's side of the TMA operator test: the operator eager, compiled (fullgraph) and
+    under fake tensors on CPU operands (the interpreter runs its launches)."""
+    import json
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    q, k, v = operands(CASES[0])
+    q = q.transpose(-2, -3).contiguous().transpose(-2, -3)  # a head-split layout, read in place
+    eager = fa._tma_op(q, k, v)
+    with fa.tile_override(fa.TILES[True]):
+        launched = fa.run_kernel(q, k, v, True)
+    compiled = torch.compile(lambda a, b, c: fa._tma_op(a, b, c) * 2, fullgraph=True)(q, k, v)
+    with FakeTensorMode() as mode:
+        fake = fa._tma_op(*(mode.from_tensor(t) for t in (q, k, v)))
+    print(
+        json.dumps(
+            {
+                "eager_equals_launch": torch.equal(eager, launched),
+                "compiled_equals_eager": torch.equal(compiled, eager * 2),
+                "fake_layout": [list(fake.shape), list(fake.stride())],
+                "eager_layout": [list(eager.shape), list(eager.stride())],
+            }
+        )
+    )
+
+
+@requires_triton
+def test_tma_operator_compiles_and_fakes_its_output_layout():
+    """``tabserve::flash_attention_tma``, the operator Inductor calls as it is (CPU operands,
+    the launches under the interpreter): the default fp8 tile's bits eager and compiled, and
+    a fake kernel giving the real output's shape and strides."""
+    results = interpreter_child("import test_flash_attention as t; t.tma_operator_case()")
+    assert results["eager_equals_launch"] and results["compiled_equals_eager"]
+    assert results["fake_layout"] == results["eager_layout"]
 
 
 def interpreter_cases() -> None:
