@@ -29,7 +29,7 @@ KERNEL_MODULES = ("feed_forward", "norm_linear", "flash_attention", "_common")
 KERNEL_HELPERS = {
     "feed_forward._feed_forward_kernel": {"round_to", "layer_norm_rows"},
     "norm_linear._norm_linear_kernel": {"round_to", "layer_norm_rows"},
-    "flash_attention._flash_attention_kernel": {"round_to", "_load_keys", "_softmax_step"},
+    "flash_attention._flash_attention_kernel": {"round_to", "_load_keys", "_key_block"},
     "flash_attention._quantize_kernel": set(),
 }
 

@@ -301,13 +301,16 @@ if triton is not None:
         return tl.reshape(tl.permute(bits, (0, 1, 3, 4, 2, 5)), (rows, cols))
 
     @triton.jit
-    def _softmax_step(
+    def _key_block(
         acc,
         row_sum,
         row_max,
-        scores,
-        v_ptrs,
-        v_at,
+        q,
+        k_src,
+        v_src,
+        k_row,
+        v_row,
+        start,
         keys_left,
         offs_n,
         offs_s,
@@ -318,20 +321,25 @@ if triton is not None:
         PERMUTED: tl.constexpr,
         TMA: tl.constexpr,
     ):
-        """One block's scores (BLOCK_M, BLOCK_N) into the online softmax and the weighted
-        values (``offs_s``: the key of each score column, ``offs_n`` of each row of V). V's
-        block comes from ``v_ptrs``, or with ``TMA`` from the descriptor ``v_ptrs`` at ``v_at``
-        (stored (dim, keys): zeros past the keys, no mask needed)."""
+        """One key block into the online softmax and the weighted values (``offs_s``: the key
+        of each score column, ``offs_n`` of each row of V). K's and V's blocks come from the
+        pointer blocks ``k_src`` / ``v_src``, or with ``TMA`` from their descriptors at rows
+        ``k_row`` and (``v_row``, ``start``) (V stored (dim, keys): zeros past the keys, no
+        mask needed)."""
+        if TMA:
+            scores = tl.dot(q, tl.trans(k_src.load([k_row, 0])))
+        else:
+            scores = tl.dot(q, _load_keys(k_src, keys_left, offs_s, MASKED))
         if MASKED:
             scores = tl.where(offs_s[None, :] < keys_left, scores, float("-inf"))
         new_max = tl.maximum(row_max, tl.max(scores, 1) * QK_SCALE)
         correction = tl.math.exp2(row_max - new_max)
         if TMA:
-            v = tl.trans(v_ptrs.load(v_at))
+            v = tl.trans(v_src.load([v_row, start]))
         elif MASKED:
-            v = tl.load(v_ptrs, mask=offs_n[:, None] < keys_left, other=0.0)
+            v = tl.load(v_src, mask=offs_n[:, None] < keys_left, other=0.0)
         else:
-            v = tl.load(v_ptrs)
+            v = tl.load(v_src)
         if FP8:
             # log2(P_SCALE) = 8 added to the exponent: weights in (0, 256], one multiply-add.
             weights = tl.math.exp2(scores * QK_SCALE - (new_max[:, None] - 8.0))
@@ -416,47 +424,33 @@ if triton is not None:
         offs_s = _score_order(offs_n, PERMUTED)  # the key behind each score column
         full_keys = (n_keys // BLOCK_N) * BLOCK_N
         if TMA:
-            # (the descriptors' rows: this (batch entry, head)'s first key, first dim)
+            # the descriptors, at this (batch entry, head)'s first key and first dim
             pair = (batch * tl.num_programs(1) + head).to(tl.int32)
-            k_row = pair * ((n_keys + 15) // 16 * 16)
-            v_row = pair * HEAD_DIM
+            k_src, k_row = K, pair * ((n_keys + 15) // 16 * 16)
+            v_src, v_row = V, pair * HEAD_DIM
         else:
-            k_ptrs = K + batch * stride_kb + head * stride_kh
-            k_ptrs += offs_d[:, None] + offs_s[None, :] * stride_kn
-            v_ptrs = V + batch * stride_vb + head * stride_vh
-            v_ptrs += offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd
+            k_src = K + batch * stride_kb + head * stride_kh
+            k_src += offs_d[:, None] + offs_s[None, :] * stride_kn
+            v_src = V + batch * stride_vb + head * stride_vh
+            v_src += offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd
+            k_row = 0
+            v_row = 0
         row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
         row_sum = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
         for start in range(0, full_keys, BLOCK_N):
-            if TMA:
-                scores = tl.dot(q, tl.trans(K.load([k_row + start, 0])))
-                acc, row_sum, row_max = _softmax_step(
-                    acc, row_sum, row_max, scores, V, [v_row, start], BLOCK_N, offs_n, offs_s,
-                    qk_scale, False, FP8, BF16, PERMUTED, True,
-                )  # fmt: skip
-            else:
-                scores = tl.dot(q, _load_keys(k_ptrs, BLOCK_N, offs_s, False))
-                acc, row_sum, row_max = _softmax_step(
-                    acc, row_sum, row_max, scores, v_ptrs, None, BLOCK_N, offs_n, offs_s,
-                    qk_scale, False, FP8, BF16, PERMUTED, False,
-                )  # fmt: skip
-                k_ptrs += BLOCK_N * stride_kn
-                v_ptrs += BLOCK_N * stride_vn
+            acc, row_sum, row_max = _key_block(
+                acc, row_sum, row_max, q, k_src, v_src, k_row + start, v_row, start, BLOCK_N,
+                offs_n, offs_s, qk_scale, False, FP8, BF16, PERMUTED, TMA,
+            )  # fmt: skip
+            if not TMA:
+                k_src += BLOCK_N * stride_kn
+                v_src += BLOCK_N * stride_vn
         if full_keys < n_keys:
-            keys_left = n_keys - full_keys
-            if TMA:
-                scores = tl.dot(q, tl.trans(K.load([k_row + full_keys, 0])))
-                acc, row_sum, row_max = _softmax_step(
-                    acc, row_sum, row_max, scores, V, [v_row, full_keys], keys_left, offs_n,
-                    offs_s, qk_scale, True, FP8, BF16, PERMUTED, True,
-                )  # fmt: skip
-            else:
-                scores = tl.dot(q, _load_keys(k_ptrs, keys_left, offs_s, True))
-                acc, row_sum, row_max = _softmax_step(
-                    acc, row_sum, row_max, scores, v_ptrs, None, keys_left, offs_n, offs_s,
-                    qk_scale, True, FP8, BF16, PERMUTED, False,
-                )  # fmt: skip
+            acc, row_sum, row_max = _key_block(
+                acc, row_sum, row_max, q, k_src, v_src, k_row + full_keys, v_row, full_keys,
+                n_keys - full_keys, offs_n, offs_s, qk_scale, True, FP8, BF16, PERMUTED, TMA,
+            )  # fmt: skip
         out = acc / row_sum[:, None]
         if FP8:
             out = out * tl.load(Scales + 2)
@@ -561,13 +555,17 @@ if triton is not None:
             t = t.flatten(0, 1)[:, None]
         return t
 
+    def _padded_keys(n_keys: int) -> int:
+        """Each head's keys in the TMA launch's copies: a multiple of 16 (16-byte row pitch)."""
+        return -(-n_keys // 16) * 16
+
     def _uses_tma(q: Tensor, k: Tensor, fp8: bool) -> bool:
         """Whether this launch reads K and V through TMA descriptors: an fp8 tile asking for
         it (:data:`TILE_OVERRIDE` or the default) where :func:`_tma_applies`."""
         tile = TILE_OVERRIDE or default_tile(fp8, q.shape[-1])
         if not (fp8 and tile.tma):
             return False
-        rows = math.prod(k.shape[:-2]) * max(-(-k.shape[-2] // 16) * 16, k.shape[-1])
+        rows = math.prod(k.shape[:-2]) * max(_padded_keys(k.shape[-2]), k.shape[-1])
         return _tma_applies(q, rows)
 
     def _launch(q: Tensor, k: Tensor, v: Tensor, fp8: bool, launcher, tma: bool) -> Tensor:
@@ -576,8 +574,7 @@ if triton is not None:
         q4, k4, v4 = (_batch_heads(t) for t in (q, k, v))
         batch, heads = q4.shape[:2]
         tile = TILE_OVERRIDE or default_tile(fp8, dim)
-        # each head's keys padded to a multiple of 16 for the TMA launch
-        padded = -(-n_keys // 16) * 16
+        padded = _padded_keys(n_keys)
         if fp8:
             scales = torch.stack([_fp8_scale(t) for t in (q4, k4, v4)])
             n_out = padded if tma else n_keys
