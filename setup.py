@@ -68,6 +68,8 @@ def _extension():
 setup(
     package_dir={"": "python"},
     packages=find_packages("python"),
+    # The promotions recipe="auto" reads: found in site-packages after a wheel install.
+    package_data={"tabserve.models.tabicl": ["promotions.json"]},
     ext_modules=[_extension()],
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
 )

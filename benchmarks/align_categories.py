@@ -13,14 +13,14 @@ vocabulary sizes), side by side, each the total over 35 prediction batches:
     from_pandas           Table.from_pandas(batch, device=...) for the 35 batches (the input
                           conversion, not part of the transform)
 
-Peak extra memory is the harness's (CUDA allocator; CPU: tracemalloc / RSS probes) over the 35
-calls with their outputs kept; on CUDA also ``max_call_peak_bytes``, the largest peak of one call
-(its output freed before the next), the seed's "max peak" per transform. Every
+Peak extra memory is tabserve.bench.timing's (CUDA allocator; CPU: tracemalloc / RSS probes)
+over the 35 calls with their outputs kept; on CUDA also ``max_call_peak_bytes``, the largest peak
+of one call (its output freed before the next), the seed's "max peak" per transform. Every
 method's codes are checked against scikit-learn before timing; a mismatch exits with status 1.
 
 Usage:
     python benchmarks/align_categories.py --quick            # CPU, < 1 minute
-    python benchmarks/align_categories.py --device cuda --out benchmarks/results/align_categories_h200.json
+    python benchmarks/align_categories.py --device cuda --out align_categories_h200.json
 """
 
 from __future__ import annotations
@@ -42,6 +42,13 @@ import harness  # noqa: E402
 import torch_peer  # noqa: E402
 from tabserve.align import AlignCategories  # noqa: E402
 from tabserve.strings import StringColumn  # noqa: E402
+from tabserve.bench.timing import (  # noqa: E402
+    cuda_peak_bytes,
+    format_mib,
+    format_ms,
+    measure,
+    synchronize,
+)
 from tabserve.tables import Table, mark_dynamic  # noqa: E402
 
 BATCHES = 35
@@ -172,7 +179,7 @@ def run_workload(workload: Workload, args) -> dict:
         if method is None:
             record["methods"][name] = {"median_ms": None, "peak_extra_bytes": None, "skipped": True}
             continue
-        m = harness.measure(method[0], method[1], **args.timing)
+        m = measure(method[0], method[1], **args.timing)
         record["methods"][name] = m.as_dict()
         if single.get(name) is not None and device.type == "cuda":
             record["methods"][name]["max_call_peak_bytes"] = max_call_peak(*single[name], device)
@@ -194,18 +201,18 @@ def profile_calls(fn, batches, device: torch.device, top: int = 25) -> dict:
         return [fn(b) for b in batches]
 
     fn_all()
-    harness._sync(device)
+    synchronize(device)
     host = cProfile.Profile()
     host.enable()
     fn_all()
-    harness._sync(device)
+    synchronize(device)
     host.disable()
     text = io.StringIO()
     pstats.Stats(host, stream=text).sort_stats("tottime").print_stats(top)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=activities) as prof:
         fn_all()
-        harness._sync(device)
+        synchronize(device)
     averages = prof.key_averages()
     by = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
     return {
@@ -219,16 +226,7 @@ def profile_calls(fn, batches, device: torch.device, top: int = 25) -> dict:
 def max_call_peak(fn, batches, device: torch.device) -> int:
     """The largest peak extra device memory of one call over the batches (output included, each
     output freed before the next call): comparable to the seed's per-transform "max peak"."""
-    peaks = []
-    for batch in batches:
-        torch.cuda.synchronize(device)
-        base = torch.cuda.memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        out = fn(batch)
-        torch.cuda.synchronize(device)
-        peaks.append(torch.cuda.max_memory_allocated(device) - base)
-        del out
-    return int(max(peaks))
+    return max(cuda_peak_bytes(lambda batch=batch: fn(batch), device) for batch in batches)
 
 
 def parse_args(argv=None):
@@ -244,7 +242,7 @@ def parse_args(argv=None):
     parser.add_argument("--profile", action="store_true",
                         help="also profile one pass of the compiled transform (host Python and ops)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads on CPU (0: default)")
-    parser.add_argument("--out", default="benchmarks/results/align_categories.json")
+    parser.add_argument("--out", default=str(harness.default_json("align_categories")))
     args = parser.parse_args(argv)
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -281,8 +279,8 @@ def main(argv=None) -> int:
     names = list(records[0]["methods"])
     rows = [
         [r["workload"], r["columns"]]
-        + [f"{harness.format_ms(r['methods'][n]['median_ms'])} / "
-           f"{harness.format_mib(r['methods'][n]['peak_extra_bytes'])}" for n in names]
+        + [f"{format_ms(r['methods'][n]['median_ms'])} / "
+           f"{format_mib(r['methods'][n]['peak_extra_bytes'])}" for n in names]
         for r in records
     ]
     harness.print_table(

@@ -1,13 +1,15 @@
-"""TabICLv2 inference benchmark: every serving recipe (cell) on every workload, each in its own
-subprocess, gated for accuracy against fp32, with a JSON result, a table, a plot and the promoted
-recipes. The driver lives in the package (``python -m tabserve.bench`` is the same command); see
-docs/serving.md, "The benchmark driver".
+"""TabICLv2 inference benchmark: the same command as ``python -m tabserve.bench`` (the driver lives
+in the package, python/tabserve/bench/). Every cell (the reference baselines and one cell per
+serving preset) on every workload, each in its own subprocess, gated for accuracy against fp32,
+with a JSON result, a table, a plot and the promotions, written under ``--out`` (default
+./tabserve-results/).
 
     python benchmarks/benchmark_tabiclv2.py --list
-    python benchmarks/benchmark_tabiclv2.py                      # all cells, all workloads
+    python benchmarks/benchmark_tabiclv2.py                      # default cells, all workloads
     python benchmarks/benchmark_tabiclv2.py --quick              # CPU-sized run
-    python benchmarks/benchmark_tabiclv2.py --workloads large --cells 'c[0-9]-*'
-    python benchmarks/benchmark_tabiclv2.py --ab c5-fp16 c7-fp16-flash --workloads large
+    python benchmarks/benchmark_tabiclv2.py --workloads large --cells 'ref-*' large
+    python benchmarks/benchmark_tabiclv2.py --cells-file benchmarks/cells/research.json --list
+    python benchmarks/benchmark_tabiclv2.py --ab medium small --workloads small
 """
 
 import sys

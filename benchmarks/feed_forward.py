@@ -15,7 +15,7 @@ operator adding its output (the route without the fold), and the resident operat
 (it does not fold); on CUDA the operator with each GELU form but the default too
 (``kernels.feed_forward.GELUS``). The "rows" case is the column stage's last block, which writes the row
 stage's tokens (``row_prefix``: 4 CLS tokens, then each row's 64 feature tokens); it also times
-the route before that, the operator's sets layout rearranged by ATen (``to_rows``).
+the operator writing its sets layout, rearranged into rows by ATen (``to_rows``).
 
     python benchmarks/feed_forward.py --device cuda --sweep
     python benchmarks/feed_forward.py --device cuda --sweep --stream matmul --cases out-proj

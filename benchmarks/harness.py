@@ -1,192 +1,27 @@
-"""The timing, memory and reporting helper shared by every tabserve benchmark CLI.
+"""What the kernel micro-benchmarks under ``benchmarks/`` share besides timing: their command
+lines (``--device``, ``--quick``, ``--cases`` and the rest), case selection, the JSON result with
+the environment, and the fixed-width table.
 
-A benchmark builds a zero-argument callable per (workload, method) cell and hands it to
-:func:`measure`, which returns a :class:`Measurement`; rows of measurements go to
-:func:`write_json` and :func:`print_table`.
-
-Timing:
-    CUDA: after warm-up, every repeat is bracketed by CUDA events on the current stream; one
-    synchronisation at the end reads them all. CPU: ``time.perf_counter`` around each call.
-    Repeats continue until ``max_repeats`` or until ``budget_s`` seconds are spent, but never
-    fewer than ``min_repeats``. Reported: median and the 20th / 80th percentiles, in ms. The
-    timing loops themselves live in :mod:`tabserve.bench.timing` (shared with the TabICLv2 driver).
-
-Peak extra memory (one extra call, separate from the timed ones):
-    CUDA: ``torch.cuda.max_memory_allocated()`` above ``memory_allocated()`` at the start, after
-    ``reset_peak_memory_stats()`` (the call's output counts: it is memory the call allocates).
-    CPU: the peak of two probes, both reported. ``tracemalloc`` sees allocations made through
-    Python's allocator (Python objects, numpy) but not torch's or Arrow's; resident set size
-    sampled every ~0.2 ms from /proc/self/statm, after ``malloc_trim(0)`` hands freed heap
-    memory back, sees everything but misses allocations shorter than the sampling period and
-    pages that allocators other than glibc's keep from earlier calls. The table shows the larger
-    one and says which it was (``memory_method``).
+Timing and peak memory come from the one harness of the package, :mod:`tabserve.bench.timing`
+(:func:`~tabserve.bench.timing.measure`), which the TabICLv2 driver times with too. A benchmark
+builds a zero-argument callable per (case, method), measures it and hands the rows to
+:func:`write_json` and :func:`print_table`. Results go to ``--json`` (or ``--out``), by default
+under ``tabserve-results/`` in the current directory (git-ignored), never into tracked files.
 """
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
-import statistics
-import threading
-import time
-import tracemalloc
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import Callable, Sequence
 
 import torch
 from tabserve.bench.report import environment as bench_environment
-from tabserve.bench.timing import percentile
-from tabserve.bench.timing import synchronize as _sync
-from tabserve.bench.timing import time_cpu as _time_cpu
-from tabserve.bench.timing import time_cuda as _time_cuda
+from tabserve.bench.timing import measure
 
-MiB = 1024 * 1024
-
-
-@dataclass
-class Measurement:
-    """Time (ms) and peak extra memory (bytes) of one benchmark cell."""
-
-    median_ms: float
-    p20_ms: float
-    p80_ms: float
-    repeats: int
-    peak_extra_bytes: Optional[int]
-    memory_method: str
-    first_call_ms: float
-    memory_probes: dict = field(default_factory=dict)
-
-    def as_dict(self) -> dict:
-        return asdict(self)
-
-    def table_cells(self) -> list:
-        """The median, the p20-p80 spread and the peak extra MiB, as table cells."""
-        spread = f"{format_ms(self.p20_ms)}-{format_ms(self.p80_ms)}"
-        return [format_ms(self.median_ms), spread, format_mib(self.peak_extra_bytes)]
-
-
-def measure(
-    fn: Callable[[], object],
-    device: torch.device | str,
-    *,
-    warmup: int = 2,
-    min_repeats: int = 5,
-    max_repeats: int = 50,
-    budget_s: float = 0.5,
-    memory: bool = True,
-    slow_s: float = 1.0,
-) -> Measurement:
-    """Times ``fn()`` on ``device`` (see the module docstring) and measures its peak extra memory.
-
-    The first warm-up call is timed on its own (``first_call_ms``: compilation, lazy set-up).
-    When it took longer than ``slow_s`` and a second call still does, the remaining warm-up is
-    skipped and at most 3 repeats are taken, so slow baselines do not dominate a sweep.
-    Raises whatever ``fn`` raises.
-    """
-    device = torch.device(device)
-    on_cuda = device.type == "cuda"
-    start = time.perf_counter()
-    fn()
-    _sync(device)
-    first_call_ms = (time.perf_counter() - start) * 1e3
-    for _ in range(max(warmup - 1, 0)):
-        start = time.perf_counter()
-        fn()
-        _sync(device)
-        if time.perf_counter() - start > slow_s:
-            min_repeats = max_repeats = min(min_repeats, 3)
-            break
-    times = (
-        _time_cuda(fn, min_repeats, max_repeats, budget_s)
-        if on_cuda
-        else _time_cpu(fn, min_repeats, max_repeats, budget_s)
-    )
-    if not memory:
-        peak, method, probes = None, "not measured", {}
-    elif on_cuda:
-        peak, method, probes = _cuda_peak(fn, device), "cuda allocator", {}
-    else:
-        peak, method, probes = _cpu_peak(fn)
-    return Measurement(
-        median_ms=statistics.median(times),
-        p20_ms=percentile(times, 20),
-        p80_ms=percentile(times, 80),
-        repeats=len(times),
-        peak_extra_bytes=peak,
-        memory_method=method,
-        first_call_ms=first_call_ms,
-        memory_probes=probes,
-    )
-
-
-def _cuda_peak(fn, device: torch.device) -> int:
-    torch.cuda.synchronize(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    base = torch.cuda.memory_allocated(device)
-    out = fn()
-    torch.cuda.synchronize(device)
-    peak = torch.cuda.max_memory_allocated(device) - base
-    del out
-    return int(peak)
-
-
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-class _RssSampler(threading.Thread):
-    """Samples the resident set size until stopped; ``peak`` is the largest sample."""
-
-    def __init__(self, period_s: float = 2e-4):
-        super().__init__(daemon=True)
-        self.period_s = period_s
-        self.peak = _rss_bytes()
-        self._stop_event = threading.Event()
-
-    def run(self) -> None:
-        while not self._stop_event.is_set():
-            self.peak = max(self.peak, _rss_bytes())
-            time.sleep(self.period_s)
-
-    def stop(self) -> int:
-        self._stop_event.set()
-        self.join()
-        self.peak = max(self.peak, _rss_bytes())
-        return self.peak
-
-
-def _malloc_trim() -> None:
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: RSS then also counts retained free memory
-        pass
-
-
-def _cpu_peak(fn) -> tuple[Optional[int], str, dict]:
-    probes: dict = {}
-    if os.path.exists("/proc/self/statm"):
-        _malloc_trim()
-        base = _rss_bytes()
-        sampler = _RssSampler()
-        sampler.start()
-        out = fn()
-        probes["rss"] = max(sampler.stop() - base, 0)
-        del out
-    tracing = tracemalloc.is_tracing()
-    if not tracing:
-        tracemalloc.start()
-    tracemalloc.reset_peak()
-    base = tracemalloc.get_traced_memory()[0]
-    out = fn()
-    probes["tracemalloc"] = max(tracemalloc.get_traced_memory()[1] - base, 0)
-    del out
-    if not tracing:
-        tracemalloc.stop()
-    method = max(probes, key=probes.get)
-    return probes[method], method, probes
+#: Where a benchmark writes its JSON when no path is given (relative to the current directory).
+RESULTS_DIR = Path("tabserve-results")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -199,22 +34,17 @@ def environment() -> dict:
     return bench_environment(extra_modules=("pyarrow", "pandas"))
 
 
+def default_json(stem: str) -> Path:
+    """The JSON path a benchmark writes to without ``--json``: :data:`RESULTS_DIR`/<stem>.json."""
+    return RESULTS_DIR / f"{stem}.json"
+
+
 def write_json(path: str | os.PathLike, payload: dict) -> None:
     """Writes ``payload`` (plus ``environment``) as indented JSON, creating parent folders."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     payload = {"environment": environment(), **payload}
     path.write_text(json.dumps(payload, indent=1, default=str) + "\n")
-
-
-def format_ms(value: Optional[float]) -> str:
-    if value is None:
-        return "-"
-    return f"{value:.3f}" if value < 10 else f"{value:.1f}" if value < 1000 else f"{value:.0f}"
-
-
-def format_mib(value: Optional[int]) -> str:
-    return "-" if value is None else f"{value / MiB:.1f}"
 
 
 def print_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[object]]) -> None:
@@ -409,16 +239,15 @@ def report_kernel_benchmark(
     benchmark: str, title: str, args, device, dtype, records: list, rows: list
 ) -> Path:
     """The fused-operator benchmarks' output: the table on stdout, then the JSON (``--json`` or
-    results/<benchmark with dashes>-<device type>.json) with the environment; returns its path."""
+    :data:`RESULTS_DIR`/<benchmark with dashes>-<device type>.json) with the environment; returns
+    its path."""
     print_table(
         title,
         ["case", "method", "median ms", "p20-p80", "peak extra MiB", "max err (roundings)"],
         rows,
     )
     name = benchmark.replace("_", "-")
-    out = (
-        args.json or Path(__file__).parent / "results" / f"{name}-{torch.device(device).type}.json"
-    )
+    out = args.json or default_json(f"{name}-{torch.device(device).type}")
     write_json(
         out,
         {"benchmark": benchmark, "device": str(device), "dtype": str(dtype),

@@ -3,15 +3,15 @@
 The ICL stage's 12 blocks attend over the train rows with 8 heads of 64 dimensions (width 512):
 at ``fit`` the train rows attend to each other (the first 11 blocks), then the test rows attend
 to the train rows (every block). On the xlarge workload (8 tables, 50,000 train + 1,000 test
-rows) cuDNN's attention took 1,183 ms of the 1,850 ms one-shot call of cell c52 (H200 profile,
-fifteenth session), most of it the 11 train-row self-attentions. This benchmark times each of
+rows) cuDNN's attention took 1,183 ms of a 1,850 ms fp16 compiled one-shot call (H200 profile),
+most of it the 11 train-row self-attentions. This benchmark times each of
 those calls per backend (cuDNN, flash, memory-efficient, PyTorch's own choice), and cuDNN run on
 fewer tables per call, and tabserve's own one-pass kernel (``tabserve.ops.flash_attention``) on
 half and on fp8 operands, with each method's error against fp32 maths on a few query rows (on the
 random values, and again on those values plus :data:`VALUE_OFFSET`), and the rate in TFLOP/s
 (4 x tables x heads x queries x keys x 64 FLOP per call).
 
-The bucketed recipes run the same calls on a padded train block: every query attends over the
+The bucketed presets run the same calls on a padded train block: every query attends over the
 first n keys of a buffer of the bucket's length, n read from a device tensor
 (:func:`tabserve.ops.prefix_attention`), so one captured graph serves every n of the bucket.
 ``--prefix`` times those calls per prefix backend (varlen flash, varlen memory-efficient, SDPA
@@ -37,7 +37,14 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import attention_benchmark_parser, measure, print_table, selected_cases, write_json
+from harness import (
+    attention_benchmark_parser,
+    default_json,
+    print_table,
+    selected_cases,
+    write_json,
+)
+from tabserve.bench.timing import measure
 
 HEADS, HEAD_DIM = 8, 64
 #: (name, tables, queries, keys): the ICL stage's calls of the large and xlarge workloads.
@@ -49,7 +56,7 @@ CASES = [
 ]
 QUICK_CASES = [("tiny train", 2, 96, 96), ("tiny test", 2, 16, 96)]
 #: The padded calls (``--prefix``): the small workload's (8 tables, 512 train + 64 test rows),
-#: whose bucketed recipes replay CUDA graphs, and the large one's (xlarge's 50,000 train rows
+#: whose bucketed presets replay CUDA graphs, and the large one's (xlarge's 50,000 train rows
 #: are past the train-row grid: never padded).
 PREFIX_CASES = [
     ("small train", 8, 512, 512),
@@ -62,8 +69,8 @@ PREFIX_BACKENDS = ("flash", "efficient", "masked")
 CHECKED_ROWS = 64
 #: Added to v for a second error check: values that share a sign, as the model's projections
 #: (with their biases) give them. A kernel whose running sum loses bits block after block (fp8
-#: matmuls left unpromoted on Hopper) drifts on those; zero-mean values hide it (the
-#: twenty-third session's c57 failed its model gate while this benchmark showed 1.75e-3).
+#: matmuls left unpromoted on Hopper) drifts on those; zero-mean values hide it (such a kernel
+#: showed 1.75e-3 here on zero-mean values and still failed the driver's model gate).
 VALUE_OFFSET = 2.0
 BACKENDS = {
     "cudnn": SDPBackend.CUDNN_ATTENTION,
@@ -258,7 +265,7 @@ def main(argv=None) -> int:
         rows,
     )
     stem = "icl-prefix-attention" if args.prefix else "icl-attention"
-    out = args.json or Path(__file__).parent / "results" / f"{stem}-{device.type}.json"
+    out = args.json or default_json(f"{stem}-{device.type}")
     write_json(
         out,
         {

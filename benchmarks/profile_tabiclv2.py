@@ -1,6 +1,7 @@
 """Where the time of one TabICLv2 call goes, per stage and per kernel, for driver cells.
 
-For each cell (names as in ``python -m tabserve.bench --list``) on one workload: the warm wall time
+For each cell (names as in ``python -m tabserve.bench --list``, with ``--cells-file`` the research
+cells too) on one workload: the warm wall time
 of a one-shot call (``--phase kv``: of a KV-cached prediction), the GPU time of each stage (column embedding, row interaction, in-context
 learning; CUDA events around the stage modules' methods, so the reference and tabserve split the
 same way), the share of the wall time the GPU is busy, the GPU time per kernel family
@@ -11,7 +12,7 @@ before the first kernel; ``--trace`` also writes the call as a Perfetto trace), 
 operators by host time. Not a benchmark: the driver measures; this explains.
 
     python benchmarks/profile_tabiclv2.py --device cuda --workload large \
-        --cells c1-ref-fp16 c5-fp16 --out profile-large.txt
+        --cells ref-fp16 large --out profile-large.txt
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import time
 from pathlib import Path
 
 import torch
-from tabserve.bench.cells import cell_by_name, skip_reason
+from tabserve.bench.cells import cell_by_name, cell_table, load_cells_file, skip_reason
 from tabserve.bench.engines import make_engine
 from tabserve.bench.timing import synchronize, time_once
 from tabserve.bench.workloads import make_checkpoint, model_tables, workload_by_name
@@ -181,8 +182,9 @@ def profile_cell(
     repeats: int,
     trace=None,
     phase: str = "one_shot",
+    table=None,
 ):
-    cell = cell_by_name(name)
+    cell = cell_by_name(name, table or cell_table())
     reason = skip_reason(cell, device.type)
     if reason is not None:
         return {"cell": name, "workload": workload.name, "skipped": reason}, ""
@@ -195,7 +197,7 @@ def profile_cell(
     # Stage split (only where the stage modules run eagerly: compiled or captured cells hide it).
     model = getattr(engine, "model", None)
     inner = getattr(model, "model", model)
-    eager = not (cell.compile or cell.regional or cell.cuda_graphs)
+    eager = cell.options is None or not (cell.options.compiled or cell.options.graphs)
     timer = StageTimer(inner, device) if eager and isinstance(inner, torch.nn.Module) else None
     stages, stage_walls = [], []  # the stage-timed calls' own wall times, to read them against
     if timer is not None:
@@ -261,7 +263,10 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--workload", default="large")
-    parser.add_argument("--cells", nargs="+", default=["c1-ref-fp16", "c5-fp16"])
+    parser.add_argument("--cells", nargs="+", default=["ref-fp16", "large"])
+    parser.add_argument(
+        "--cells-file", type=Path, help="more cells (benchmarks/cells/research.json)"
+    )
     parser.add_argument(
         "--phase",
         choices=("one_shot", "kv"),
@@ -279,6 +284,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     workload = workload_by_name(args.workload)
+    table = cell_table(load_cells_file(args.cells_file) if args.cells_file else ())
     summaries, texts = [], []
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint = args.checkpoint or make_checkpoint(
@@ -287,7 +293,7 @@ def main(argv=None) -> int:
         for name in args.cells:
             try:
                 summary, text = profile_cell(
-                    name, workload, checkpoint, device, args.repeats, args.trace, args.phase
+                    name, workload, checkpoint, device, args.repeats, args.trace, args.phase, table
                 )
             except Exception as error:  # noqa: BLE001  (one failing cell must not hide the others)
                 summary, text = {"cell": name, "error": f"{type(error).__name__}: {error}"}, ""

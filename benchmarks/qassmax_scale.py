@@ -6,9 +6,8 @@ column stage's inducing points (head dim 16). Methods: the composite (two linear
 tanh and the products, weights cast to q's dtype, as autocast runs the model's modules), the
 composite under torch.compile (CUDA) and the operator (its fused kernel on CUDA for fp16 / bf16,
 its ATen composite elsewhere). Every method's output is checked against the composite (max
-|difference| in roundings of the largest output, reported) before timing. H200 history in
-docs/ops.md: the first fused kernel took 52-87 us per call in a small table's graph (seventh
-session); the tensor-core kernel 32-35 us per small call here, host launch included (eighth).
+|difference| in roundings of the largest output, reported) before timing. On the H200 the
+tensor-core kernel takes 32-35 us per small call here, host launch included.
 
     python benchmarks/qassmax_scale.py --device cuda
 """

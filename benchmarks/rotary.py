@@ -19,7 +19,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import environment, measure, print_table, write_json
+from harness import default_json, environment, print_table, write_json
+from tabserve.bench.timing import measure
 from tabserve import ops
 from tabserve.models.tabicl.layers import RotaryEmbedding, rotate_half
 
@@ -81,7 +82,7 @@ def main(argv=None) -> int:
         ["case", "method", "median ms", "p20-p80", "peak extra MiB", "bitwise = composite"],
         rows,
     )
-    out = args.json or Path(__file__).parent / "results" / f"rotary-{device.type}.json"
+    out = args.json or default_json(f"rotary-{device.type}")
     write_json(
         out,
         {

@@ -29,15 +29,16 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import (
     attention_benchmark_parser,
+    default_json,
     environment,
-    measure,
     print_table,
     selected_cases,
     write_json,
 )
+from tabserve.bench.timing import measure
 from tabserve import ops
 from tabserve.models.tabicl.layers import _in_cuda_batch_chunks
-from tabserve.models.tabicl.recipes import sdpa_context
+from tabserve.models.tabicl.options import sdpa_context
 
 HEADS = 8
 #: (name, batch, queries, keys, broadcast queries): the large workload's head-dim-16 attentions
@@ -185,7 +186,7 @@ def main(argv=None) -> int:
         rows,
     )
     out = (
-        args.json or Path(__file__).parent / "results" / f"small-head-attention-{device.type}.json"
+        args.json or default_json(f"small-head-attention-{device.type}")
     )
     write_json(
         out,

@@ -11,12 +11,12 @@ stream) must give exactly the single-threaded results.
 
     python benchmarks/soak.py --quick                    # CPU: about a minute on 2 cores
     python benchmarks/soak.py --device cuda --size full  # H200: 10,000 full-size predictions
-    python benchmarks/soak.py --device cuda --size full --recipe fp16-buckets-cudagraphs
+    python benchmarks/soak.py --device cuda --size full --preset medium
 
 Without ``--checkpoint`` a safetensors checkpoint of a classifier with seeded random weights is written
 to a temporary folder (``--size tiny`` by default on CPU, the released architecture with ``full``):
 latency and memory do not depend on the weights' values. Results: a table per window, a verdict,
-and JSON (``--json``, default benchmarks/results/soak-<device>.json).
+and JSON (``--json``, default tabserve-results/soak-<device>.json).
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import MiB, _malloc_trim, _rss_bytes, print_table, write_json
-from tabserve.bench.timing import percentile, time_once
+from harness import default_json, print_table, write_json
+from tabserve.bench.timing import MiB, malloc_trim, percentile, rss_bytes, time_once
 from tabserve.models.tabicl import TabICLv2, TabICLv2Config
 
 #: Architecture overrides of the small model (tabicl's constructor names); {} = released v2.
@@ -84,8 +84,8 @@ def random_table(generator: torch.Generator, shape, device) -> tuple:
 
 
 def memory_now(device: torch.device) -> dict:
-    _malloc_trim()
-    row = {"rss_mib": _rss_bytes() / MiB}
+    malloc_trim()
+    row = {"rss_mib": rss_bytes() / MiB}
     if device.type == "cuda":
         row["allocated_mib"] = torch.cuda.memory_allocated(device) / MiB
         row["reserved_mib"] = torch.cuda.memory_reserved(device) / MiB
@@ -203,20 +203,20 @@ def main(argv=None) -> int:
         "--precision",
         choices=("fp32", "fp16", "bf16"),
         default="fp32",
-        help="fp16 / bf16: autocast, as the reduced-precision serving recipes run",
+        help="fp16 / bf16: autocast, as the reduced-precision serving presets run",
     )
     parser.add_argument(
         "--max-seconds", type=float, default=math.inf, help="stop the stream early after this"
     )
     parser.add_argument(
-        "--recipe",
-        help="serve through ServedTabICL with this recipe (e.g. fp16-buckets-cudagraphs: one "
-        "CUDA graph per bucket; its own precision applies, leave --precision at fp32)",
+        "--preset",
+        help="serve through ServedTabICL with this serving preset (e.g. medium: one CUDA graph "
+        "per bucket; its own precision applies, leave --precision at fp32)",
     )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
-    if args.recipe and args.precision != "fp32":
-        parser.error("--recipe brings its own precision: leave --precision at fp32")
+    if args.preset and args.precision != "fp32":
+        parser.error("--preset brings its own precision: leave --precision at fp32")
     device = torch.device(args.device)
     size = args.size or ("full" if device.type == "cuda" else "tiny")
     predictions = 300 if args.quick else args.predictions
@@ -225,10 +225,10 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as folder:
         path = args.checkpoint or write_checkpoint(size, Path(folder))
         model = TabICLv2.from_checkpoint(path, device=device)
-    if args.recipe:
+    if args.preset:
         from tabserve.models.tabicl.serving import ServedTabICL
 
-        model = ServedTabICL(model, args.recipe)
+        model = ServedTabICL(model, args.preset)
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(args.precision)
 
     def precision():
@@ -248,7 +248,7 @@ def main(argv=None) -> int:
 
     print_table(
         f"soak: {served} of {predictions} predictions, TabICLv2 {size} "
-        f"{args.recipe or args.precision} on {device} "
+        f"{args.preset or args.precision} on {device} "
         f"(torch threads {torch.get_num_threads()})",
         list(rows[0]),
         [[f"{v:.2f}" if isinstance(v, float) else v for v in r.values()] for r in rows],
@@ -270,7 +270,7 @@ def main(argv=None) -> int:
         + ("identical to one thread" if concurrency["identical"] else "DIFFERS")
         + f" (max |diff| {concurrency['max_abs_diff']:.3g})"
     )
-    out = args.json or Path(__file__).parent / "results" / f"soak-{device.type}.json"
+    out = args.json or default_json(f"soak-{device.type}")
     write_json(
         out,
         {
@@ -278,7 +278,7 @@ def main(argv=None) -> int:
             "size": size,
             "device": str(device),
             "precision": args.precision,
-            "recipe": args.recipe,
+            "preset": args.preset,
             "predictions": predictions,
             "served": served,
             "stopped_early": served < predictions,

@@ -47,6 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import harness  # noqa: E402
 import torch_peer  # noqa: E402
 from tabserve import StringColumn, StringIndex, ops  # noqa: E402
+from tabserve.bench.timing import format_mib, format_ms, measure  # noqa: E402
 
 # ---------------------------------------------------------------------------------------------
 # Label patterns: how bytes are filled and where the label's unique id is written
@@ -481,9 +482,9 @@ def run_case(case: Case, methods: list[Method], args) -> dict:
         try:
             prepared = method.prepare(data, device)
             result = {"check": check(prepared.lookup(), expected)}
-            result["lookup"] = harness.measure(prepared.lookup, device, **args.timing).as_dict()
+            result["lookup"] = measure(prepared.lookup, device, **args.timing).as_dict()
             if method.timed_build and prepared.build is not None:
-                result["build"] = harness.measure(
+                result["build"] = measure(
                     prepared.build, device, memory=False, **args.build_timing
                 ).as_dict()
         except Exception as error:  # a failing method is reported, the sweep goes on
@@ -508,11 +509,11 @@ def print_case(record: dict) -> None:
         rows.append(
             [
                 name,
-                harness.format_ms(lookup["median_ms"]),
-                harness.format_ms(lookup["p20_ms"]),
-                harness.format_ms(lookup["p80_ms"]),
-                f"{harness.format_mib(lookup['peak_extra_bytes'])} ({lookup['memory_method']})",
-                harness.format_ms(build["median_ms"]) if build else "-",
+                format_ms(lookup["median_ms"]),
+                format_ms(lookup["p20_ms"]),
+                format_ms(lookup["p80_ms"]),
+                f"{format_mib(lookup['peak_extra_bytes'])} ({lookup['memory_method']})",
+                format_ms(build["median_ms"]) if build else "-",
                 verdict,
             ]
         )
@@ -549,14 +550,14 @@ def _cell(record: dict, method: str, what: str) -> str:
         return "ERR"
     if "check" in result and not result["check"]["ok"]:
         return "WRONG"
-    return harness.format_ms(result.get(what, {}).get("median_ms"))
+    return format_ms(result.get(what, {}).get("median_ms"))
 
 
 def _peak_cell(record: dict, methods: tuple[str, ...]) -> str:
     for method in methods:
         lookup = record["methods"].get(method, {}).get("lookup")
         if lookup:
-            return harness.format_mib(lookup["peak_extra_bytes"])
+            return format_mib(lookup["peak_extra_bytes"])
     return "-"
 
 
@@ -635,7 +636,7 @@ def print_targets(verdicts: list[dict]) -> None:
         losses = v.get("losses") or []
         note = f" lost: {', '.join(losses[:3])}{' ...' if len(losses) > 3 else ''}" if losses else ""
         rows.append([v["state"], v["target"], f"{value if value is not None else '-'}{note}"])
-    harness.print_table("Targets (issue 2)", ["state", "target", "value"], rows)
+    harness.print_table("Targets", ["state", "target", "value"], rows)
 
 
 def select_cases(args) -> list[Case]:
@@ -655,7 +656,9 @@ def parse_args(argv=None):
     parser.add_argument("--cases", nargs="+", metavar="NAME", help="case names or glob patterns")
     parser.add_argument("--methods", nargs="+", metavar="NAME",
                         help="method names or glob patterns (default: all)")
-    parser.add_argument("--out", default="benchmarks/results/string_lookup.json", help="JSON path")
+    parser.add_argument(
+        "--out", default=str(harness.default_json("string_lookup")), help="JSON path"
+    )
     parser.add_argument("--seed", type=int, default=0, help="data generation seed")
     parser.add_argument("--budget", type=float, default=None,
                         help="seconds of timed repeats per cell (default 0.1)")

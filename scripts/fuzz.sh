@@ -2,7 +2,8 @@
 # Fuzzes the torch-free string core (test/fuzz/fuzz_string_table.cpp) with libFuzzer under
 # AddressSanitizer and UndefinedBehaviorSanitizer, for a bounded time.
 #
-#   bash scripts/fuzz.sh [SECONDS]      default 60; CI runs it bounded, see docs/reliability.md
+#   bash scripts/fuzz.sh [SECONDS]      default 60; CI runs it bounded
+#                                       (docs/reference/reliability.md)
 #   FUZZ_JOBS=2 bash scripts/fuzz.sh 3600   a longer run on every core (libFuzzer -fork)
 #
 # Needs clang with libFuzzer (Debian: apt-get install clang libclang-rt-dev). The seed corpus

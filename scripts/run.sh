@@ -111,8 +111,8 @@ run_tests() {
   run_reliability
 }
 
-# Bounded fuzz run and the ASan + UBSan GoogleTest suites (docs/reliability.md); about 3 minutes
-# on a 2-core machine. Each skips with a message when its toolchain is missing (exit status 3).
+# Bounded fuzz run and the ASan + UBSan GoogleTest suites (docs/reference/reliability.md); about
+# 3 minutes on a 2-core machine. Each skips with a message when its toolchain is missing (exit status 3).
 run_reliability() {
   local status
   log "fuzz: string core, ${TABSERVE_FUZZ_SECONDS:-60} s"

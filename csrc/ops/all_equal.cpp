@@ -3,7 +3,7 @@
 // The column stage's sentinel rule: a set of cells (one feature group of one table) whose every
 // value equals the skip value (-100) is left alone by each induced-set block. As ATen ops,
 // `(cells == value).flatten(-2).all(-1)` reads all 2.7 GB of the large workload's fp32 cells
-// before every block (on the H200 it was ~1.1-1.4 ms of Inductor reductions per block). A set
+// before every block (on the H200 ~1.1-1.4 ms of Inductor reductions per block). A set
 // that is not made of sentinels shows it in its first values, so both kernels stop reading a
 // set at its first other value: only sets that are all sentinels (padded features) are read
 // whole.

@@ -1,5 +1,5 @@
 // all_equal: the argument checks shared by the CPU and CUDA kernels. Contract: all_equal.cpp
-// (next to the schema) and docs/ops.md.
+// (next to the schema) and docs/reference/ops.md.
 #pragma once
 
 #include <ATen/ATen.h>

@@ -9,7 +9,7 @@
 // is 2-3.6x faster than cuDNN on the row stage's short sequences, slower on the column stage's
 // long key runs). The
 // CPU kernel computes the same contract exactly (fp32 maths, fp64 for fp64 inputs): the
-// reference of the tests. Contract: docs/ops.md.
+// reference of the tests. Contract: docs/reference/ops.md.
 #include "attention.h"
 
 #include <torch/library.h>

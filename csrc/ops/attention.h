@@ -1,5 +1,5 @@
 // Attention with head dimension 16 (TabICLv2's column and row stages): shared argument checks of
-// the CPU and CUDA kernels. Contract: attention.cpp (next to the schema) and docs/ops.md.
+// the CPU and CUDA kernels. Contract: attention.cpp (next to the schema) and docs/reference/ops.md.
 #pragma once
 
 #include <ATen/ATen.h>

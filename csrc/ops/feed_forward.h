@@ -1,5 +1,5 @@
 // feed_forward_resident: the argument checks and output shared by the CPU and CUDA kernels.
-// Contract: feed_forward.cpp (next to the schema) and docs/ops.md.
+// Contract: feed_forward.cpp (next to the schema) and docs/reference/ops.md.
 #pragma once
 
 #include <ATen/ATen.h>

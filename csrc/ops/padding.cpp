@@ -5,7 +5,7 @@
 // [train_bucket, train_bucket + n_test), everything else a fill value. The model then runs on the
 // bucket's fixed shape; prefix_attention and qassmax_scale take the real number of train rows
 // (keys) from a device tensor, so one compiled or captured graph serves every table of a bucket
-// and the padding changes no number. Contracts: docs/ops.md.
+// and the padding changes no number. Contracts: docs/reference/ops.md.
 #include "padding.h"
 
 #include "attention.h"
@@ -132,7 +132,7 @@ void check_qassmax_scale(const at::Tensor& q, const at::Tensor& n_keys,
     }
     TORCH_CHECK(ok, w.name, " has shape ", w.tensor.sizes(), ", which does not fit q (heads ",
                 heads, ", head_dim ", head_dim, ") and base_weight1 [hidden, 1] / query_weight1 ",
-                "[hidden, head_dim]; see docs/ops.md");
+                "[hidden, head_dim]; see docs/reference/ops.md");
     TORCH_CHECK(w.tensor.device() == q.device(), w.name, " is on ", w.tensor.device(),
                 " but q is on ", q.device());
     TORCH_CHECK(at::isFloatingType(w.tensor.scalar_type()), w.name,

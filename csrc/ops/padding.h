@@ -1,5 +1,6 @@
 // Shared argument checks and helpers of the padded-table operators (CPU and CUDA kernels).
-// The operator contracts are documented in docs/ops.md and next to the schemas in padding.cpp.
+// The operator contracts are documented in docs/reference/ops.md and next to the schemas in
+// padding.cpp.
 #pragma once
 
 #include <ATen/ATen.h>

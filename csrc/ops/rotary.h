@@ -1,5 +1,5 @@
 // Rotary position embedding (rotate-half RoPE) in one pass: shared checks and layout helpers of
-// the CPU and CUDA kernels. Contract: rotary.cpp (next to the schema) and docs/ops.md.
+// the CPU and CUDA kernels. Contract: rotary.cpp (next to the schema) and docs/reference/ops.md.
 #pragma once
 
 #include <ATen/ATen.h>

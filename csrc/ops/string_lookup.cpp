@@ -5,7 +5,7 @@
 // rows. `string_index_build` turns it into an open-addressing table (slot_hash, slot_row) and the
 // lookups map query labels of column c to the position of the label in column c's vocabulary:
 // the last position when a label repeats, -1 for unknown labels, null queries and null
-// vocabulary entries never match. Contracts: docs/ops.md.
+// vocabulary entries never match. Contracts: docs/reference/ops.md.
 #include "string_lookup.h"
 
 #include <ATen/Parallel.h>

@@ -1,5 +1,5 @@
 // Shared argument checks of the string-lookup operators (CPU and CUDA kernels).
-// The operator contracts are documented in docs/ops.md and next to the schemas in
+// The operator contracts are documented in docs/reference/ops.md and next to the schemas in
 // string_lookup.cpp.
 #pragma once
 

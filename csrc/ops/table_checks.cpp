@@ -5,7 +5,7 @@
 // kernels (isfinite and all twice, round, comparisons, a sort of the labels for the distinct
 // counts, stacks and a concatenation) before the one transfer of the verdict to the host: on a
 // small table, as many launches as the padded forward pass's replayed graph takes milliseconds
-// (H200 profile of cell c39). This operator computes the same facts in one kernel: every label
+// (H200 profile of the small workload). This operator computes the same facts in one kernel: every label
 // that is an integer in [0, N) marks a bit of its table's presence bitmap (N = train rows: K
 // distinct labels 0..K-1 need K <= N), so the distinct count is a population count, no sort.
 #include "table_checks.h"

@@ -1,5 +1,5 @@
 // Input checks of a TabICL table in one pass: shared argument checks of the CPU and CUDA kernels.
-// Contract: table_checks.cpp (next to the schema) and docs/ops.md.
+// Contract: table_checks.cpp (next to the schema) and docs/reference/ops.md.
 #pragma once
 
 #include <ATen/ATen.h>

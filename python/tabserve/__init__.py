@@ -21,6 +21,8 @@ _LAZY = {
     "TabICLv2": "tabserve.models.tabicl",
     "TabICLClassifier": "tabserve.models.tabicl",
     "TabICLRegressor": "tabserve.models.tabicl",
+    "ServingOptions": "tabserve.models.tabicl.options",
+    "serving_presets": "tabserve.models.tabicl.options",
 }
 
 

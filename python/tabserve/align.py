@@ -86,7 +86,7 @@ class AlignCategories(nn.Module):
 
     Under ``torch.compile(fullgraph=True)``: one graph, no graph break; batches whose row counts
     and vocabulary sizes differ reuse it after the first dynamic recompile (sizes 0 and 1 are
-    specialised by Dynamo like any size, see docs/tables.md).
+    specialised by Dynamo like any size, see docs/guide/tables.md).
 
     Raises:
         NotFittedError before fit; ValueError for a missing column; CategoryTypeError as above.

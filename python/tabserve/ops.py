@@ -1,9 +1,9 @@
 """Fake kernels and documented Python wrappers of the `torch.ops.tabserve` operators.
 
 The schemas, CPU kernels and CUDA kernels live in csrc/ops/<family>.cpp and
-csrc/ops/cuda/<family>.cu; docs/ops.md gives every operator's contract. The fake kernels here
-describe output shapes and dtypes so that torch.compile, torch.export and opcheck can trace the
-operators without running them.
+csrc/ops/cuda/<family>.cu; docs/reference/ops.md gives every operator's contract. The fake
+kernels here describe output shapes and dtypes so that torch.compile, torch.export and opcheck can
+trace the operators without running them.
 """
 
 from __future__ import annotations
@@ -12,6 +12,10 @@ from collections.abc import Sequence
 
 import torch
 from torch import Tensor
+
+# The (width, FFN width) feed_forward_resident serves, defined in a module that imports nothing:
+# kernels/feed_forward.py reads it from there too, and never imports this module.
+from tabserve.kernels._resident import RESIDENT_DIM, RESIDENT_HIDDEN
 
 #: Hash bits kept in production. Tests pass fewer to force hash collisions.
 FULL_HASH_BITS = 64
@@ -586,7 +590,7 @@ def small_head_attention(
     one fused kernel on the tensor cores built for these shapes (a 16-wide head is the k of one
     m16n8k16 product; the softmax stays in registers; keys staged 128 at a time; no batch
     limit). On the H200 it is 2-3.6x faster than cuDNN on the row stage's short sequences and
-    slower on the column stage's long key runs (docs/ops.md).
+    slower on the column stage's long key runs (docs/reference/ops.md).
 
     Args:
         q: [B, heads, Lq, 16]; k, v: [B, heads, Lk, 16] with Lk >= 1; any strides (a head-split
@@ -652,7 +656,7 @@ def feed_forward(
     writes it once (the hidden activations never reach memory): :func:`feed_forward_resident`
     for width 128 / hidden 256 streams below 2^20 tokens, the Triton kernel otherwise; elsewhere
     (CPU, fp32, other shapes) the ATen composite runs. The kernel's matmuls sum in another order than
-    cuBLAS: results differ from the composite by rounding (bounds in docs/ops.md).
+    cuBLAS: results differ from the composite by rounding (bounds in docs/reference/ops.md).
 
     Args:
         x: [..., dim] float tensor (fp32 / fp16 / bf16 on CUDA), any leading shape.
@@ -765,7 +769,7 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, fp8: bool = False) -> Tenso
     capability 8.9 or later) one Triton kernel runs; elsewhere (CPU, fp32, other shapes) the ATen composite
     computes the same roundings in fp32 maths with a two-pass softmax. The kernel sums in
     another order and rescales its weights by a running row maximum, so the two differ by
-    rounding (bounds in docs/ops.md).
+    rounding (bounds in docs/reference/ops.md).
 
     Args:
         q: [..., queries, dim] floating tensor (any leading shape).
@@ -786,11 +790,7 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, fp8: bool = False) -> Tenso
 
 
 # The feed-forward half at TabICLv2's width, weights resident on chip (csrc/ops/feed_forward.cpp,
-# csrc/ops/cuda/feed_forward.cu)
-
-#: The (width, FFN width) :func:`feed_forward_resident` serves: the column and row stages'.
-RESIDENT_DIM, RESIDENT_HIDDEN = 128, 256
-
+# csrc/ops/cuda/feed_forward.cu); its shape: RESIDENT_DIM, RESIDENT_HIDDEN (kernels/_resident.py)
 
 
 @torch.library.register_fake("tabserve::feed_forward_resident")
@@ -862,8 +862,8 @@ def feed_forward_resident(
     linears accumulated in fp32 and rounded to T, the exact (erf) GELU in fp32 rounded to T,
     ``x + update`` rounded to T when x is T, ``s + y`` in fp32. On CUDA (sm80+) one warp runs a
     16-token tile through every step in registers (tensor-core products, another summation order
-    than cuBLAS: results differ from the composite by rounding, bounds in docs/ops.md); on CPU
-    ATen's fp32 kernels compute the same roundings (the tests' reference).
+    than cuBLAS: results differ from the composite by rounding, bounds in docs/reference/ops.md);
+    on CPU ATen's fp32 kernels compute the same roundings (the tests' reference).
 
     Args:
         x: [..., 128] float32 or T tensor, any leading shape.

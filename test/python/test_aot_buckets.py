@@ -20,12 +20,13 @@ import torch
 from tabicl_helpers import our_model, random_table
 from tabserve.buckets import BucketGrid
 from tabserve.models.tabicl import aot
+from tabserve.models.tabicl.options import ServingOptions
 from tabserve.models.tabicl.serving import ServedTabICL
 from torch._dynamo.utils import counters
 
 GRID = BucketGrid(train_rows=(16,), test_rows=(8,), features=(6,))
 TABLES = 2
-RECIPE = "fp32-buckets"
+RECIPE = ServingOptions(buckets=True)
 
 
 def _tables(count: int, seed: int):
@@ -48,7 +49,7 @@ def test_loaded_packages_serve_every_table_of_their_bucket(packages):
     directory, manifest = packages
     files = ["bucket-16x8x6-b2.pt2", "build-cache-16x0x6-b2.pt2", "forward-cached-16x8x6-b2.pt2"]
     assert [entry["file"] for entry in manifest["packages"]] == files
-    assert manifest["recipe"] == RECIPE and manifest["torch"] == torch.__version__
+    assert manifest["options"] == "ServingOptions(buckets=True)" and manifest["torch"] == torch.__version__
     served = ServedTabICL(our_model("clf", "tiny"), RECIPE, GRID)
     assert served.load_buckets(directory) == 3
     reference = our_model("clf", "tiny")
@@ -107,7 +108,7 @@ RESTART = textwrap.dedent(
     from tabserve.buckets import BucketGrid
     from tabserve.models.tabicl.serving import ServedTabICL
 
-    served = ServedTabICL(our_model("clf", "tiny"), "fp32-buckets",
+    served = ServedTabICL(our_model("clf", "tiny"), ServingOptions(buckets=True),
                           BucketGrid(train_rows=(16,), test_rows=(8,), features=(6,)))
     loaded = served.load_buckets(sys.argv[1])
     X, y = random_table(11, 2, 12, 5, 6, 3)
@@ -151,9 +152,9 @@ def _edited(packages, tmp_path, edit):
     "edit, error, match",
     [
         (
-            lambda m, d: m.update(recipe="fp32-buckets-compile"),
+            lambda m, d: m.update(options="medium"),
             aot.AotPackageError,
-            "made for recipe 'fp32-buckets-compile'",
+            "made for options 'medium'",
         ),
         (lambda m, d: m.update(torch="0.0.1"), aot.AotPackageError, "made for torch '0.0.1'"),
         (lambda m, d: m["grid"].update(features=[6, 12]), aot.AotPackageError, "made for grid"),
@@ -186,7 +187,7 @@ def test_bad_manifests_and_recipes_without_buckets(packages, tmp_path):
         served.load_buckets(tmp_path)
     with pytest.raises(FileNotFoundError):
         served.load_buckets(tmp_path / "absent")
-    unpadded = ServedTabICL(our_model("clf", "tiny"), "fp32-eager")
+    unpadded = ServedTabICL(our_model("clf", "tiny"), ServingOptions())
     with pytest.raises(ValueError, match="does not pad onto buckets"):
         unpadded.load_buckets(packages[0])
     with pytest.raises(ValueError, match="does not pad onto buckets"):
@@ -194,11 +195,9 @@ def test_bad_manifests_and_recipes_without_buckets(packages, tmp_path):
 
 
 def test_autocast_recipes_export_with_their_precision(tmp_path):
-    """The recipe's precision context is inside the exported function: a bf16 package (CPU
+    """The options' precision context is inside the exported function: a bf16 package (CPU
     autocast) answers like the bf16 eager path, within bf16 rounding, and in bf16."""
-    from tabserve.models.tabicl import recipes
-
-    recipe = recipes.RECIPES["fp32-buckets"].replace(precision="bf16", name="bf16-buckets")
+    recipe = ServingOptions(buckets=True, precision="bf16")
     exporter = ServedTabICL(our_model("clf", "tiny"), recipe, GRID)
     exporter.export_buckets(tmp_path, GRID.buckets(), tables=TABLES)
     served = ServedTabICL(our_model("clf", "tiny"), recipe, GRID)
@@ -211,7 +210,7 @@ def test_autocast_recipes_export_with_their_precision(tmp_path):
 
 
 def test_cuda_packages_are_refused_unless_allowed(monkeypatch):
-    """Loading CUDA packages crashed the process on the H200 (docs/serving.md): refused by name
+    """Loading CUDA packages crashed the process on the H200 (docs/guide/serving.md): refused by name
     unless TABSERVE_ALLOW_CUDA_AOT=1; CPU packages are never refused. (The check needs no GPU.)"""
     monkeypatch.delenv(aot.ALLOW_CUDA_ENV, raising=False)
     with pytest.raises(aot.AotPackageError, match=f"disabled.*{aot.ALLOW_CUDA_ENV}=1"):
@@ -221,7 +220,7 @@ def test_cuda_packages_are_refused_unless_allowed(monkeypatch):
     aot.refuse_cuda_packages(torch.device("cuda", 0))
 
 
-CUDA_RECIPE = "fp16-buckets-cudagraphs"
+CUDA_RECIPE = "medium"
 
 
 def cuda_export(directory) -> None:
@@ -270,7 +269,7 @@ def _child(function: str, directory) -> subprocess.CompletedProcess:
     raises=AotLoadCrash,
     strict=True,
     reason="torch 2.11's aoti_load_package crashed loading these packages on the H200 "
-    "(docs/serving.md); passing here means the refusal in aot.load can be lifted",
+    "(docs/guide/serving.md); passing here means the refusal in aot.load can be lifted",
 )
 def test_cuda_packages_exported_then_loaded_in_a_fresh_process(tmp_path):
     """Export and load each in a child process with the CUDA refusal lifted: a crash must fail
@@ -289,12 +288,12 @@ def test_cuda_packages_exported_then_loaded_in_a_fresh_process(tmp_path):
 def test_packages_loaded_after_captures_replace_those_graphs(packages, monkeypatch):
     """With CUDA graphs (the CPU stand-in of test_padded_inference), a bucket captured before
     its package was loaded is captured again from the package instead of replaying the old graph."""
-    from tabserve.models.tabicl import recipes, serving
+    from tabserve.models.tabicl import serving
     from test_padded_inference import _ReplayOnCPU
 
     monkeypatch.setattr(serving, "_BucketGraph", _ReplayOnCPU)
-    served = ServedTabICL(our_model("clf", "tiny"), recipes.RECIPES[RECIPE], GRID)
-    served.recipe = served.recipe.replace(cuda_graphs=True)
+    served = ServedTabICL(our_model("clf", "tiny"), RECIPE, GRID)
+    served.options = served.options.replace(cuda_graphs=True)
     (X, y), (X2, y2) = _tables(2, seed=21)
     reference = our_model("clf", "tiny")
     assert (served(X, y) - reference(X, y)).abs().max() <= 1e-5

@@ -6,7 +6,7 @@ or the rule it breaks). After every case the area's good call runs again and mus
 baseline result: the process and the fitted state survive the bad input. ``ACCEPTED`` holds the
 odd-but-legal inputs whose result is defined (unseen categories, NaN features, unchecked malformed
 offsets): they must return that result, not raise or crash. ``test_pickled_code_is_refused``
-proves a checkpoint carrying code is never executed. Counts are in docs/reliability.md.
+proves a checkpoint carrying code is never executed. Counts are in docs/reference/reliability.md.
 """
 
 from __future__ import annotations
@@ -702,8 +702,8 @@ class _WritesMarker:
 @pytest.mark.parametrize("container", ["zip", "legacy"])
 def test_pickled_code_is_refused(world, tmp_path, container):
     """A checkpoint whose pickle would write a marker file is refused and the file never appears,
-    through TabICLv2 and through an estimator; loading it with ``weights_only=False`` (what we
-    never do) would create it, which proves the payload is live."""
+    through TabICLv2 and through an estimator; loading it with ``weights_only=False`` (which
+    tabserve never does) would create it, which proves the payload is live."""
     marker = tmp_path / f"marker-{container}"
     payload = checkpoint_payload(build_reference_model("clf", "tiny", seed=3))
     payload["config"]["embed_dim"] = _WritesMarker(marker)

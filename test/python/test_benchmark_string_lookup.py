@@ -1,4 +1,5 @@
-"""The string-lookup benchmark (benchmarks/string_lookup.py), its harness and its PyTorch peer.
+"""The string-lookup benchmark (benchmarks/string_lookup.py), the timing harness it measures with
+(tabserve.bench.timing) and its PyTorch peer.
 
 CPU only and fast: the benchmark runs one tiny case in-process; torch_peer is checked against a
 Python dict on seeded random cases.
@@ -19,6 +20,7 @@ import harness  # noqa: E402
 import string_lookup  # noqa: E402
 import torch_peer  # noqa: E402
 from tabserve import StringColumn  # noqa: E402
+from tabserve.bench import timing  # noqa: E402
 
 TINY_CASE = "random-L8-V100-Q1k"
 
@@ -78,17 +80,22 @@ def test_cases_table_matches_the_seed_sweep():
     assert all(any(c.name == t[1] for c in string_lookup.CASES) for t in string_lookup.TARGETS)
 
 
-# -- the harness ------------------------------------------------------------------------------
+# -- the timing harness -----------------------------------------------------------------------
 
 
 def test_percentile_interpolates():
-    assert harness.percentile([1.0], 20) == 1.0
-    assert harness.percentile([0.0, 10.0], 20) == pytest.approx(2.0)
-    assert harness.percentile([3.0, 1.0, 2.0], 50) == 2.0
+    assert timing.percentile([1.0], 20) == 1.0
+    assert timing.percentile([0.0, 10.0], 20) == pytest.approx(2.0)
+    assert timing.percentile([3.0, 1.0, 2.0], 50) == 2.0
+
+
+def test_benchmarks_write_under_the_untracked_results_folder_by_default():
+    assert harness.default_json("rotary-cpu") == Path("tabserve-results") / "rotary-cpu.json"
+    assert string_lookup.parse_args([]).out == str(Path("tabserve-results") / "string_lookup.json")
 
 
 def test_measure_cpu_reports_time_and_memory():
-    m = harness.measure(lambda: np.ones(1 << 20), "cpu", min_repeats=3, budget_s=0.01)
+    m = timing.measure(lambda: np.ones(1 << 20), "cpu", min_repeats=3, budget_s=0.01)
     assert m.repeats >= 3 and m.p20_ms <= m.median_ms <= m.p80_ms
     assert m.memory_method in ("rss", "tracemalloc")
     assert m.memory_probes["tracemalloc"] >= 8 << 20  # numpy allocates through tracemalloc

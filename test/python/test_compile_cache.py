@@ -117,7 +117,7 @@ SERVED = textwrap.dedent(
     import copy, json, sys
     from tabicl_helpers import our_model, random_table
     from tabserve.buckets import BucketGrid
-    from tabserve.models.tabicl import recipes
+    from tabserve.models.tabicl.options import ServingOptions
     from tabserve.models.tabicl.serving import ServedTabICL
     from torch._dynamo.utils import counters
 
@@ -125,7 +125,7 @@ SERVED = textwrap.dedent(
     header = ServedTabICL.load_compile_cache(path) if mode == "load" else None
     grid = BucketGrid(train_rows=(16,), test_rows=(8,), features=(6,))
     model = copy.deepcopy(our_model("clf", "tiny"))
-    served = ServedTabICL(model, recipes.RECIPES["fp32-buckets-compile"], grid)
+    served = ServedTabICL(model, ServingOptions(buckets=True, compile="default"), grid)
     served.warm_up(tables=2)
     X, y = random_table(3, 2, 12, 5, 4, 3)
     report = {"inductor": dict(counters["inductor"]), "header": header,
@@ -151,7 +151,7 @@ def test_served_model_restarts_from_its_compile_cache(tmp_path):
         )
         assert done.returncode == 0, done.stderr[-3000:]
         runs[mode] = json.loads(done.stdout.strip().splitlines()[-1])
-    assert runs["save"]["saved"]["tags"]["recipe"] == "fp32-buckets-compile"
+    assert runs["save"]["saved"]["tags"]["options"]["compile"] == "default"
     assert runs["load"]["header"]["tags"]["grid"]["train_rows"] == [16]
     assert runs["load"]["inductor"].get("fxgraph_cache_hit", 0) >= 1
     assert runs["load"]["inductor"].get("fxgraph_cache_miss", 0) == 0

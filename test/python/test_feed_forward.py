@@ -10,6 +10,7 @@ here under Triton's interpreter (CPU, fp16; the interpreter's bf16 is broken) an
 from __future__ import annotations
 
 import copy
+import dataclasses
 import importlib.util
 import json
 import math
@@ -21,7 +22,8 @@ from tabicl_helpers import interpreter_child, our_model
 from tabserve import ops
 from tabserve.kernels import feed_forward as ff
 from tabserve.models.tabicl.layers import AttentionBlock
-from tabserve.models.tabicl.recipes import RECIPES, Recipe, recipe_from_cell
+from tabserve.models.tabicl.options import PRESETS, ServingOptions
+from tabserve.models.tabicl.stage_kernels import STAGES, StageKernels, use_stage_kernels
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 requires_triton = pytest.mark.skipif(
@@ -473,7 +475,7 @@ def test_block_takes_the_operator_in_one_compiled_graph(monkeypatch):
     x = torch.randn(2, 9, 32)
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         want = b(x)
-        b.fused_feed_forward = True
+        b.kernels = StageKernels(fused_ffn=True)
         torch._dynamo.reset()
         got = torch.compile(b, fullgraph=True, backend="aot_eager")(x)
     assert calls and set(calls) == {torch.bfloat16}
@@ -500,7 +502,7 @@ def test_block_folds_its_out_projection_in_one_compiled_graph(monkeypatch):
     x, inducing = torch.randn(2, 9, 32), torch.randn(1, 5, 32)
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         want, want_broadcast = b(x), b(inducing, x)
-        b.fused_feed_forward = b.fused_out_projection = True
+        b.kernels = StageKernels(fused_ffn=True, fused_out_projection=True)
         # The out-projection module is never called on the folded path.
         got = b(x)
         assert calls == [True]
@@ -551,41 +553,46 @@ def test_kernel_applies_only_where_it_is_built_for():
 
 
 # ---------------------------------------------------------------------------------------------
-# Recipes
+# Serving options
 
 
-def test_recipes_refuse_the_fused_ffn_without_autocast():
+def test_options_refuse_the_fused_ffn_without_autocast():
     with pytest.raises(ValueError, match="fused_ffn runs under bf16 / fp16 autocast only"):
-        Recipe("x", precision="fp32", fused_ffn=True)
+        ServingOptions(precision="fp32", fused_ffn=True)
     fields = {"precision": "fp16", "compile": "default", "attention": {"row": "head16"}}
-    assert recipe_from_cell({**fields, "fused_ffn": True}).fused_ffn
-    assert not recipe_from_cell(fields).fused_ffn
-    assert RECIPES["fp16-compile-head16-row-ffn"].fused_ffn
+    assert ServingOptions.from_dict({**fields, "fused_ffn": True}).fused_ffn
+    assert not ServingOptions.from_dict(fields).fused_ffn
+    assert all(PRESETS[name].options.fused_ffn for name in ("small", "large", "large-fp8"))
 
 
-def test_served_model_points_every_block_at_the_recipe():
+def test_served_model_points_every_block_at_its_options():
     from tabserve.models.tabicl.serving import ServedTabICL
 
     model = copy.deepcopy(our_model("clf", "tiny"))  # our_model is cached; serving mutates it
     blocks = [m for m in model.modules() if isinstance(m, AttentionBlock)]
-    ServedTabICL(model, RECIPES["fp16-buckets-compile-cudagraphs-head16-row-ffn"].replace(
-        cuda_graphs=False, compile="none"))  # fmt: skip
+    fp16 = ServingOptions(precision="fp16")
+    ServedTabICL(model, fp16.replace(fused_ffn=True))
     assert blocks and all(b.fused_feed_forward for b in blocks)
     assert not any(b.fused_out_projection for b in blocks)
-    recipe = RECIPES["fp16-compile-head16-fused-frozen-ropeproj-outproj"]
-    ServedTabICL(model, recipe.replace(compile="none", freeze=False))
+    ServedTabICL(model, fp16.replace(fused_ffn=True, fused_out_projection=True))
     assert all(b.fused_feed_forward and b.fused_out_projection for b in blocks)
     assert not model.row_interactor.tokens_from_column_stage
-    recipe = RECIPES["fp16-compile-head16-fused-frozen-ropeproj-outproj-rowtokens"]
-    ServedTabICL(model, recipe.replace(compile="none", freeze=False))
+    large = PRESETS["large"].options.replace(compile="none", freeze=False, kv_graphs=False)
+    ServedTabICL(model, large)
     assert model.row_interactor.tokens_from_column_stage
     assert model.row_interactor.column_prefix() is model.row_interactor.cls_tokens
-    ServedTabICL(model, RECIPES["fp16-eager"])
+    # One frozen object per stage: every module of a stage holds the same one.
+    for stage, module in STAGES.items():
+        held = {m.kernels for m in getattr(model, module).modules() if hasattr(m, "kernels")}
+        assert held == {large.stage_kernels(stage)}
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        blocks[0].kernels.fused_ffn = False
+    ServedTabICL(model, fp16)
     assert not any(b.fused_feed_forward or b.fused_out_projection for b in blocks)
     assert model.row_interactor.column_prefix() is None
     for folded in ("fused_out_projection", "fused_row_tokens"):
         with pytest.raises(ValueError, match=f"{folded} .* needs fused_ffn"):
-            RECIPES["fp16-eager"].replace(**{folded: True})
+            fp16.replace(**{folded: True})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -600,7 +607,7 @@ def test_cuda_gelu_forms_round_alike_on_every_half_precision_number():
     table = gelu_table("cuda")
     _assert_gelu_forms_agree(table)
     # erff as ATen's: 151 of the 63,488 fp16 GELUs differ from ATen's CUDA kernel's on the
-    # H200 (Triton 3.6, fifteenth session; each by at most 2 units from float64, as ATen's).
+    # H200 (Triton 3.6; each by at most 2 units from float64, as ATen's).
     assert table["torch.float16"]["erf"][0] <= 63488 // 200, table
 
 
@@ -704,7 +711,7 @@ def test_cuda_large_stream_past_int32_offsets_of_a_tile_grid():
 @requires_triton
 def test_cuda_compiled_and_captured_equal_eager():
     b = block().cuda()
-    b.fused_feed_forward = True
+    b.kernels = StageKernels(fused_ffn=True)
     x = torch.randn(4, 300, 128, device="cuda")
     u = torch.randn(4, 300, 128, device="cuda").half()  # the attention half's output
     with torch.no_grad(), torch.autocast("cuda", dtype=torch.float16):
@@ -720,7 +727,7 @@ def test_cuda_compiled_and_captured_equal_eager():
         again = b.feed_forward(2 * x, u)
     assert torch.equal(compiled, eager)
     assert torch.equal(static_out, again)
-    b.fused_feed_forward = False
+    b.kernels = StageKernels()
     with torch.no_grad(), torch.autocast("cuda", dtype=torch.float16):
         assert_agrees(eager, b.feed_forward(x, u), x.double() + u.double(), "fused vs modules")
 
@@ -730,11 +737,11 @@ def test_cuda_compiled_and_captured_equal_eager():
 @pytest.mark.parametrize("resident", [True, False], ids=["resident", "triton"])
 def test_cuda_compiled_skip_from_all_equal_equals_eager(resident, monkeypatch):
     """The induced-set block's pattern under Inductor: ``all_equal``'s flags (a bool tensor
-    made in the graph) into either kernel's skip epilogue. The first H200 run of this wiring
-    failed to lower (the Triton launch viewed the flags as uint8, 2026-12-01)."""
+    made in the graph) into either kernel's skip epilogue. The wiring fails to lower when the
+    Triton launch views the flags as uint8."""
     monkeypatch.setattr(ff, "RESIDENT_KERNEL", resident)
     b = block().cuda()
-    b.fused_feed_forward = True
+    b.kernels = StageKernels(fused_ffn=True)
     g = torch.Generator().manual_seed(3)
     x = torch.randn(4, 300, 128, generator=g).cuda()
     x[1] = x[3] = -100.0  # two sets made only of the sentinel
@@ -794,42 +801,41 @@ def assert_model_outputs_agree(task: str, fused: torch.Tensor, plain: torch.Tens
 @pytest.mark.parametrize("resident", [True, False], ids=["resident", "triton"])
 @pytest.mark.parametrize("task", ["clf", "reg"])
 def test_cuda_model_with_the_fused_ffn_matches_the_modules_in_fp16(task, resident, monkeypatch):
-    from tabserve.models.tabicl.recipes import set_fused_feed_forward
+    def fused_feed_forward(model, on):
+        use_stage_kernels(model, StageKernels(fused_ffn=on))
 
     monkeypatch.setattr(ff, "RESIDENT_KERNEL", resident)
     launcher = "_resident" if resident else "_launch"
-    fused, plain = fused_and_plain(task, set_fused_feed_forward, ff, launcher)
+    fused, plain = fused_and_plain(task, fused_feed_forward, ff, launcher)
     assert_model_outputs_agree(task, fused, plain)
 
 
 @requires_cuda
 @requires_triton
-@pytest.mark.parametrize("row_tokens", [False, True], ids=["c46", "c48"])
+@pytest.mark.parametrize("row_tokens", [False, True], ids=["out-projection", "row-tokens"])
 @pytest.mark.parametrize("task", ["clf", "reg"])
 def test_cuda_model_with_the_out_projection_folded_matches_the_modules_in_fp16(
     task, row_tokens, monkeypatch
 ):
-    """c46's route (both fused operators, RoPE in the projections, the out-projections in the
-    feed-forward's Triton kernel, the head-dim-16 kernel), and c48's (the column stage's last
-    feed-forward writing the row stage's tokens), against the modules in fp16. This
+    """Both fused operators, RoPE in the projections, the out-projections in the feed-forward's
+    Triton kernel and the head-dim-16 kernel, with and without the column stage's last
+    feed-forward writing the row stage's tokens (the large preset's kernels), against the
+    modules in fp16. This
     table's streams are short enough for the resident kernel, which does not fold the
     projection: it is turned off, so the Triton kernel serves every block."""
     monkeypatch.setattr(ff, "RESIDENT_KERNEL", False)
-    from tabserve.models.tabicl.recipes import (
-        set_fused_feed_forward,
-        set_fused_norm_linear,
-        set_fused_out_projection,
-        set_fused_row_tokens,
-        set_rope_in_projection,
-        set_stage_kernels,
-    )
 
     def route(model, on):
-        for flag in (set_fused_feed_forward, set_fused_norm_linear, set_rope_in_projection):
-            flag(model, on)
-        set_fused_out_projection(model, on)
-        set_fused_row_tokens(model, on and row_tokens)
-        set_stage_kernels(model.row_interactor, "head16" if on else "math")
+        kernels = StageKernels(
+            fused_ffn=on,
+            fused_norm_linear=on,
+            rope_in_projection=on,
+            fused_out_projection=on,
+            fused_row_tokens=on and row_tokens,
+        )
+        use_stage_kernels(model, kernels)
+        row = dataclasses.replace(kernels, attention="head16" if on else "math")
+        use_stage_kernels(model.row_interactor, row)
 
     fused, plain = fused_and_plain(task, route, ff)
     assert_model_outputs_agree(task, fused, plain)

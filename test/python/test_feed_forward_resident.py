@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from tabserve import ops
 from tabserve.kernels import feed_forward as ff
+from tabserve.models.tabicl.stage_kernels import StageKernels
 from test_feed_forward import agreement, block
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -266,7 +267,7 @@ def test_cuda_reads_unaligned_and_strided_tensors():
 @requires_cuda
 def test_cuda_block_routes_to_the_resident_kernel_compiled_and_captured():
     b = block().cuda()
-    b.fused_feed_forward = True
+    b.kernels = StageKernels(fused_ffn=True)
     x = torch.randn(4, 70, DIM, device="cuda")
     update = torch.randn(4, 70, DIM, device="cuda").half()
     with torch.no_grad(), torch.autocast("cuda", dtype=torch.float16):

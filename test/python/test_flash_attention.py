@@ -427,11 +427,11 @@ def interpreter_cases() -> None:
     for fp8 in (False, True):
         with fa.tile_override((16, 16, 1, 1)):
             whole = fa.run_kernel(q, k, v, fp8)
-            fa.MAX_GRID_BATCH = 3
+            saved, fa.MAX_GRID_BATCH = fa.MAX_GRID_BATCH, 3
             try:
                 parts.append(torch.equal(fa.run_kernel(q, k, v, fp8), whole))
             finally:
-                fa.MAX_GRID_BATCH = 65_535
+                fa.MAX_GRID_BATCH = saved
     out = []
     for tile in ((16, 16, 1, 1), (32, 64, 1, 1)):
         with fa.tile_override(tile):
@@ -616,13 +616,13 @@ def test_cuda_icl_shape_compiles_into_one_graph_and_replays(tile):
 
 @pytest.mark.parametrize("backend", ["flash-half", "flash-fp8"])
 def test_model_stage_on_the_operator_routes_its_unpadded_calls(backend, monkeypatch):
-    """A recipe's ``flash-*`` backend for the ICL stage sends that stage's unpadded attention to
+    """A ``flash-*`` attention backend for the ICL stage sends that stage's unpadded attention to
     the operator (the column and row stages keep SDPA). On CPU in fp32 the composite runs: on
     half operands that is softmax attention (the model's answers within fp32 rounding), on fp8
     ones the answers move, by less than the reduced-precision gate (2e-2)."""
     from tabicl_helpers import our_model, random_table
     from tabserve.models.tabicl import layers
-    from tabserve.models.tabicl.recipes import set_stage_kernels
+    from tabserve.models.tabicl.stage_kernels import StageKernels, use_stage_kernels
 
     calls = []
     original = layers._flash_attention_op()
@@ -631,7 +631,7 @@ def test_model_stage_on_the_operator_routes_its_unpadded_calls(backend, monkeypa
     )
     plain = our_model("clf", "tiny")  # cached: shared with other tests, so not changed here
     routed = copy.deepcopy(plain)
-    set_stage_kernels(routed.icl_predictor, backend)
+    use_stage_kernels(routed.icl_predictor, StageKernels(attention=backend))
     X, y = random_table(5, 2, 40, 12, 5, 3)
     with torch.no_grad():
         want = plain(X, y, return_logits=False)
@@ -651,7 +651,7 @@ def test_column_stage_on_head16_flash_splits_its_calls_by_key_run(monkeypatch):
     stood in for by SDPA: the answers are the plain model's within fp32 rounding."""
     from tabicl_helpers import our_model, random_table
     from tabserve.models.tabicl import layers
-    from tabserve.models.tabicl.recipes import set_stage_kernels
+    from tabserve.models.tabicl.stage_kernels import StageKernels, use_stage_kernels
 
     small, flash = [], []
     original_flash = layers._flash_attention_op()
@@ -673,7 +673,7 @@ def test_column_stage_on_head16_flash_splits_its_calls_by_key_run(monkeypatch):
     )
     plain = our_model("clf", "tiny")
     routed = copy.deepcopy(plain)
-    set_stage_kernels(routed.col_embedder, "head16-flash")
+    use_stage_kernels(routed.col_embedder, StageKernels(attention="head16-flash"))
     X, y = random_table(5, 2, 200, 12, 5, 3)  # 200 train rows: past the 128-key chunk
     with torch.no_grad():
         want = plain(X, y, return_logits=False)

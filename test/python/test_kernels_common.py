@@ -5,7 +5,7 @@ Under ``torch.compile`` Inductor does not call a ``triton_op``'s kernel object: 
 kernel's source and the source of every ``@triton.jit`` helper it calls into its own generated
 module, each helper under the name of its ``def``. A helper imported under another name
 (``from ._common import round_to as _round``) then fails there with ``NameError`` while eager
-calls work (found on the H200: every compiled cell with a fused operator failed). So every jit
+calls work (on the H200 every compiled model with a fused operator fails so). So every jit
 function a kernel calls must be called by its own name.
 """
 
@@ -24,7 +24,8 @@ pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("triton") is None, reason="Triton is not installed"
 )
 
-KERNEL_MODULES = ("feed_forward", "norm_linear", "flash_attention", "_common")
+#: Every module of the package, each walked for its jit functions (``_resident`` has none).
+KERNEL_MODULES = ("feed_forward", "norm_linear", "flash_attention", "_common", "_resident")
 #: The jit helpers each operator's kernel reaches (Inductor's copy must define them).
 KERNEL_HELPERS = {
     "feed_forward._feed_forward_kernel": {"round_to", "layer_norm_rows"},

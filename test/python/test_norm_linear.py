@@ -18,10 +18,10 @@ import torch
 import torch.nn.functional as F
 from tabicl_helpers import interpreter_child, our_model
 from tabserve import ops
-from tabserve.bench.cells import Cell
 from tabserve.kernels import norm_linear as nl
 from tabserve.models.tabicl.layers import AttentionBlock
-from tabserve.models.tabicl.recipes import RECIPES, recipe_from_cell, set_fused_norm_linear
+from tabserve.models.tabicl.options import PRESETS, ServingOptions
+from tabserve.models.tabicl.stage_kernels import StageKernels, use_stage_kernels
 from test_feed_forward import agreement, assert_model_outputs_agree, block, fused_and_plain
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -292,7 +292,7 @@ def test_block_takes_the_operator_in_one_compiled_graph(monkeypatch):
     x, kv = torch.randn(2, 9, 32), torch.randn(2, 12, 32)
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         want_self, want_cross = b(x, rope=rope), b(x, kv)
-        b.fused_norm_linear = True
+        use_stage_kernels(b, StageKernels(fused_norm_linear=True))
         torch._dynamo.reset()
         got_self = torch.compile(lambda x: b(x, rope=rope), fullgraph=True, backend="aot_eager")(x)
         got_cross = torch.compile(b, fullgraph=True, backend="aot_eager")(x, kv)
@@ -323,7 +323,7 @@ def test_block_rotates_inside_the_projection_in_one_compiled_graph(monkeypatch):
     cls_block = lambda t: b(t[..., :2, :], t, rope=rope)
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         want_self, want_cls = self_attention(tokens), cls_block(tokens)
-        b.fused_norm_linear = b.attn.rope_in_projection = True
+        use_stage_kernels(b, StageKernels(fused_norm_linear=True, rope_in_projection=True))
         # Nothing after the projections rotates: neither a RoPE pass nor the attention kernel.
         monkeypatch.setattr(layers.RotaryEmbedding, "forward", lambda *a: pytest.fail("RoPE"))
         monkeypatch.setattr(layers.Attention, "_rope_in_kernel", lambda *a: pytest.fail("RoPE"))
@@ -352,30 +352,30 @@ def test_opcheck():
     )
 
 
-def test_recipes_and_served_models_carry_the_flag():
+def test_options_and_served_models_carry_the_flag():
+    from tabserve.bench.cells import cell_from_entry
     from tabserve.models.tabicl.serving import ServedTabICL
 
     with pytest.raises(ValueError, match="fused_norm_linear runs under bf16 / fp16 autocast only"):
-        RECIPES["fp32-eager"].replace(fused_norm_linear=True)
-    assert recipe_from_cell({"precision": "fp16", "fused_norm_linear": True}).fused_norm_linear
+        ServingOptions().replace(fused_norm_linear=True)
+    assert ServingOptions.from_dict({"precision": "fp16", "fused_norm_linear": True}).fused_norm_linear
     with pytest.raises(ValueError, match="rope_in_projection .* needs fused_norm_linear"):
-        RECIPES["fp16-eager"].replace(rope_in_projection=True)
-    with pytest.raises(ValueError, match="c99: rope_in_projection needs fused_norm_linear"):
-        Cell("c99", "tabserve", "fp16", "", rope_in_projection=True)
+        ServingOptions(precision="fp16").replace(rope_in_projection=True)
+    with pytest.raises(ValueError, match="x: .*rope_in_projection .* needs fused_norm_linear"):
+        cell_from_entry({"name": "x", "preset": "small", "changes": {"fused_norm_linear": False,
+                                                                      "rope_in_projection": True}})
     fields = {"precision": "fp16", "fused_norm_linear": True, "rope_in_projection": True}
-    assert recipe_from_cell(fields).rope_in_projection
+    assert ServingOptions.from_dict(fields).rope_in_projection
     model = copy.deepcopy(our_model("clf", "tiny"))  # our_model is cached; serving mutates it
     blocks = [m for m in model.modules() if isinstance(m, AttentionBlock)]
-    recipe = RECIPES["fp16-buckets-compile-cudagraphs-head16-row-fused"]
-    ServedTabICL(model, recipe.replace(cuda_graphs=False, compile="none"))
+    small = PRESETS["small"].options
+    ServedTabICL(model, small.replace(cuda_graphs=False, compile="none", freeze=False))
     assert blocks and all(b.fused_norm_linear and b.fused_feed_forward for b in blocks)
     assert not any(b.attn.rope_in_projection for b in blocks)
-    ServedTabICL(
-        model,
-        RECIPES["fp16-compile-head16-fused-frozen-ropeproj"].replace(compile="none", freeze=False),
-    )
+    large = PRESETS["large"].options
+    ServedTabICL(model, large.replace(compile="none", freeze=False, kv_graphs=False))
     assert all(b.fused_norm_linear and b.attn.rope_in_projection for b in blocks)
-    ServedTabICL(model, RECIPES["fp16-eager"])
+    ServedTabICL(model, ServingOptions(precision="fp16"))
     assert not any(b.fused_norm_linear or b.attn.rope_in_projection for b in blocks)
 
 
@@ -442,7 +442,7 @@ def test_cuda_kernel_reads_strided_views_as_their_copies(shape, view, in_place):
 @requires_triton
 def test_cuda_compiled_and_captured_equal_eager():
     b = block().cuda()
-    b.fused_norm_linear = True
+    use_stage_kernels(b, StageKernels(fused_norm_linear=True))
     attn, norm = b.attn, b.norm1
     x = torch.randn(4, 70, 128, device="cuda")
     with torch.no_grad(), torch.autocast("cuda", dtype=torch.float16):
@@ -473,11 +473,8 @@ def test_cuda_compiled_and_captured_equal_eager():
 @requires_triton
 @pytest.mark.parametrize("task", ["clf", "reg"])
 def test_cuda_model_with_both_fused_operators_matches_the_modules_in_fp16(task):
-    from tabserve.models.tabicl.recipes import set_fused_feed_forward
-
     def both(model, on):
-        set_fused_norm_linear(model, on)
-        set_fused_feed_forward(model, on)
+        use_stage_kernels(model, StageKernels(fused_ffn=on, fused_norm_linear=on))
 
     fused, plain = fused_and_plain(task, both, nl)
     assert_model_outputs_agree(task, fused, plain)
@@ -487,20 +484,20 @@ def test_cuda_model_with_both_fused_operators_matches_the_modules_in_fp16(task):
 @requires_triton
 @pytest.mark.parametrize("task", ["clf", "reg"])
 def test_cuda_model_with_rope_in_the_projection_matches_the_modules_in_fp16(task):
-    """c43's route: the fused projections rotating the row stage's queries and keys, the
+    """The fused projections rotating the row stage's queries and keys, the
     head-dim-16 kernel (which then rotates nothing) and the fused feed-forward, against the
     modules in fp16."""
-    from tabserve.models.tabicl.recipes import (
-        set_fused_feed_forward,
-        set_rope_in_projection,
-        set_stage_kernels,
-    )
 
     def route(model, on):
-        set_fused_norm_linear(model, on)
-        set_fused_feed_forward(model, on)
-        set_rope_in_projection(model, on)
-        set_stage_kernels(model.row_interactor, "head16" if on else "math")
+        kernels = StageKernels(fused_ffn=on, fused_norm_linear=on, rope_in_projection=on)
+        use_stage_kernels(model, kernels)
+        row = StageKernels(
+            attention="head16" if on else "math",
+            fused_ffn=on,
+            fused_norm_linear=on,
+            rope_in_projection=on,
+        )
+        use_stage_kernels(model.row_interactor, row)
 
     fused, plain = fused_and_plain(task, route, nl)
     assert_model_outputs_agree(task, fused, plain)
@@ -521,7 +518,6 @@ def test_model_rotating_in_projections_and_folding_out_projections_changes_nothi
     from tabserve.buckets import BucketGrid
     from tabserve.kernels import feed_forward as ff
     from tabserve.models.tabicl import layers
-    from tabserve.models.tabicl.recipes import Recipe
     from tabserve.models.tabicl.serving import ServedTabICL
 
     forced = {"kernel_applies": lambda *a: True}
@@ -531,7 +527,7 @@ def test_model_rotating_in_projections_and_folding_out_projections_changes_nothi
     monkeypatch.setattr(
         layers, "fused_ffn", SimpleNamespace(**forced, feed_forward=ff.feed_forward)
     )
-    fused = Recipe("fused", precision="bf16", fused_ffn=True, fused_norm_linear=True)
+    fused = ServingOptions(precision="bf16", fused_ffn=True, fused_norm_linear=True)
     moved = fused.replace(rope_in_projection=True, fused_out_projection=True)
     rows = moved.replace(fused_row_tokens=True)
     grid = BucketGrid(train_rows=(16, 64), test_rows=(4, 16), features=(4, 8))

@@ -1,6 +1,6 @@
 """Padded (bucketed) TabICLv2 inference equals unpadded inference (CPU, fp32).
 
-``ServedTabICL`` with a bucketed recipe pads every table onto its bucket (train rows, test rows
+``ServedTabICL`` with bucketed options pads every table onto its bucket (train rows, test rows
 and features separately) and passes the real counts as device tensors; predictions must equal the
 plain model's within 1e-6 absolute with the same argmax, one-shot and KV-cached, for classifiers
 (incl. more than 10 classes) and the regressor. Small ("tiny") random-weight checkpoints.
@@ -13,16 +13,27 @@ import random
 import threading
 import time
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from tabicl_helpers import our_model, random_table, reference_checkpoint
 from tabserve.buckets import BucketGrid
-from tabserve.models.tabicl import recipes
+from tabserve.models.tabicl import options
+from tabserve.models.tabicl.options import PRESETS, ServingOptions, serving_presets
+from tabserve.models.tabicl.stage_kernels import STAGES
 from tabserve.models.tabicl.model import TabICLv2Cache
 from tabserve.models.tabicl.serving import PaddedCache, ServedTabICL, serve
 from torch.utils._pytree import tree_leaves
+
+#: Whole-model compile with dynamic shapes, flash attention first, fp16.
+DYNAMIC_FLASH = ServingOptions(
+    precision="fp16",
+    compile="default",
+    dynamic=True,
+    attention={"col": "flash", "row": "flash", "icl": "flash"},
+)
 
 ATOL = 1e-6
 #: Small grid: every case below lands in a bucket that pads at least one axis, or past the grid.
@@ -64,7 +75,7 @@ def _task(n_classes: int) -> str:
     return "reg" if n_classes == 0 else "clf"
 
 
-def _served(task: str, recipe: str = "fp32-buckets") -> ServedTabICL:
+def _served(task: str, recipe=ServingOptions(buckets=True)) -> ServedTabICL:
     return ServedTabICL(our_model(task, "tiny"), recipe, GRID)
 
 
@@ -195,39 +206,60 @@ def test_estimator_with_bucketed_recipe_matches_default():
     for kv in (False, True):
         common = {"n_estimators": 4, "model_path": ckpt, "device": "cpu", "kv_cache": kv}
         plain = TabICLClassifier(**common).fit(X, y)
-        padded = TabICLClassifier(recipe="fp32-buckets", bucket_grid=GRID, **common).fit(X, y)
+        padded = TabICLClassifier(recipe=ServingOptions(buckets=True), bucket_grid=GRID, **common).fit(X, y)
         assert isinstance(padded.model_, ServedTabICL)
         np.testing.assert_allclose(padded.predict_proba(Xt), plain.predict_proba(Xt), atol=ATOL)
     yr = rng.normal(size=37)
     ckpt = reference_checkpoint("reg", "tiny")
     plain = TabICLRegressor(n_estimators=2, model_path=ckpt, device="cpu").fit(X, yr)
-    padded = TabICLRegressor(n_estimators=2, model_path=ckpt, device="cpu", recipe="fp32-buckets")
+    padded = TabICLRegressor(n_estimators=2, model_path=ckpt, device="cpu", recipe=ServingOptions(buckets=True))
     np.testing.assert_allclose(padded.fit(X, yr).predict(Xt), plain.predict(Xt), atol=1e-5)
 
 
-# ---------------------------------------------------------------------- recipes as data
-def test_recipes_are_valid_and_named():
-    for name, recipe in recipes.RECIPES.items():
-        assert recipe.name == name and recipe.description
-    assert recipes.get_recipe(None).name == recipes.DEFAULT_RECIPE
-    with pytest.raises(ValueError, match="unknown recipe"):
-        recipes.get_recipe("fp64-warp-speed")
-    with pytest.raises(ValueError, match="CUDA graphs need buckets"):
-        recipes.Recipe("bad", cuda_graphs=True)
+# ---------------------------------------------------------------------- options as data
+def test_presets_and_options_are_validated():
+    presets = serving_presets()
+    assert list(presets) == list(PRESETS) and 1 <= len(presets) <= 8
+    assert all(presets.values())
+    assert options.resolve_options(None) == PRESETS[options.DEFAULT_PRESET].options == ServingOptions()
+    assert options.resolve_options("large") is PRESETS["large"].options
+    with pytest.raises(ValueError, match="did you mean 'large'"):
+        options.resolve_options("lage")
+    with pytest.raises(ValueError, match="unknown serving preset 'fp64-warp-speed'"):
+        options.resolve_options("fp64-warp-speed")
+    with pytest.raises(TypeError, match="recipe must be"):
+        options.resolve_options(3)
+    with pytest.raises(ValueError, match="cuda_graphs need buckets"):
+        ServingOptions(cuda_graphs=True)
     with pytest.raises(ValueError, match="precision"):
-        recipes.Recipe("bad", precision="fp12")
+        ServingOptions(precision="fp12")
+    with pytest.raises(ValueError, match="no field 'fused'"):
+        ServingOptions().replace(fused=True)
+    with pytest.raises(ValueError, match="attention row='warp'"):
+        ServingOptions(attention={"row": "warp"})
+    with pytest.raises(ValueError, match="buckets must be True or False"):
+        ServingOptions(buckets="yes")
     for bad in (
         {"compile": "none"},
         {"compile": "regional"},
         {"buckets": True, "compile": "default"},
     ):
         with pytest.raises(ValueError, match="dynamic shapes are a whole-model compile"):
-            recipes.Recipe("bad", dynamic=True, **bad)
-    assert recipes.RECIPES["fp16-dynamic-flash"].dynamic
+            ServingOptions(dynamic=True, **bad)
+    assert DYNAMIC_FLASH.dynamic
+    # Only large-fp8 computes in fp8; a round trip through a dict gives the same options.
+    assert [n for n, p in PRESETS.items() if p.options.uses_fp8] == ["large-fp8"]
+    for preset in PRESETS.values():
+        assert ServingOptions.from_dict(preset.options.to_dict()) == preset.options
+        assert options.describe(preset.options) == preset.name
+    assert options.describe(ServingOptions(buckets=True)) == "ServingOptions(buckets=True)"
     with pytest.raises(ValueError, match="CUDA graph"):
-        ServedTabICL(our_model("clf", "tiny"), "fp16-buckets-cudagraphs")
+        ServedTabICL(our_model("clf", "tiny"), "medium")
+    with pytest.raises(TypeError, match="grid must be a BucketGrid"):
+        ServedTabICL(our_model("clf", "tiny"), None, (8, 16))
     model = our_model("clf", "tiny")
-    assert serve(model, None) is model and serve(model, "fp32-eager") is model
+    served = serve(model, None)  # every configuration is served, exact included
+    assert type(served) is ServedTabICL and served.options == ServingOptions()
 
 
 def _tf32_flags() -> tuple:
@@ -241,9 +273,9 @@ def test_precision_flags_nest_and_restore_across_threads():
     enter and leave in any order leave the process's own flags behind (each context restoring
     what it saw left the last thread's mode set, which torch.export refused as a mix of APIs)."""
     before = _tf32_flags()
-    with recipes.precision_flags("tf32"):
+    with options.precision_flags("tf32"):
         assert torch.backends.cuda.matmul.fp32_precision == "tf32"
-        with recipes.precision_flags("fp32"):
+        with options.precision_flags("fp32"):
             assert _tf32_flags()[:2] == ("ieee", "ieee")
         assert _tf32_flags()[:2] == ("tf32", "tf32")
     assert _tf32_flags() == before
@@ -252,14 +284,14 @@ def test_precision_flags_nest_and_restore_across_threads():
     seen = {}
 
     def thread_a():
-        with recipes.precision_flags("fp32"):
+        with options.precision_flags("fp32"):
             a_in.set()
             b_in.wait(5)
         a_out.set()
 
     def thread_b():
         a_in.wait(5)
-        with recipes.precision_flags("fp32"):
+        with options.precision_flags("fp32"):
             b_in.set()
             a_out.wait(5)
             seen["inside"] = _tf32_flags()[:2]  # A left: B's mode still holds
@@ -274,133 +306,123 @@ def test_precision_flags_nest_and_restore_across_threads():
     torch._C._get_cudnn_allow_tf32()  # what torch.export reads: no mix of APIs left
 
 
-def test_recipe_from_benchmark_cell():
-    from tabserve.bench.cells import recipe_cells
+def _promotions(path, workloads: dict) -> None:
+    import json
 
-    for cell in recipe_cells():
-        recipe = recipes.recipe_from_cell(cell.recipe(), name=cell.name)
-        assert recipe.dynamic == cell.dynamic
-        assert recipe.buckets == bool(cell.buckets)
-        assert recipe.cuda_graphs == cell.cuda_graphs
-        assert (recipe.compile == "regional") == cell.regional
-        assert recipe.kv_graphs == cell.kv_graphs
-        assert recipe.shape_graphs == cell.shape_graphs
-        assert recipe.rope_in_projection == cell.rope_in_projection
+    document = {"schema": options.PROMOTIONS_SCHEMA, "devices": {"cpu": {"workloads": workloads}}}
+    path.write_text(json.dumps(document))
 
 
-def test_auto_recipe_reads_measurements(tmp_path):
-    path = tmp_path / "recipes.json"
+def _entry(preset: str) -> dict:
+    return {"preset": preset, "median_ms": 1.0}
+
+
+def test_auto_options_reads_measurements(tmp_path):
+    path = tmp_path / "promotions.json"
     with pytest.warns(UserWarning, match="no one_shot measurement"):
-        assert recipes.auto_recipe("cpu", 100, 8, path=path).name == recipes.DEFAULT_RECIPE
-    entry = lambda cell, **f: {
-        "cell": cell,
-        "median_ms": 1.0,
-        "recipe": {"engine": "tabserve", **f},
-    }
-    path.write_text(
-        __import__("json").dumps(
-            {
-                "schema": "tabserve.recipes/1",
-                "devices": {
-                    "cpu": {
-                        "workloads": {
-                            "small": {
-                                "one_shot": entry(
-                                    "c16", precision="fp32", compile="default", buckets="default"
-                                ),
-                                "shape": {"n_train": 512, "n_features": 8},
-                            },
-                            "large": {
-                                "one_shot": entry("c2", precision="fp32"),
-                                "kv_predict": entry("c13", precision="fp32", kv_cache=True),
-                                "shape": {"n_train": 8192, "n_features": 64},
-                            },
-                        }
-                    }
-                },
-            }
-        )
+        assert options.auto_options("cpu", 100, 8, path=path) == options.DEFAULT_PRESET
+    _promotions(
+        path,
+        {
+            "small": {"one_shot": _entry("small"), "shape": {"n_train": 512, "n_features": 8}},
+            "large": {
+                "one_shot": _entry("large"),
+                "kv_predict": _entry("exact"),
+                "shape": {"n_train": 8192, "n_features": 64},
+            },
+            "odd": {"one_shot": _entry("retired-name"), "shape": {"n_train": 400, "n_features": 10}},
+        },
     )
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        small = recipes.auto_recipe("cpu", 400, 10, path=path)
-        assert (small.name, small.buckets, small.compile) == ("c16", True, "default")
-        assert recipes.auto_recipe("cpu", 6000, 50, path=path).name == "c2"
-        assert recipes.auto_recipe("cpu", 400, 10, kv_cache=True, path=path).name == "c13"
+        assert options.auto_options("cpu", 400, 10, path=path) == "small"  # "odd" names no preset
+        assert options.auto_options("cpu", 6000, 50, path=path) == "large"
+        assert options.auto_options("cpu", 400, 10, kv_cache=True, path=path) == "exact"
 
 
-def test_auto_recipe_without_fp8_takes_the_fastest_cell_without_it(tmp_path):
-    """``fp8=False`` (``recipe="auto-without-fp8"``): where the promoted recipe has an fp8
-    attention stage, the workload's ``<route>_without_fp8`` entry; a workload with neither is
-    left out, and one whose promoted recipe has no fp8 serves it as ``auto`` does."""
+def test_auto_options_finds_the_shipped_promotions_and_the_override(tmp_path, monkeypatch):
+    """The promotions ship inside the package (found where the package is installed); the
+    environment variable points elsewhere."""
+    monkeypatch.delenv(options.PROMOTIONS_ENV, raising=False)
+    shipped = options.promotions_path()
+    assert shipped.parent == Path(options.__file__).parent and shipped.is_file()
     import json
 
-    def entry(cell, **fields):
-        return {"cell": cell, "median_ms": 1.0, "recipe": {"engine": "tabserve", **fields}}
-
-    fp8 = {"icl": "flash-fp8", "col": "head16-flash"}
-    path = tmp_path / "recipes.json"
-    workloads = {
-        "xlarge": {
-            "one_shot": entry("c59", precision="fp16", attention=fp8),
-            "one_shot_without_fp8": entry("c49", precision="fp16", attention={"row": "head16"}),
-            "kv_predict": entry("c57", precision="fp16", attention=fp8),
-            "shape": {"n_train": 50000, "n_features": 100},
-        },
-        "large": {
-            "one_shot": entry("c52", precision="fp16"),
-            "kv_predict": entry("c52", precision="fp16"),
-            "shape": {"n_train": 8192, "n_features": 64},
-        },
-    }
-    devices = {"cpu": {"workloads": workloads}}
-    path.write_text(json.dumps({"schema": "tabserve.recipes/1", "devices": devices}))
-    assert recipes.auto_recipe("cpu", 50000, 100, path=path).name == "c59"
-    plain = recipes.auto_recipe("cpu", 50000, 100, path=path, fp8=False)
-    assert plain.name == "c49" and not recipes.recipe_uses_fp8(plain)
-    assert recipes.recipe_uses_fp8(recipes.auto_recipe("cpu", 50000, 100, path=path))
-    # KV: xlarge has no fp8-free entry, so the closest other workload serves
-    assert recipes.auto_recipe("cpu", 50000, 100, True, path=path, fp8=False).name == "c52"
-    assert recipes.auto_recipe("cpu", 8000, 60, path=path, fp8=False).name == "c52"
+    document = json.loads(shipped.read_text())
+    assert document["schema"] == options.PROMOTIONS_SCHEMA
+    for device in document["devices"].values():
+        for entry in device["workloads"].values():
+            for route, promoted in entry.items():
+                if route != "shape":
+                    assert promoted["preset"] in PRESETS, (route, promoted)
+    assert options.auto_options("cpu", 128, 8, path=shipped) == "exact"
+    mine = tmp_path / "mine.json"
+    _promotions(mine, {"w": {"one_shot": _entry("medium"), "shape": {"n_train": 9, "n_features": 9}}})
+    monkeypatch.setenv(options.PROMOTIONS_ENV, str(mine))
+    assert options.promotions_path() == mine and options.auto_options("cpu", 9, 9) == "medium"
 
 
-def test_auto_recipe_matches_task_and_class_regime(tmp_path):
-    """Workloads of one shape but another task or class regime (the H200 document's medium,
-    regression and many-class) must not stand in for each other; a criterion no workload meets
-    is dropped."""
-    import json
-
-    def workload(cell, n_train, task="clf", n_classes=4):
-        return {
-            "one_shot": {
-                "cell": cell,
-                "median_ms": 1.0,
-                "recipe": {"engine": "tabserve", "precision": "fp32"},
+def test_auto_options_without_fp8_takes_the_fastest_preset_without_it(tmp_path):
+    """``allow_fp8=False``: where the promoted preset computes in fp8, the workload's
+    ``<route>_without_fp8`` entry; a workload with neither is left out, and one whose promoted
+    preset has no fp8 serves it as with fp8 allowed."""
+    path = tmp_path / "promotions.json"
+    _promotions(
+        path,
+        {
+            "xlarge": {
+                "one_shot": _entry("large-fp8"),
+                "one_shot_without_fp8": _entry("large"),
+                "kv_predict": _entry("large-fp8"),
+                "shape": {"n_train": 50000, "n_features": 100},
             },
-            "shape": {"n_train": n_train, "n_features": 20, "task": task, "n_classes": n_classes},
-        }
+            "medium": {
+                "one_shot": _entry("medium"),
+                "kv_predict": _entry("medium"),
+                "shape": {"n_train": 1024, "n_features": 20},
+            },
+        },
+    )
+    pick = lambda *a, **kw: options.auto_options("cpu", *a, path=path, **kw)
+    assert pick(50000, 100) == "large-fp8"
+    assert pick(50000, 100, allow_fp8=False) == "large"
+    # KV: xlarge has no fp8-free entry, so the closest other workload serves
+    assert pick(50000, 100, True, allow_fp8=False) == "medium"
+    assert pick(50000, 100, True) == "large-fp8"
 
-    path = tmp_path / "recipes.json"
-    path.write_text(json.dumps({"schema": "tabserve.recipes/1", "devices": {"cpu": {"workloads": {
-        "medium": workload("c-medium", 1024),
-        "many-class": workload("c-many", 1024, n_classes=25),
-        "regression": workload("c-reg", 1024, task="reg"),
-        "large": workload("c-large", 8192),
-    }}}}))
-    pick = lambda **kw: recipes.auto_recipe("cpu", 1000, 20, path=path, **kw).name
-    assert pick(task="clf", n_classes=3) == "c-medium"
-    assert pick(task="clf", n_classes=11) == "c-many"
-    assert pick(task="clf", n_classes=10) == "c-medium"  # 10 classes: the flat path
-    assert pick(task="reg") == "c-reg"
-    assert pick(task="clf", n_classes=11, many_classes_above=20) == "c-medium"
-    assert recipes.auto_recipe("cpu", 8000, 20, path=path, task="reg").name == "c-reg"
+
+def test_auto_options_matches_task_and_class_regime(tmp_path):
+    """Workloads of one shape but another task or class regime (medium, regression and
+    many-class on the H200) must not stand in for each other; a criterion no workload meets is
+    dropped."""
+
+    def workload(preset, n_train, task="clf", n_classes=4):
+        shape = {"n_train": n_train, "n_features": 20, "task": task, "n_classes": n_classes}
+        return {"one_shot": _entry(preset), "shape": shape}
+
+    path = tmp_path / "promotions.json"
+    _promotions(
+        path,
+        {
+            "medium": workload("medium", 1024),
+            "many-class": workload("exact", 1024, n_classes=25),
+            "regression": workload("small", 1024, task="reg"),
+            "large": workload("large", 8192),
+        },
+    )
+    pick = lambda **kw: options.auto_options("cpu", 1000, 20, path=path, **kw)
+    assert pick(task="clf", n_classes=3) == "medium"
+    assert pick(task="clf", n_classes=11) == "exact"
+    assert pick(task="clf", n_classes=10) == "medium"  # 10 classes: the flat path
+    assert pick(task="reg") == "small"
+    assert pick(task="clf", n_classes=11, many_classes_above=20) == "medium"
+    assert options.auto_options("cpu", 8000, 20, path=path, task="reg") == "small"
     # Only classification measured: a regressor still gets the closest shape, not an error.
-    path.write_text(json.dumps({"schema": "tabserve.recipes/1", "devices": {"cpu": {"workloads": {
-        "large": workload("c-large", 8192), "medium": workload("c-medium", 1024)}}}}))
-    assert pick(task="reg") == "c-medium"
-    assert recipes.auto_recipe("cpu", 8000, 20, path=path, task="reg").name == "c-large"
+    _promotions(path, {"large": workload("large", 8192), "medium": workload("medium", 1024)})
+    assert pick(task="reg") == "medium"
+    assert options.auto_options("cpu", 8000, 20, path=path, task="reg") == "large"
     with pytest.raises(ValueError, match="task must be"):
-        recipes.auto_recipe("cpu", 1000, 20, path=path, task="regression")
+        options.auto_options("cpu", 1000, 20, path=path, task="regression")
 
 
 # ---------------------------------------------------------------------- CUDA-graph plumbing
@@ -432,9 +454,9 @@ def test_graph_replay_plumbing_on_cpu(monkeypatch, compiled):
     monkeypatch.setattr(serving, "_BucketGraph", _ReplayOnCPU)
     torch._dynamo.reset()
     model = our_model("clf", "tiny")
-    recipe = recipes.RECIPES["fp32-buckets-compile" if compiled else "fp32-buckets"]
+    recipe = ServingOptions(buckets=True, compile="default" if compiled else "none")
     served = ServedTabICL(copy.deepcopy(model), recipe.replace(compile_backend="eager"), GRID)
-    served.recipe = served.recipe.replace(cuda_graphs=True)
+    served.options = served.options.replace(cuda_graphs=True)
     cases = [(10, 5, 5, 3, 2), (12, 6, 6, 3, 2), (10, 5, 5, 3, 3), (2, 1, 1, 2, 2)]
     results = []
     for seed, (n_train, n_test, n_features, n_classes, tables) in enumerate(cases):
@@ -456,7 +478,7 @@ def test_graph_replay_plumbing_on_cpu(monkeypatch, compiled):
 
 @pytest.mark.parametrize("kv_cache", [False, True], ids=["one-shot", "kv-cache"])
 def test_warmed_grid_serves_a_stream_without_new_captures_on_cpu(monkeypatch, kv_cache):
-    """Issue 5's serving promise with the CUDA-graph recipe's logic (CPU stand-in for the graph):
+    """The serving promise with the CUDA-graph recipe's logic (CPU stand-in for the graph):
     once every bucket of a grid is warmed, seeded fresh tables of random shapes inside it, with
     2 to 4 classes, capture no new one-shot or cache-build graph and answer as the unpadded model
     does. A cached prediction replays a graph per cache (its tensors are the graph's inputs):
@@ -466,8 +488,8 @@ def test_warmed_grid_serves_a_stream_without_new_captures_on_cpu(monkeypatch, kv
     monkeypatch.setattr(serving, "_BucketGraph", _ReplayOnCPU)
     grid = BucketGrid(train_rows=(8, 16), test_rows=(2, 4), features=(2, 4))
     model = our_model("clf", "tiny")
-    served = ServedTabICL(copy.deepcopy(model), recipes.RECIPES["fp32-buckets"], grid)
-    served.recipe = served.recipe.replace(cuda_graphs=True)
+    served = ServedTabICL(copy.deepcopy(model), ServingOptions(buckets=True), grid)
+    served.options = served.options.replace(cuda_graphs=True)
     assert served.warm_up(tables=2, kv_cache=kv_cache) == 8
     captures, graphs = served.captures, len(served._graphs)
     assert captures >= 8  # every bucket captured its one-shot graph
@@ -503,13 +525,13 @@ def _cuda_model(task: str):
 @pytest.mark.parametrize(
     "recipe",
     [
-        recipes.RECIPES["fp32-buckets"],
-        recipes.RECIPES["fp32-buckets-cudagraphs"],
-        recipes.RECIPES["fp32-buckets-compile"].replace(cuda_graphs=True),
-        recipes.RECIPES["fp32-eager"].replace(kv_graphs=True),
-        recipes.RECIPES["fp16-compile"].replace(precision="fp32", kv_graphs=True),
-        recipes.RECIPES["fp32-eager"].replace(shape_graphs=True),
-        recipes.RECIPES["fp16-compile"].replace(
+        ServingOptions(buckets=True),
+        ServingOptions(buckets=True, cuda_graphs=True),
+        ServingOptions(buckets=True, compile="default").replace(cuda_graphs=True),
+        ServingOptions().replace(kv_graphs=True),
+        ServingOptions(precision="fp16", compile="default").replace(precision="fp32", kv_graphs=True),
+        ServingOptions().replace(shape_graphs=True),
+        ServingOptions(precision="fp16", compile="default").replace(
             precision="fp32", kv_graphs=True, shape_graphs=True
         ),
     ],
@@ -530,7 +552,7 @@ def test_cuda_padded_equals_unpadded(recipe):
     torch._dynamo.reset()
     model = _cuda_model("clf")
     served = ServedTabICL(_cuda_model("clf"), recipe, GRID)
-    with recipes.precision_flags("fp32"):
+    with options.precision_flags("fp32"):
         for seed, case in enumerate([(10, 5, 5, 3), (12, 3, 6, 3), (9, 8, 5, 2), (2, 1, 1, 2)]):
             n_train, n_test, n_features, n_classes = case
             X, y = (t.cuda() for t in random_table(seed, 2, n_train, n_test, n_features, n_classes))
@@ -558,15 +580,11 @@ def test_cuda_padded_equals_unpadded(recipe):
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize(
-    "name",
-    [
-        "fp16-buckets-compile-cudagraphs-head16-fused-frozen-outproj-rowtokens",
-        "fp16-buckets-compile-cudagraphs-head16-fused-frozen-ropeproj-outproj-rowtokens",
-    ],
-    ids=["c55", "c54"],
+    "changes", [{}, {"rope_in_projection": True}], ids=["small", "small-rope-in-projection"]
 )
-def test_cuda_fused_fp16_kernels_pad_as_they_compute_unpadded(name, monkeypatch):
-    """The full-size model under c55's and c54's kernels (the fused feed-forward, here its
+def test_cuda_fused_fp16_kernels_pad_as_they_compute_unpadded(changes, monkeypatch):
+    """The full-size model under the small preset's kernels (with and without RoPE inside the
+    projection) (the fused feed-forward, here its
     resident kernel with the out-projection applied before it and the row tokens laid out after
     it, fused LayerNorm + projection with or without RoPE, the head-dim-16 kernel, QASSMax and
     prefix attention with n on the device), eager in fp16: padded
@@ -582,7 +600,9 @@ def test_cuda_fused_fp16_kernels_pad_as_they_compute_unpadded(name, monkeypatch)
         monkeypatch.setattr(
             ff, launcher, lambda *a, __f=original, __n=launcher: launches.append(__n) or __f(*a)
         )
-    recipe = recipes.RECIPES[name].replace(compile="none", cuda_graphs=False, freeze=False)
+    recipe = PRESETS["small"].options.replace(
+        compile="none", cuda_graphs=False, freeze=False, **changes
+    )
     model = our_model("clf", "full")
     padded = ServedTabICL(copy.deepcopy(model).cuda(), recipe, GRID)
     plain = ServedTabICL(copy.deepcopy(model).cuda(), recipe.replace(buckets=False))
@@ -601,33 +621,12 @@ def test_cuda_fused_fp16_kernels_pad_as_they_compute_unpadded(name, monkeypatch)
     assert "_resident" in launches
 
 
-def _recipes_no_cell_runs() -> list[str]:
-    """Named recipes that no benchmark cell runs (the driver gates the others on the GPU, on
-    full-size tables): the CUDA test below gates these the driver's way."""
-    import dataclasses
-
-    from tabserve.bench.cells import recipe_cells
-
-    def fields(recipe):
-        skip = ("name", "description")
-        return {k: v for k, v in dataclasses.asdict(recipe).items() if k not in skip}
-
-    ran = [fields(recipes.recipe_from_cell(cell.recipe(), cell.name)) for cell in recipe_cells()]
-    return [name for name, recipe in recipes.RECIPES.items() if fields(recipe) not in ran]
-
-
-def test_every_named_recipe_is_gated_by_a_cell_or_the_cuda_recipe_test():
-    without = _recipes_no_cell_runs()
-    assert without and set(without) < set(recipes.RECIPES)
-    # A cell's recipe is found: the plain fp32 bucketed recipe is c22's, so it is not listed.
-    assert "fp32-buckets" not in without and "fp16-buckets-max-autotune" in without
-
-
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("name", _recipes_no_cell_runs())
-def test_cuda_recipe_without_a_cell_meets_the_drivers_limits(name):
-    """Each named recipe that no benchmark cell runs, on the GPU: against the fp32 eager model
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_cuda_preset_meets_the_drivers_limits_on_small_tables(name):
+    """Each preset on the GPU on small tables (the driver gates them on full-size ones): against
+    the fp32 eager model
     (TF32 off) within the driver's gate limits for its precision, and, where bucketed, its
     padded tables against the same kernels eager and unpadded within the driver's padded-recipe
     limits. A reduced-precision argmax may flip on a near-tie; the driver's 99.5% agreement is
@@ -640,7 +639,7 @@ def test_cuda_recipe_without_a_cell_meets_the_drivers_limits(name):
     from tabserve.bench import gates
 
     torch._dynamo.reset()
-    recipe = recipes.RECIPES[name]
+    recipe = PRESETS[name].options
     size = "full" if recipe.attention or recipe.fused_ffn or recipe.fused_norm_linear else "tiny"
     reference = copy.deepcopy(our_model("clf", size)).cuda()
     served = ServedTabICL(copy.deepcopy(our_model("clf", size)).cuda(), recipe, GRID)
@@ -658,7 +657,7 @@ def test_cuda_recipe_without_a_cell_meets_the_drivers_limits(name):
 
     for seed, case in enumerate([(20, 5, 5, 3), (25, 7, 6, 2), (30, 6, 5, 4)]):  # bucket (32, 8, 6)
         X, y = (t.cuda() for t in random_table(seed, 4, *case))
-        with recipes.precision_flags("fp32"):
+        with options.precision_flags("fp32"):
             expected = reference(X, y, return_logits=False)
         got = served(X, y, return_logits=False).float()
         assert_within(gates.compare("clf", got, expected), limits, case)
@@ -676,7 +675,7 @@ def test_stage_attention_choice_reaches_padded_attention():
 
     from tabserve.models.tabicl.layers import Attention
 
-    recipe = recipes.RECIPES["fp32-buckets"].replace(attention={"row": "efficient", "icl": "cudnn"})
+    recipe = ServingOptions(buckets=True).replace(attention={"row": "efficient", "icl": "cudnn"})
     served = ServedTabICL(copy.deepcopy(our_model("clf", "tiny")), recipe, GRID)
     kernels = {
         stage: {
@@ -684,7 +683,7 @@ def test_stage_attention_choice_reaches_padded_attention():
             for m in getattr(served.model, module).modules()
             if isinstance(m, Attention)
         }
-        for stage, module in recipes.STAGES.items()
+        for stage, module in STAGES.items()
     }
     assert kernels == {"col": {"auto"}, "row": {"efficient"}, "icl": {"masked"}}
     # On the CPU only the math SDPA backend exists; prefix_attention computes exact maths there.
@@ -694,30 +693,56 @@ def test_stage_attention_choice_reaches_padded_attention():
     _assert_same(our_model("clf", "tiny")(X, y), served(X, y), True)
 
 
-def test_estimator_auto_recipe_without_measurements_serves_fp32_eager(tmp_path, monkeypatch):
-    from tabserve.models.tabicl import TabICLClassifier, TabICLv2
+def test_estimator_auto_recipe_without_measurements_serves_exact(tmp_path, monkeypatch):
+    from tabserve.models.tabicl import TabICLClassifier
 
-    monkeypatch.setenv("TABSERVE_RECIPES", str(tmp_path / "none.json"))
+    monkeypatch.setenv(options.PROMOTIONS_ENV, str(tmp_path / "none.json"))
     rng = np.random.default_rng(1)
     X, y = rng.normal(size=(20, 3)), rng.integers(0, 2, size=20)
     clf = TabICLClassifier(
         n_estimators=2, model_path=reference_checkpoint("clf", "tiny"), device="cpu", recipe="auto"
     )
-    with pytest.warns(UserWarning, match="fp32-eager"):
+    with pytest.warns(UserWarning, match="'exact'"):
         clf.fit(X, y)
-    assert type(clf.model_) is TabICLv2
-    clf.set_params(recipe="auto-without-fp8")  # the same lookup, fp8 recipes left out
-    with pytest.warns(UserWarning, match="fp32-eager"):
+    assert clf.model_.options == ServingOptions()
+    clf.set_params(allow_fp8=False)  # the same lookup, fp8 presets left out
+    with pytest.warns(UserWarning, match="'exact'"):
         clf.fit(X, y)
-    assert type(clf.model_) is TabICLv2
+    assert clf.model_.options == ServingOptions()
+
+
+def test_estimator_serves_the_promoted_preset_and_refuses_bad_recipes(tmp_path, monkeypatch):
+    """``recipe="auto"`` serves what the promotions name for the closest workload (CPU: a
+    bucketed preset variant cannot be named, so "exact" stands for "what was promoted"); a
+    misspelled preset or a grid that is not a BucketGrid fails at fit, naming the argument, and
+    leaves the estimator as it was."""
+    from tabserve.models.tabicl import TabICLClassifier
+
+    path = tmp_path / "promotions.json"
+    _promotions(path, {"w": {"one_shot": _entry("exact"), "shape": {"n_train": 20, "n_features": 3}}})
+    monkeypatch.setenv(options.PROMOTIONS_ENV, str(path))
+    rng = np.random.default_rng(2)
+    X, y = rng.normal(size=(20, 3)), rng.integers(0, 2, size=20)
+    common = {"n_estimators": 2, "model_path": reference_checkpoint("clf", "tiny"), "device": "cpu"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        clf = TabICLClassifier(recipe="auto", **common).fit(X, y)
+    assert clf.model_.options == ServingOptions()
+    before = clf.predict_proba(X)
+    with pytest.raises(ValueError, match="did you mean 'exact'"):
+        clf.set_params(recipe="exakt").fit(X, y)
+    with pytest.raises(TypeError, match="bucket_grid must be"):
+        clf.set_params(recipe=None, bucket_grid=[8, 16]).fit(X, y)
+    np.testing.assert_array_equal(clf.predict_proba(X), before)
 
 
 def test_unpadded_compile_recipe_runs():
-    """A promoted unpadded compile cell (c10) served as a recipe: the model's host-side input
-    checks are graph breaks there, so it compiles without ``fullgraph``."""
+    """An unpadded whole-model compile served: the model's host-side input checks are graph
+    breaks there, so it compiles without ``fullgraph``; the KV-cached prediction is compiled
+    too and gives the model's answers."""
     import copy
 
-    recipe = recipes.Recipe("c10-like", compile="default", compile_backend="eager")
+    recipe = ServingOptions(compile="default", compile_backend="eager")
     served = ServedTabICL(copy.deepcopy(our_model("clf", "tiny")), recipe)
     X, y = random_table(8, 2, 10, 3, 4, 3)
     _assert_same(our_model("clf", "tiny")(X, y), served(X, y), True)
@@ -735,11 +760,11 @@ def test_kv_graphs_replay_unpadded_caches_per_test_bucket(monkeypatch, compiled,
     monkeypatch.setattr(serving, "_BucketGraph", _ReplayOnCPU)
     torch._dynamo.reset()
     model = our_model(task, "tiny")
-    recipe = recipes.RECIPES["fp32-eager"].replace(
+    recipe = ServingOptions().replace(
         compile="default" if compiled else "none", compile_backend="eager"
     )
     served = ServedTabICL(copy.deepcopy(model), recipe, GRID)
-    served.recipe = served.recipe.replace(kv_graphs=True)  # (CUDA-only: the stand-in replays)
+    served.options = served.options.replace(kv_graphs=True)  # (CUDA-only: the stand-in replays)
     served._raw_forward_cached = served._graph_core(served.model.forward_cached_raw)
     classes = 0 if task == "reg" else 3
     X, y = random_table(11, 2, 70, 40, 13, classes)  # 70 train rows and 13 features: past GRID
@@ -780,11 +805,11 @@ def test_shape_graphs_replay_unpadded_tables_per_test_bucket(monkeypatch, compil
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     model = our_model(task, "tiny")
-    recipe = recipes.RECIPES["fp32-eager"].replace(
+    recipe = ServingOptions().replace(
         compile="default" if compiled else "none", compile_backend="eager"
     )
     served = ServedTabICL(copy.deepcopy(model), recipe, GRID)
-    served.recipe = served.recipe.replace(shape_graphs=True)  # (CUDA-only: the stand-in replays)
+    served.options = served.options.replace(shape_graphs=True)  # (CUDA-only: the stand-in replays)
     served._raw_forward = served._graph_core(serving._one_shot_core(served.model))
     classes = 0 if task == "reg" else 3
     X, y = random_table(12, 2, 70, 40, 13, classes)  # 70 train rows and 13 features: past GRID
@@ -821,8 +846,8 @@ def test_shape_graphs_keep_the_most_recent_shapes(monkeypatch):
     monkeypatch.setattr(serving, "_BucketGraph", _ReplayOnCPU)
     monkeypatch.setattr(serving, "MAX_SHAPE_GRAPHS", 2)
     model = our_model("clf", "tiny")
-    served = ServedTabICL(copy.deepcopy(model), recipes.RECIPES["fp32-eager"], GRID)
-    served.recipe = served.recipe.replace(shape_graphs=True)
+    served = ServedTabICL(copy.deepcopy(model), ServingOptions(), GRID)
+    served.options = served.options.replace(shape_graphs=True)
     served._raw_forward = serving._one_shot_core(served.model)
     tables = {n: random_table(n, 1, n, 2, 3, 2) for n in (4, 5, 6)}
     for n in (4, 5, 4, 6):  # 5 is the least recent when 6 comes
@@ -833,29 +858,20 @@ def test_shape_graphs_keep_the_most_recent_shapes(monkeypatch):
 
 def test_shape_graphs_recipe_rules():
     with pytest.raises(ValueError, match="shape_graphs are the unpadded tables' graphs"):
-        recipes.RECIPES["fp32-buckets"].replace(shape_graphs=True)
-    name = "fp16-compile-head16-fused-frozen-kvgraphs-ropeproj-outproj-rowtokens-shapegraphs"
-    recipe = recipes.RECIPES[name]
+        ServingOptions(buckets=True).replace(shape_graphs=True)
+    recipe = PRESETS["large"].options.replace(shape_graphs=True)
     assert recipe.shape_graphs and recipe.kv_graphs and recipe.graphs and not recipe.buckets
     with pytest.raises(ValueError, match="captures CUDA graphs; the model is on cpu"):
         ServedTabICL(copy.deepcopy(our_model("clf", "tiny")), recipe, GRID)
-    cell = recipes.recipe_from_cell(
-        {"precision": "fp16", "compile": "default", "shape_graphs": True}, name="c51"
-    )
-    assert cell.shape_graphs and not cell.buckets
 
 
 def test_kv_graphs_recipe_rules():
     with pytest.raises(ValueError, match="kv_graphs are the unpadded cache's graphs"):
-        recipes.RECIPES["fp32-buckets"].replace(kv_graphs=True)
-    recipe = recipes.RECIPES["fp16-compile-head16-fused-frozen-kvgraphs"]
+        ServingOptions(buckets=True).replace(kv_graphs=True)
+    recipe = PRESETS["large"].options
     assert recipe.kv_graphs and recipe.graphs and not recipe.cuda_graphs and not recipe.buckets
     with pytest.raises(ValueError, match="captures CUDA graphs; the model is on cpu"):
         ServedTabICL(copy.deepcopy(our_model("clf", "tiny")), recipe, GRID)
-    cell = recipes.recipe_from_cell(
-        {"precision": "fp16", "compile": "default", "kv_graphs": True}, name="c42"
-    )
-    assert cell.kv_graphs and not cell.buckets
 
 
 class _SlowReplayOnCPU(_ReplayOnCPU):
@@ -879,8 +895,8 @@ def test_graph_replays_are_serialised_between_threads(monkeypatch):
 
     monkeypatch.setattr(serving, "_BucketGraph", _SlowReplayOnCPU)
     model = our_model("clf", "tiny")
-    served = ServedTabICL(copy.deepcopy(model), recipes.RECIPES["fp32-buckets"], GRID)
-    served.recipe = served.recipe.replace(cuda_graphs=True)
+    served = ServedTabICL(copy.deepcopy(model), ServingOptions(buckets=True), GRID)
+    served.options = served.options.replace(cuda_graphs=True)
     tables = [random_table(700 + i, 2, 10, 5, 5, 3) for i in range(8)]
     expected = [model(X, y) for X, y in tables]
     got: dict = {}
@@ -902,15 +918,15 @@ def test_graph_replays_are_serialised_between_threads(monkeypatch):
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_graph_recipe_shared_by_two_threads_on_their_own_streams():
-    served = ServedTabICL(_cuda_model("clf"), recipes.RECIPES["fp32-buckets-cudagraphs"], GRID)
+    served = ServedTabICL(_cuda_model("clf"), ServingOptions(buckets=True, cuda_graphs=True), GRID)
     tables = [tuple(t.cuda() for t in random_table(800 + i, 2, 10, 5, 5, 3)) for i in range(12)]
-    with recipes.precision_flags("fp32"):
+    with options.precision_flags("fp32"):
         expected = [served(X, y) for X, y in tables]
         got: dict = {}
 
         def worker(index: int) -> None:
             stream = torch.cuda.Stream()
-            with torch.cuda.stream(stream), recipes.precision_flags("fp32"):
+            with torch.cuda.stream(stream), options.precision_flags("fp32"):
                 for i in range(index, len(tables), 2):
                     got[i] = served(*tables[i])
             stream.synchronize()
@@ -930,7 +946,7 @@ def test_zero_test_rows_predict_nothing(task, classes):
     plain and the padded model alike, one-shot and from a KV cache (the plain model's attention
     once failed on zero queries with a reshape error)."""
     model = our_model(task, "tiny")
-    served = ServedTabICL(copy.deepcopy(model), "fp32-buckets", GRID)
+    served = ServedTabICL(copy.deepcopy(model), ServingOptions(buckets=True), GRID)
     X, y = random_table(6, 2, 20, 0, 4, classes)
     width = model.config.num_quantiles if task == "reg" else classes
     for f in (model, served):

@@ -45,7 +45,7 @@ NAMES = [
     ("sm90_xmma_gemm_f16f16_f16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1", "GEMM"),
     ("nvjet_hsh_128x256_64x4_1x2_h_bz_coopA_NTT", "GEMM"),
     ("triton_poi_fused__to_copy_add_native_layer_norm_0", "Triton (Inductor-fused)"),
-    (  # Inductor's kernel feeding our op (RoPE and head split, H200 profile of c32)
+    (  # Inductor's kernel feeding our op (RoPE and head split, H200 profile of a compiled cell)
         (
             "triton_poi_fused__to_copy_add_arange_cat_cos_mul_neg_sin_slice_small_head_attention"
             "_split_transpose_unsqueeze_view_39"

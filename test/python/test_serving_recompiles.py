@@ -16,9 +16,18 @@ import pytest
 import torch
 from tabicl_helpers import our_model, random_table
 from tabserve.buckets import BucketGrid
-from tabserve.models.tabicl import recipes
+from tabserve.models.tabicl import options
+from tabserve.models.tabicl.options import ServingOptions
 from tabserve.models.tabicl.serving import ServedTabICL
 from torch._dynamo.utils import counters
+
+#: Whole-model compile with dynamic shapes, flash attention first, fp16.
+DYNAMIC_FLASH = ServingOptions(
+    precision="fp16",
+    compile="default",
+    dynamic=True,
+    attention={"col": "flash", "row": "flash", "icl": "flash"},
+)
 
 GRID = BucketGrid(train_rows=(8, 16), test_rows=(8,), features=(6,))
 TABLES = 2  # ensemble members per call: the batch is a shape too
@@ -46,13 +55,13 @@ def _assert_padding_exact(padded: torch.Tensor, unpadded: torch.Tensor) -> None:
     assert torch.equal(padded.argmax(-1), unpadded.argmax(-1))
 
 
-@pytest.mark.parametrize("recipe", ["fp32-buckets-compile", "fp32-buckets-regional"])
-def test_fresh_tables_trigger_no_recompiles(recipe):
+@pytest.mark.parametrize("compile_mode", ["default", "regional"])
+def test_fresh_tables_trigger_no_recompiles(compile_mode):
     torch._dynamo.reset()
     counters.clear()
     served = ServedTabICL(
         copy.deepcopy(our_model("clf", "tiny")),
-        recipes.RECIPES[recipe].replace(compile_backend="eager"),
+        ServingOptions(buckets=True, compile=compile_mode, compile_backend="eager"),
         GRID,
     )
     assert served.warm_up(tables=TABLES, kv_cache=True) == len(GRID.buckets())
@@ -75,7 +84,7 @@ def test_dynamic_recipe_serves_fresh_unpadded_shapes_without_recompiles():
     # since Dynamo specialises 0 and 1, and the same class count, a Python int) reuse them.
     torch._dynamo.reset()
     counters.clear()
-    recipe = recipes.RECIPES["fp16-dynamic-flash"].replace(
+    recipe = DYNAMIC_FLASH.replace(
         precision="fp32", attention={}, compile_backend="eager"
     )
     served = ServedTabICL(copy.deepcopy(our_model("clf", "tiny")), recipe)
@@ -106,7 +115,7 @@ def test_dynamic_recipe_traces_the_network_once_with_floats_specialised():
     for dynamic in (False, True):
         torch._dynamo.reset()
         counters.clear()
-        recipe = recipes.RECIPES["fp16-dynamic-flash"].replace(
+        recipe = DYNAMIC_FLASH.replace(
             precision="fp32", attention={}, compile_backend="aot_eager", dynamic=dynamic
         )
         served = ServedTabICL(copy.deepcopy(our_model("clf", "tiny")), recipe)
@@ -121,7 +130,7 @@ def test_dynamic_recipe_reads_the_checks_verdict_outside_its_graphs():
     """The checks' verdict is read on the host and Dynamo does not trace past the read: under
     ``dynamic=True`` the verdict's ints were symbols and the rest of the read became a graph
     of integer inputs only (``K > max_classes``), which torch 2.11's Inductor compiled into
-    code naming an unbound symbol (c12's NameError on the H200). Every graph the recipe
+    code naming an unbound symbol (a NameError on the H200). Every graph the recipe
     captures must take a tensor, and the outputs stay the eager model's."""
     graphs = []
 
@@ -130,7 +139,7 @@ def test_dynamic_recipe_reads_the_checks_verdict_outside_its_graphs():
         return gm.forward
 
     torch._dynamo.reset()
-    recipe = recipes.RECIPES["fp16-dynamic-flash"].replace(
+    recipe = DYNAMIC_FLASH.replace(
         precision="fp32", attention={}, compile_backend=recording_backend
     )
     served = ServedTabICL(copy.deepcopy(our_model("clf", "tiny")), recipe)
@@ -174,7 +183,7 @@ def test_frozen_recipe_keeps_the_weights_it_compiled_with():
     model = copy.deepcopy(our_model("clf", "tiny"))
     X, y = random_table(3, TABLES, 12, 5, 4, 3)
     reference = model(X, y, return_logits=False)
-    frozen = ServedTabICL(model, recipes.RECIPES["fp16-buckets-compile"].replace(freeze=True), GRID)
+    frozen = ServedTabICL(model, ServingOptions(precision="fp16", buckets=True, compile="default").replace(freeze=True), GRID)
     before = frozen(X, y, return_logits=False)
     assert (before.float() - reference).abs().max() <= 2e-2  # the reduced-precision gate
     assert torch.equal(before.argmax(-1), reference.argmax(-1))
@@ -188,12 +197,12 @@ def test_frozen_recipe_keeps_the_weights_it_compiled_with():
 
 
 def test_freeze_needs_an_inductor_compile():
-    fp16 = recipes.RECIPES["fp16-eager"]
+    fp16 = ServingOptions(precision="fp16")
     with pytest.raises(ValueError, match="freeze is Inductor's freezing"):
         fp16.replace(freeze=True)
     with pytest.raises(ValueError, match="freeze is Inductor's freezing"):
-        recipes.RECIPES["fp16-buckets-compile"].replace(freeze=True, compile_backend="eager")
-    assert recipes.recipe_from_cell({"precision": "fp16", "compile": "default", "freeze": True}).freeze
+        ServingOptions(precision="fp16", buckets=True, compile="default", compile_backend="eager").replace(freeze=True)
+    assert ServingOptions.from_dict({"precision": "fp16", "compile": "default", "freeze": True}).freeze
 
 
 def test_cuda_graph_recipes_freeze_while_capturing_only(monkeypatch):
@@ -215,9 +224,9 @@ def test_cuda_graph_recipes_freeze_while_capturing_only(monkeypatch):
     monkeypatch.setattr(serving, "_BucketGraph", Recorder)
     torch._dynamo.reset()
     model = copy.deepcopy(our_model("clf", "tiny"))
-    recipe = recipes.RECIPES["fp16-buckets-compile"].replace(freeze=True)
+    recipe = ServingOptions(precision="fp16", buckets=True, compile="default").replace(freeze=True)
     served = ServedTabICL(model, recipe, GRID)
-    served.recipe = recipe.replace(cuda_graphs=True)  # the CUDA check passed: CPU stand-in
+    served.options = recipe.replace(cuda_graphs=True)  # the CUDA check passed: CPU stand-in
     X, y = random_table(4, TABLES, 12, 5, 4, 3)
     first = served(X, y, return_logits=False)
     again = served(X, y, return_logits=False)
@@ -231,15 +240,15 @@ def test_freezing_stays_on_while_any_caller_is_inside():
     another that may be tracing; the last one out restores the setting it found."""
     config = torch._inductor.config
     assert config.freezing is False
-    first, second = recipes.freezing(), recipes.freezing()
+    first, second = options.freezing(), options.freezing()
     first.__enter__()
     second.__enter__()
-    with recipes.freezing(False):  # a caller without freeze changes nothing
+    with options.freezing(False):  # a caller without freeze changes nothing
         assert config.freezing is True
     first.__exit__(None, None, None)
     assert config.freezing is True  # the second caller is still inside
     second.__exit__(None, None, None)
     assert config.freezing is False
-    with pytest.raises(RuntimeError, match="boom"), recipes.freezing():
+    with pytest.raises(RuntimeError, match="boom"), options.freezing():
         raise RuntimeError("boom")
     assert config.freezing is False  # restored on an exception too

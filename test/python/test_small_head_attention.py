@@ -10,7 +10,7 @@ import tabserve  # noqa: F401  (registers torch.ops.tabserve)
 import torch
 from tabicl_helpers import our_model, random_table
 from tabserve import ops
-from tabserve.models.tabicl.recipes import set_stage_kernels
+from tabserve.models.tabicl.stage_kernels import StageKernels, use_stage_kernels
 
 HAS_CUDA = torch.cuda.is_available()
 cuda_only = [pytest.mark.cuda, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")]
@@ -193,11 +193,11 @@ def test_stage_kernel_choice_reaches_the_attention_layers():
     from tabserve.models.tabicl.layers import SHORT_KEYS
 
     model = copy.deepcopy(our_model("clf", "tiny"))  # our_model is cached: change a copy
-    set_stage_kernels(model.row_interactor, "head16")
+    use_stage_kernels(model.row_interactor, StageKernels(attention="head16"))
     row = [m.small_heads for m in model.row_interactor.modules() if hasattr(m, "small_heads")]
     col = [m.small_heads for m in model.col_embedder.modules() if hasattr(m, "small_heads")]
     assert row and all(row) and col and not any(col)
-    set_stage_kernels(model.col_embedder, "head16-short")
+    use_stage_kernels(model.col_embedder, StageKernels(attention="head16-short"))
     limits = {
         m.small_head_max_keys
         for stage in (model.row_interactor, model.col_embedder)
@@ -365,7 +365,7 @@ def test_cuda_model_on_the_kernel_matches_sdpa_in_fp16(task, monkeypatch):
     plain = copy.deepcopy(our_model(task, "full")).cuda()
     kernel = copy.deepcopy(plain)
     for stage in (kernel.col_embedder, kernel.row_interactor):
-        set_stage_kernels(stage, "head16")
+        use_stage_kernels(stage, StageKernels(attention="head16"))
     X, y = random_table(9, 4, 300, 40, 12, 3 if task == "clf" else 0)
     X, y = X.cuda(), y.cuda()
     with torch.no_grad():
@@ -417,11 +417,11 @@ def test_cuda_model_stages_on_the_kernel_match_sdpa_in_fp16(col_backend, monkeyp
 
     monkeypatch.setattr(ops, "small_head_attention", recording)
     with torch.no_grad(), torch.autocast("cuda", dtype=torch.float16):
-        set_stage_kernels(model.row_interactor, "head16")
-        set_stage_kernels(model.col_embedder, col_backend)
+        use_stage_kernels(model.row_interactor, StageKernels(attention="head16"))
+        use_stage_kernels(model.col_embedder, StageKernels(attention=col_backend))
         kernel = model(X, y).float().softmax(-1)
-        set_stage_kernels(model.row_interactor, "cudnn")
-        set_stage_kernels(model.col_embedder, "cudnn")
+        use_stage_kernels(model.row_interactor, StageKernels(attention="cudnn"))
+        use_stage_kernels(model.col_embedder, StageKernels(attention="cudnn"))
         plain = model(X, y).float().softmax(-1)
     cls = model.row_interactor.num_cls
     assert (cls, 10 + cls, True) in calls  # the CLS block's keys rotated in the kernel

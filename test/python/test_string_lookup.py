@@ -376,8 +376,8 @@ def test_opcheck_every_operator(device):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("size_oblivious", [False, True])
 def test_compiled_lookup_has_no_graph_breaks_and_no_recompiles(device, size_oblivious):
-    """One graph for every query size >= 2; with backed_size_oblivious (docs/ops.md) also for
-    1-row and empty queries, which Dynamo otherwise specialises."""
+    """One graph for every query size >= 2; with backed_size_oblivious (docs/reference/ops.md)
+    also for 1-row and empty queries, which Dynamo otherwise specialises."""
     from torch._dynamo.testing import CompileCounter
     from torch.fx.experimental import _config as fx_config
 

@@ -170,12 +170,12 @@ def test_icl_one_pass_equals_the_cache_path_and_the_reference(case):
     """``icl_one_pass``: train and test rows through each ICL block together give the
     reference's outputs (and the cache path's) within fp32 rounding; padded calls (``n_train``)
     keep the cache path."""
-    from tabserve.models.tabicl.recipes import set_icl_one_pass
+    from tabserve.models.tabicl.stage_kernels import StageKernels, use_stage_kernels
 
     X, y, want = _reference(case)
     size, _, n, _, _, k = case
     ours = copy.deepcopy(our_model(_task(k), size))  # cached: change a copy
-    set_icl_one_pass(ours, True)
+    use_stage_kernels(ours, StageKernels(icl_one_pass=True))
     assert ours.icl_predictor.one_pass
     calls = []
     original = ours.icl_predictor._forward_one_pass
@@ -487,6 +487,7 @@ def test_stages_run_large_inputs_in_chunks_with_the_same_results(stage, uneven):
     import copy
 
     from tabserve.buckets import BucketGrid
+    from tabserve.models.tabicl.options import ServingOptions
     from tabserve.models.tabicl.serving import ServedTabICL
 
     X, y = random_table(11, 2, 20, 7, 5, 3)
@@ -518,7 +519,7 @@ def test_stages_run_large_inputs_in_chunks_with_the_same_results(stage, uneven):
     got = chunked.forward_with_cache(X[:, 20:], cache)
     torch.testing.assert_close(got, expected, atol=1e-6, rtol=0)
     grid = BucketGrid(train_rows=(24,), test_rows=(8,), features=(6,))
-    served = ServedTabICL(chunked, "fp32-buckets", grid)
+    served = ServedTabICL(chunked, ServingOptions(buckets=True), grid)
     torch.testing.assert_close(served(X, y), whole(X, y), atol=1e-6, rtol=0)
     many_X, many_y = random_table(12, 2, 40, 5, 4, 13)  # > max_classes: mixed-radix digits
     torch.testing.assert_close(chunked(many_X, many_y), whole(many_X, many_y), atol=1e-6, rtol=0)
@@ -534,11 +535,13 @@ def test_column_stage_hands_the_row_stage_its_tokens_on_every_path(max_cells):
     import copy
 
     from tabserve.buckets import BucketGrid
+    from tabserve.models.tabicl.options import ServingOptions
     from tabserve.models.tabicl.serving import ServedTabICL
+    from tabserve.models.tabicl.stage_kernels import StageKernels
 
     plain = our_model("clf", "tiny")
     moved = copy.deepcopy(plain)
-    moved.row_interactor.tokens_from_column_stage = True
+    moved.row_interactor.kernels = StageKernels(fused_row_tokens=True)
     for model in (plain, moved):
         model.col_embedder.max_cells = max_cells or model.col_embedder.max_cells
     cls = plain.row_interactor.cls_tokens
@@ -555,10 +558,10 @@ def test_column_stage_hands_the_row_stage_its_tokens_on_every_path(max_cells):
         want = plain.forward_with_cache(X[:, 20:], plain.build_cache(X[:, :20], y))
         assert torch.equal(moved.forward_with_cache(X[:, 20:], cache), want)
         grid = BucketGrid(train_rows=(24,), test_rows=(8,), features=(6,))
-        served = ServedTabICL(moved, "fp32-buckets", grid)
-        assert moved.row_interactor.tokens_from_column_stage is False  # the recipe's choice
-        moved.row_interactor.tokens_from_column_stage = True
-        assert torch.equal(served(X, y), ServedTabICL(plain, "fp32-buckets", grid)(X, y))
+        served = ServedTabICL(moved, ServingOptions(buckets=True), grid)
+        assert moved.row_interactor.tokens_from_column_stage is False  # the options' choice
+        moved.row_interactor.kernels = StageKernels(fused_row_tokens=True)
+        assert torch.equal(served(X, y), ServedTabICL(plain, ServingOptions(buckets=True), grid)(X, y))
 
 
 @pytest.mark.parametrize(
@@ -566,8 +569,9 @@ def test_column_stage_hands_the_row_stage_its_tokens_on_every_path(max_cells):
 )
 def test_labels_of_any_real_dtype_equal_float_labels(dtype):
     """Integer, bool (binary) and half labels are the same labels: same predictions, plain and
-    padded (bool labels once raised NotImplementedError from round())."""
+    padded (bool labels must not reach round(), which has no bool kernel)."""
     from tabserve.buckets import BucketGrid
+    from tabserve.models.tabicl.options import ServingOptions
     from tabserve.models.tabicl.serving import ServedTabICL
 
     model = our_model("clf", "tiny")
@@ -575,5 +579,5 @@ def test_labels_of_any_real_dtype_equal_float_labels(dtype):
     want = model(X, y)
     assert torch.equal(model(X, y.to(dtype)), want)
     grid = BucketGrid(train_rows=(16,), test_rows=(8,), features=(4,))
-    padded = ServedTabICL(copy.deepcopy(model), "fp32-buckets", grid)
+    padded = ServedTabICL(copy.deepcopy(model), ServingOptions(buckets=True), grid)
     assert (padded(X, y.to(dtype)) - want).abs().max() <= 1e-5

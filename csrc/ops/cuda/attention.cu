@@ -20,8 +20,8 @@
 //     tiles of one head, one per warp, and streams the keys through shared memory 128 at a time
 //     with an online softmax (running max and sum in fp32).
 // Per score: the max over raw scores, one FMA that folds the scale into the exponent, one
-// ex2.approx.ftz and the fp32 sum (Nsight Compute found the first version issue-bound on
-// per-score integer work); the number of 16-key tiles of a chunk is a template argument, so the
+// ex2.approx.ftz and the fp32 sum (with more per-score integer work, Nsight Compute finds the
+// kernel issue-bound on it); the number of 16-key tiles of a chunk is a template argument, so the
 // loops unroll without guards, and only the last tile masks keys.
 // Keys past n (n read on the device, so nothing waits for the host and one CUDA graph serves every
 // n) are never loaded; the zero rows that round a chunk up to 16 keys are masked to -inf.
@@ -129,8 +129,8 @@ __device__ __forceinline__ void wait_copies() {
 // one token's heads are contiguous: consecutive threads read consecutive 16 bytes). Aligned rows
 // go through cp.async (the caller commits and waits), others through registers.
 // A thread walks its halves with a fixed step (a row and a remainder, carried), so no division
-// runs per copy: the first version's per-copy divisions by `heads` were a sizeable part of the
-// row stage's instructions, where a block stages a new unit for every 40 query tiles.
+// runs per copy: per-copy divisions by `heads` are a sizeable part of the row stage's
+// instructions, where a block stages a new unit for every 40 query tiles.
 template <typename T>
 __device__ __forceinline__ void stage(const Params& p, const T* k, const T* v, int64_t start,
                                       int count, int padded, int heads, T* keys, T* values) {

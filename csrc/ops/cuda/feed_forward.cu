@@ -4,9 +4,10 @@
 // copies them into shared memory once and keeps them for the whole launch (one block per SM,
 // walking the token tiles with the grid's stride), so the only global traffic per tile is its
 // tokens. The general Triton kernel re-reads 128 KiB of weights from L2 per 64 tokens (254
-// registers, 2 programs per SM, latency-bound: Nsight Compute on the H200, 2026-11-30). Measured
-// (docs/ops.md): faster than it on short streams (the small workload: 0.078 against 0.14-0.26
-// ms), as fast on the large ones (4.92 against 4.84 ms), so the dispatcher sends it the former.
+// registers, 2 programs per SM, latency-bound: Nsight Compute on the H200). Measured
+// (docs/reference/ops.md): faster than it on short streams (the small workload: 0.078 against
+// 0.14-0.26 ms), as fast on the large ones (4.92 against 4.84 ms), so the dispatcher sends it the
+// former.
 //
 // A warp owns a tile of 16 tokens, the m of the m16n8k16 product:
 //   1. s = x (+ update) of its 16 tokens is read with whole-row loads (one token row per warp
@@ -18,9 +19,9 @@
 //      plus bias, rounded, GELU, rounded, packed: these are the A fragments of linear2 over the
 //      same 64 units, accumulated into the 16 x 128 output (16 tiles of 8 dims, fp32);
 //   4. out = s + round(acc + b2) in place in the staging rows, then whole-row stores.
-// The first version loaded and stored straight in the fragment layout: every warp instruction
-// then touched 8 rows' 32-byte pieces, 8 L1 wavefronts for 256 bytes, and the kernel ran at
-// 7.96 ms on the large row stream against the Triton kernel's 4.85 (H200, 2026-12-01).
+// Loads and stores straight in the fragment layout would touch 8 rows' 32-byte pieces per warp
+// instruction, 8 L1 wavefronts for 256 bytes: a kernel built that way takes 7.96 ms on the large
+// row stream against the Triton kernel's 4.85 (H200).
 // The staging rows are padded to 136 floats so that the fragment reads (8 rows x 4 lanes x 8
 // bytes per half-warp) meet no bank conflict. The weight rows sit in shared memory with their
 // 16-byte chunks swizzled (chunk ^ row % 8), so the ldmatrix loads of the B fragments (8 rows of

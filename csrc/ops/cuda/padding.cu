@@ -184,9 +184,9 @@ at::Tensor prefix_attention_cuda(const at::Tensor& q, const at::Tensor& k, const
 // q's dtype where the composite (the reference under autocast) rounds it. The head's base vector
 // (from n) is recomputed only when a tile's (n, head) differs from the block's previous tile.
 //
-// The first version ran one query row per thread (8,192 serial FMAs per row): 52-87 us per
-// call of a small table on the H200, a third of its replayed graph (seventh session's profile);
-// this one 32-35 us per call there, host launch included (eighth session, docs/ops.md).
+// One query row per thread (8,192 serial FMAs per row) takes 52-87 us per call of a small table
+// on the H200, a third of its replayed graph; this kernel takes 32-35 us per call there, host
+// launch included (docs/reference/ops.md).
 
 constexpr int kQassmaxWarps = 4;
 constexpr int kQassmaxThreads = kQassmaxWarps * 32;

@@ -1,6 +1,6 @@
 """Command line of the TabICLv2 benchmark driver (``python -m tabserve.bench``,
-``benchmarks/benchmark_tabiclv2.py``). ``--help`` lists the options; docs/serving.md explains the
-output.
+``benchmarks/benchmark_tabiclv2.py``). ``--help`` lists the options; docs/guide/serving.md
+explains the cells and the output.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 
 from . import report
-from .cells import CELLS, cell_by_name, select_cells, skip_reason
-from .gates import FP32_CELLS, apply_gates
+from .cells import FP32_CELLS, cell_by_name, cell_table, load_cells_file, select_cells, skip_reason
+from .gates import apply_gates
 from .runner import run_ab, run_cell, skipped_result
 from .workloads import (
     CHECKPOINT_SEED,
@@ -42,7 +42,15 @@ SKIPPABLE_PHASES = ("kv", "end_to_end")
 
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="python -m tabserve.bench", description=__doc__.split("\n")[0])
-    p.add_argument("--cells", nargs="+", metavar="CELL", help="cell names or patterns (c1*, *kv)")
+    p.add_argument(
+        "--cells", nargs="+", metavar="CELL", help="cell names or patterns (ref-*, large*)"
+    )
+    p.add_argument(
+        "--cells-file",
+        type=Path,
+        help="more cells: a JSON file of presets with changed options "
+        "(benchmarks/cells/research.json); they join the table for --cells and --list",
+    )
     p.add_argument("--workloads", nargs="+", metavar="NAME", help="workload names")
     p.add_argument(
         "--quick",
@@ -84,8 +92,18 @@ def parse_args(argv):
     p.add_argument("--seed", type=int, default=0, help="input seed")
     p.add_argument("--ab", nargs=2, metavar=("CELL_A", "CELL_B"), help="ABBA-compare two cells")
     p.add_argument("--windows", type=int, default=12, help="ABBA windows")
-    p.add_argument("--out", type=Path, help="JSON result path (default benchmarks/results/...)")
-    p.add_argument("--recipes", type=Path, help="recipe file to merge the promotion into")
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=Path("tabserve-results"),
+        help="directory of the run's JSON, plot and promotions (default ./tabserve-results)",
+    )
+    p.add_argument(
+        "--promotions",
+        type=Path,
+        help="promotions file to merge this run's promotion into (default OUT/promotions.json; "
+        "the one recipe='auto' ships with: python/tabserve/models/tabicl/promotions.json)",
+    )
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--work-dir", type=Path, help="keep job folders here (default: temporary)")
     p.add_argument("--list", action="store_true", help="print the cell and workload tables")
@@ -100,10 +118,10 @@ def parse_args(argv):
     return p.parse_args(argv)
 
 
-def list_tables(device: str) -> str:
+def list_tables(device: str, table) -> str:
     cells = report.format_table(
         ("cell", "runs here", "what"),
-        [(c.name, skip_reason(c, device) or "yes", c.description) for c in CELLS],
+        [(c.name, skip_reason(c, device) or "yes", c.description) for c in table],
     )
     workloads = report.format_table(
         ("workload", ">members", ">train", ">test", ">features", "task", "what"),
@@ -115,7 +133,7 @@ def list_tables(device: str) -> str:
     return f"{cells}\n\n{workloads}"
 
 
-def _default_out(device: str, quick: bool, args) -> Path:
+def _out_path(device: str, quick: bool, args) -> Path:
     if device == "cuda":
         tag = torch.cuda.get_device_name(0).lower().replace("nvidia", "").strip().replace(" ", "-")
     else:
@@ -125,8 +143,7 @@ def _default_out(device: str, quick: bool, args) -> Path:
         tag += "_" + "-".join(args.workloads)
     if args.ab:
         tag += "_ab_" + "_".join(args.ab)
-    folder = Path("benchmarks/results") if Path("benchmarks").is_dir() else Path(".")
-    return folder / f"tabiclv2_{tag}.json"
+    return args.out / f"tabiclv2_{tag}.json"
 
 
 def _checkpoints(args, workloads, run_dir: Path) -> tuple[dict, str]:
@@ -167,18 +184,21 @@ def main(argv=None) -> int:
     device = (
         args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     )
+    table = cell_table(load_cells_file(args.cells_file) if args.cells_file else ())
     if args.list:
-        print(list_tables(device))
+        print(list_tables(device, table))
         return 0
     if args.merge:
-        return _merge(args)
+        return _merge(args, table)
     quick = args.quick or device == "cpu"
     workloads = (
         [workload_by_name(n) for n in args.workloads]
         if args.workloads
         else list(QUICK_WORKLOADS if quick else WORKLOADS)
     )
-    cells = [cell_by_name(n) for n in args.ab] if args.ab else select_cells(args.cells)
+    cells = (
+        [cell_by_name(n, table) for n in args.ab] if args.ab else select_cells(args.cells, table)
+    )
     timing = dict(TIMING["quick" if quick else "full"])
     if args.budget is not None:
         timing["budget_s"] = args.budget
@@ -209,18 +229,17 @@ def main(argv=None) -> int:
             return _run_ab(args, cells, workloads[0], device, checkpoints, run_dir, settings)
         results = _run_cells(args, cells, workloads, device, checkpoints, run_dir, timing)
         apply_gates(
-            results, {c.name: c for c in CELLS}, {w.name: w for w in workloads}, _load_outputs
+            results, {c.name: c for c in table}, {w.name: w for w in workloads}, _load_outputs
         )
         report.add_speedups(results)
         extra = {r["cell"] for r in results} - {c.name for c in cells}  # a gate-only reference
         document = report.payload(
             settings=settings,
-            cells=cells + [cell_by_name(name) for name in sorted(extra)],
+            cells=cells + [cell_by_name(name, table) for name in sorted(extra)],
             workloads=workloads,
             results=results,
         )
-        out = args.out or _default_out(device, quick, args)
-        _publish(document, out, args)
+        _publish(document, _out_path(device, quick, args), args)
         return 0
     finally:
         if args.work_dir is None:
@@ -229,7 +248,7 @@ def main(argv=None) -> int:
 
 def gate_reference_cell(cells, device: str):
     """The fp32 cell to run gate-only when ``cells`` need gating but hold no fp32 cell (the
-    reference ``c0-ref-fp32`` when it can run here, else ``c2-fp32``), or None."""
+    reference ``ref-fp32`` when it can run here, else ``exact``), or None."""
     names = {c.name for c in cells}
     if not cells or names & set(FP32_CELLS):
         return None
@@ -295,14 +314,14 @@ def _run_ab(args, cells, workload, device, checkpoints, run_dir, settings) -> in
     document = report.payload(
         settings=settings, cells=cells, workloads=[workload], results=[], ab=ab
     )
-    out = args.out or _default_out(device, settings["quick"], args)
+    out = _out_path(device, settings["quick"], args)
     report.write_json(out, document)
     print(report.render_ab(ab))
     print(f"\nresults: {out}")
     return 0 if ab.get("status") == "ok" else 1
 
 
-def _merge(args) -> int:
+def _merge(args, table) -> int:
     """One document from several runs' JSON (gates and speedups were computed in each run: a
     cell's speedup stays the one against its own run's reference, whatever reference a later
     run measured; a later file's result for the same cell and workload replaces an earlier one,
@@ -328,25 +347,24 @@ def _merge(args) -> int:
     settings = dict(documents[-1]["settings"], merged_from=[str(p) for p in args.merge])
     document = report.payload(
         settings=settings,
-        cells=[c for c in CELLS if c.name in names],
+        cells=[c for c in table if c.name in names],
         workloads=list(workloads.values()),
         results=merged,
         env=documents[-1]["environment"],
         reference_history=history,
     )
-    out = args.out or args.merge[0].with_name("tabiclv2_merged.json")
-    _publish(document, out, args)
+    _publish(document, args.out / "tabiclv2_merged.json", args)
     return 0
 
 
 def _publish(document: dict, out: Path, args) -> None:
-    """Writes the JSON, prints the report, merges the recipes, draws the plot."""
+    """Writes the JSON, prints the report, merges the promotion, draws the plot."""
     report.write_json(out, document)
     print(report.render(document))
-    recipes = args.recipes or out.parent / "recipes.json"
-    report.write_recipes(recipes, document)
+    promotions = args.promotions or out.parent / "promotions.json"
+    report.write_promotions(promotions, document)
     png = None if args.no_plot else report.plot(document, out.with_suffix(".png"))
-    print(f"\nresults: {out}" + (f"; plot: {png}" if png else "") + f"; recipes: {recipes}")
+    print(f"\nresults: {out}" + (f"; plot: {png}" if png else "") + f"; promotions: {promotions}")
 
 
 def _load_outputs(result: dict):

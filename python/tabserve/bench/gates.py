@@ -1,12 +1,12 @@
 """Accuracy gates and promotion.
 
 Every cell's outputs on a workload's fixed seeded input are compared with the fp32 cell's (the
-reference ``c0-ref-fp32`` when it ran, else tabserve's ``c2-fp32``): classification by the largest
+reference ``ref-fp32`` when it ran, else tabserve's ``exact``): classification by the largest
 probability difference and the share of rows whose argmax agrees, regression by the largest
 difference of the predicted mean relative to the RMS of the reference means. Limits depend on the
 cell's precision (:data:`LIMITS`); padded outputs of bucketed cells must match their unpadded
-outputs to fp32 round-off in fp32 eager, and to the recipe's own rounding under the cell's
-recipe (``padded_recipe``). A cell that fails, or that could not be checked, is never promoted.
+outputs to fp32 round-off in fp32 eager, and to the options' own rounding under the cell's
+options (``padded_recipe``). A cell that fails, or that could not be checked, is never promoted.
 """
 
 from __future__ import annotations
@@ -15,12 +15,9 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from tabserve.models.tabicl.recipes import WITHOUT_FP8, recipe_uses_fp8
+from tabserve.models.tabicl.options import WITHOUT_FP8
 
-from .cells import Cell
-
-#: Cells whose outputs the others are gated against, in order of preference.
-FP32_CELLS = ("c0-ref-fp32", "c2-fp32")
+from .cells import FP32_CELLS, Cell
 
 
 @dataclass(frozen=True)
@@ -33,11 +30,11 @@ class Limits:
 LIMITS = {
     # fp32 against fp32: kernel order only (argmax may flip on exact near-ties).
     "fp32": Limits(max_prob_diff=1e-4, min_argmax_agreement=0.999, max_mean_rel_error=1e-4),
-    # TF32 / bf16 / fp16 / fp8 against fp32: the targets of the bucketed-inference issue.
+    # TF32 / bf16 / fp16 / fp8 against fp32: the reduced-precision gate.
     "reduced": Limits(max_prob_diff=2e-2, min_argmax_agreement=0.995, max_mean_rel_error=2e-2),
     # Padded against unpadded, fp32 eager: padding must change nothing.
     "padded": Limits(max_prob_diff=1e-6, min_argmax_agreement=1.0, max_mean_rel_error=1e-6),
-    # Padded against unpadded under the cell's own recipe (its kernels, compiled and captured
+    # Padded against unpadded under the cell's own options (its kernels, compiled and captured
     # graphs against the same kernels eager): in fp32 only compiled kernels' summation order
     # differs; in reduced precision the GEMMs of other row counts round differently, so the
     # limit is a quarter of the reduced-precision gate's, which a wrongly masked key or row
@@ -141,7 +138,7 @@ def apply_gates(results: list, cells: dict, workloads: dict, load_outputs) -> No
 # ---------------------------------------------------------------------------------------------
 # Promotion
 
-#: Routes a recipe can be promoted for: (result phase, figure).
+#: Routes a preset can be promoted for: (result phase, figure).
 ROUTES = {
     "one_shot": ("one_shot", "median_ms"),
     "kv_predict": ("kv", "median_ms"),
@@ -156,49 +153,21 @@ def latency(result: dict, route: str) -> float | None:
 
 
 def promotable(result: dict, cell: Cell) -> bool:
-    """Ran (measured, not gate-only), passed its gate and is a tabserve recipe (baselines are
-    never promoted, nor bucket-package cells: their speed needs packages exported for the
-    deployment, which a recipe name cannot bring; nor cells whose kernel knobs, a tile or a
-    GELU form, differ from the kernels' defaults, which a recipe does not carry either)."""
+    """Ran (measured, not gate-only), passed its gate and serves a preset exactly
+    (:attr:`Cell.promotable_preset`: research variants and restarts are never promoted, nor
+    baselines)."""
     return (
         result.get("status") == "ok"
-        and not cell.baseline
-        and not cell.aot
-        and knobs_are_defaults(cell)
+        and cell.promotable_preset is not None
         and not result.get("gate_only")
         and result.get("gate", {}).get("passed") is True
     )
 
 
-def knobs_are_defaults(cell: Cell) -> bool:
-    """Whether every kernel knob the cell sets (:meth:`Cell.kernel_knobs`) is the kernels'
-    default in this process, so that its recipe alone runs what the cell measured (c52's
-    rational GELU became the default after its run)."""
-    from tabserve.kernels import feed_forward
-    from tabserve.models.tabicl import TabICLv2
-
-    defaults = {
-        "ffn_projecting_tile": tuple(feed_forward.PROJECTING_LONG_CONFIG),
-        "ffn_gelu": feed_forward.GELU,
-        "checks_first": not TabICLv2.defer_checks,
-    }
-    knobs = cell.kernel_knobs()
-    return all(
-        (tuple(value) if name == "ffn_projecting_tile" else value) == defaults[name]
-        for name, value in knobs.items()
-    )
-
-
-#: Whether a cell computes in fp8 (an fp8 precision or an fp8 attention stage): where a route's
-#: fastest cell does, its fastest without goes under ``route + WITHOUT_FP8`` too
-#: (``recipe="auto-without-fp8"`` reads it).
-uses_fp8 = recipe_uses_fp8
-
-
 def promote(results: list, cells: dict) -> dict:
-    """Per workload and route, the fastest promotable cell: ``{workload: {route: {...}}}``;
-    where that cell computes in fp8 (:func:`uses_fp8`), also the fastest without, under
-    ``route + WITHOUT_FP8`` (if any passed)."""
+    """Per workload and route, the fastest promotable cell's preset:
+    ``{workload: {route: {"preset", "median_ms"}}}``; where that preset computes in fp8, also
+    the fastest without, under ``route + WITHOUT_FP8`` (if any passed)."""
     promoted: dict = {}
     for result in results:
         cell = cells[result["cell"]]
@@ -208,18 +177,17 @@ def promote(results: list, cells: dict) -> dict:
             ms = latency(result, route)
             if ms is None:
                 continue
-            keys = (route,) if uses_fp8(cell) else (route, route + WITHOUT_FP8)
+            keys = (route,) if cell.uses_fp8 else (route, route + WITHOUT_FP8)
             for key in keys:
                 best = promoted.setdefault(result["workload"], {}).get(key)
                 if best is None or ms < best["median_ms"]:
                     promoted[result["workload"]][key] = {
-                        "cell": cell.name,
+                        "preset": cell.promotable_preset,
                         "median_ms": ms,
-                        "recipe": cell.recipe(),
                     }
     for routes in promoted.values():
         for route in ROUTES:
             fastest, plain = routes.get(route), routes.get(route + WITHOUT_FP8)
-            if fastest is not None and plain is not None and plain["cell"] == fastest["cell"]:
+            if fastest is not None and plain is not None and plain["preset"] == fastest["preset"]:
                 del routes[route + WITHOUT_FP8]  # the same cell: said once
     return promoted

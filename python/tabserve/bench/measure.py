@@ -29,8 +29,8 @@ from pathlib import Path
 import torch
 
 from . import timing
-from .cells import cell_by_name
-from .engines import UnsupportedRecipe, make_engine
+from .cells import Cell
+from .engines import UnsupportedCell, make_engine
 from .workloads import host_table, model_tables, stream_shapes, workload_by_name
 
 
@@ -85,7 +85,7 @@ class Job:
 
     def __init__(self, spec: dict):
         self.spec = spec
-        self.cell = cell_by_name(spec["cell"])
+        self.cell = Cell.from_dict(spec["cell_spec"])
         self.workload = workload_by_name(spec["workload"])
         self.device = torch.device(spec["device"])
         self.result_path = Path(spec["result"])
@@ -155,7 +155,7 @@ def run_job(spec: dict) -> dict:
         }
     try:
         engine = make_engine(job.cell, job.workload, spec["checkpoint"], job.device)
-    except UnsupportedRecipe as error:
+    except UnsupportedCell as error:
         job.result.update(status="skipped", reason=f"skipped: {error}")
         job.save()
         return job.result
@@ -170,7 +170,7 @@ def run_job(spec: dict) -> dict:
         return job.result
     if spec.get("compile_cache_mode") == "load" and aot:  # a restart from bucket packages
         loading = time.perf_counter()
-        loaded = engine.served.load_buckets(spec["compile_cache"])
+        loaded = engine.model.load_buckets(spec["compile_cache"])
         job.result["aot"] = {"load_ms": (time.perf_counter() - loading) * 1e3, "packages": loaded}
     job.result["load_ms"] = (time.perf_counter() - start) * 1e3
     if job.spec.get("compile_cache_mode") == "save":
@@ -239,14 +239,14 @@ def _prime_aot(job: Job, engine) -> dict:
     table (its buckets, its batch of members) into the directory the restart will load."""
     X, y = model_tables(job.workload, job.spec.get("seed", 0), job.device)
     n_train = y.shape[1]
-    plan = engine.served.grid.plan(n_train, X.shape[1] - n_train, X.shape[2])
+    plan = engine.model.grid.plan(n_train, X.shape[1] - n_train, X.shape[2])
 
     def export() -> dict:
         buckets = list(dict.fromkeys(chunk.bucket for chunk in plan if chunk.bucket is not None))
         if not buckets:
             raise ValueError("the workload's table is past the bucket grid: nothing to export")
         start = time.perf_counter()
-        manifest = engine.served.export_buckets(job.spec["compile_cache"], buckets, X.shape[0])
+        manifest = engine.model.export_buckets(job.spec["compile_cache"], buckets, X.shape[0])
         return {
             "export_ms": (time.perf_counter() - start) * 1e3,
             "packages": [entry["file"] for entry in manifest["packages"]],
@@ -272,12 +272,11 @@ def _prime_other_paths(job: Job, engine, X, y) -> dict:
         figures["kv_predict_ms"], _ = timing.time_once(
             lambda: engine.predict_cached(X[:, n_train:], cache), job.device
         )
-    if not (job.cell.kv_cache and not job.workload.cacheable):
-        X_train, y_train, X_test = host_table(job.workload, job.spec.get("seed", 0))
-        figures["end_to_end_ms"], _ = timing.time_once(
-            lambda: engine.estimator_predict(engine.fit_estimator(X_train, y_train), X_test),
-            job.device,
-        )
+    X_train, y_train, X_test = host_table(job.workload, job.spec.get("seed", 0))
+    figures["end_to_end_ms"], _ = timing.time_once(
+        lambda: engine.estimator_predict(engine.fit_estimator(X_train, y_train), X_test),
+        job.device,
+    )
     return figures
 
 
@@ -292,7 +291,7 @@ def _cold(job: Job, engine, X, y) -> dict:
 def _padding_gates(job: Job, engine, X, y) -> dict:
     """The padded-vs-unpadded gates' outputs of a cell that pads (after the cold call and the
     ready time, which they would lengthen: a second model, eager calls, for graph-per-shape
-    cells a second capture): fp32 eager, and the cell's own recipe. A failure here fails the
+    cells a second capture): fp32 eager, and the cell's own options. A failure here fails the
     cell's gate (:func:`tabserve.bench.gates.apply_gates`)."""
     if "error" in job.result.get("cold", {}):
         raise SkipPhase("the cold call failed")
@@ -344,8 +343,8 @@ def _kv(job: Job, engine, X, y) -> dict:
     reset_peak_memory(job.device)
     build_ms, cache = timing.time_once(lambda: engine.build_cache(X[:, :n_train], y), job.device)
     # Both test blocks contiguous, as a server's fresh tables are: a slice of X and a new tensor
-    # differ in strides, and whole-model compile guards on strides (c10 on the H200 compiled its
-    # frames a second time inside the timed loop, 2026-11-30).
+    # differ in strides, and whole-model compile guards on strides (a whole-model compile on
+    # the H200 compiled its frames a second time inside the timed loop otherwise).
     tests = [X[:, n_train:].contiguous(), torch.randn_like(X[:, n_train:]).contiguous()]
     first_ms, output = timing.time_once(lambda: engine.predict_cached(tests[0], cache), job.device)
     job.outputs["kv"] = gate_output(job.workload.task, output)
@@ -362,8 +361,6 @@ def _kv(job: Job, engine, X, y) -> dict:
 
 
 def _end_to_end(job: Job, engine) -> dict:
-    if job.cell.kv_cache and not job.workload.cacheable:
-        raise SkipPhase("kv_cache estimators do not serve more than max_classes classes")
     X_train, y_train, X_test = host_table(job.workload, job.spec.get("seed", 0))
     fit_ms, estimator = timing.time_once(lambda: engine.fit_estimator(X_train, y_train), job.device)
     first_ms, _ = timing.time_once(lambda: engine.estimator_predict(estimator, X_test), job.device)
@@ -380,15 +377,15 @@ def stream_gate_table(shapes: list) -> int:
 
 
 def stream_warm_shapes(cell, workload, shapes: list, seed: int) -> list:
-    """The warm-up tables of a stream: "after warming the bucket grid" (issue 5). For a bucketed
+    """The warm-up tables of a stream: after warming the bucket grid. For a bucketed
     cell, one table per bucket the stream visits, shaped as the bucket itself (other sizes and
     contents than the stream's tables, so a stream table that recompiles or captures anew is
     caught); for an unbucketed cell two tables of other shapes (it has no grid to warm)."""
-    from .engines import _bucket_grid
+    from tabserve.buckets import BucketGrid
 
-    grid = _bucket_grid(cell.buckets)
-    if grid is None:
+    if not cell.buckets:
         return stream_shapes(workload, seed + 1000)[:2]
+    grid = BucketGrid()
     warm, seen = [], set()
     for n_train, n_test, n_features, n_classes in shapes:
         bucket = grid.bucket_for(n_train, n_test, n_features)
@@ -425,7 +422,7 @@ def _stream(job: Job, engine) -> dict:
         memory=peak_memory(job.device),
     )
     # The same tables again, now warm: a fresh table's latency against the warm latency of its
-    # own bucket (or shape), the stream target of issue 5 (p50 of fresh / warm <= 1.25).
+    # own bucket (or shape), the stream target (p50 of fresh / warm <= 1.25).
     warm = []
     for k, shape in enumerate(shapes):
         X, y = model_tables(job.workload, seed + k, job.device, shape)
@@ -458,7 +455,7 @@ def run_ab(spec: dict) -> dict:
     """
     workload = workload_by_name(spec["workload"])
     device = torch.device(spec["device"])
-    cells = [cell_by_name(name) for name in spec["cells"]]
+    cells = [Cell.from_dict(fields) for fields in spec["cell_specs"]]
     engines = [make_engine(c, workload, spec["checkpoint"], device) for c in cells]
     X, y = model_tables(workload, spec.get("seed", 0), device)
     # Clones: a graph-replaying engine returns its graph's output buffer, which the next replay

@@ -1,4 +1,4 @@
-"""Reporting: versions, speedups, the JSON result, the fixed-width table, the plot, the recipe file.
+"""Reporting: versions, speedups, the JSON result, the fixed-width table, the plot, promotions.
 
 JSON schema (``SCHEMA``): ``environment`` (versions and hardware), ``settings`` (device, timing,
 checkpoints and whether they are random), ``cells`` and ``workloads`` (the tables as run),
@@ -10,7 +10,6 @@ this run's, and with ``--merge`` every merged run's), ``targets`` and, in ABBA m
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import importlib
 import importlib.metadata
@@ -23,14 +22,15 @@ from pathlib import Path
 
 import torch
 
+from tabserve.models.tabicl.options import PROMOTIONS_SCHEMA
+
 from . import targets
 from .gates import promote
+from .timing import MiB, format_ms
 
 SCHEMA = "tabserve.bench.tabiclv2/1"
-RECIPES_SCHEMA = "tabserve.recipes/1"
 #: Baselines speedups are quoted against: (label, cell).
-BASELINES = (("ref16", "c1-ref-fp16"), ("ref32", "c0-ref-fp32"))
-MiB = 1024 * 1024
+BASELINES = (("ref16", "ref-fp16"), ("ref32", "ref-fp32"))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -208,7 +208,7 @@ def payload(
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "environment": env or environment(),
         "settings": settings,
-        "cells": [dataclasses.asdict(c) for c in cells],
+        "cells": [c.to_dict() for c in cells],
         "workloads": [w.as_dict() for w in workloads],
         "results": results,
         "promotion": promote(results, cells_by_name),
@@ -226,29 +226,30 @@ def write_json(path: Path, document: dict) -> Path:
     return path
 
 
-def write_recipes(path: Path, document: dict) -> Path:
-    """Merges this run's promotion into the recipe file, keyed by device, then by workload.
+def write_promotions(path: Path, document: dict) -> Path:
+    """Merges this run's promotion into a promotions file, keyed by device, then by workload.
 
-    The file ``recipe="auto"`` reads: ``{"schema", "devices": {<GPU name or "cpu">:
-    {"updated", "torch", "command", "workloads": {<workload>: {<route>: {"cell", "median_ms",
-    "recipe"}, "shape": {...}}}}}}``. Workloads of other runs on the same device are kept.
+    The file ``recipe="auto"`` reads (:func:`tabserve.models.tabicl.options.auto_options`):
+    ``{"schema", "devices": {<GPU name or "cpu">: {"updated", "torch", "command", "workloads":
+    {<workload>: {<route>: {"preset", "median_ms"}, "shape": {...}}}}}}``. Workloads of other
+    runs on the same device are kept.
     """
     path = Path(path)
     try:
-        recipes = json.loads(path.read_text())
+        promotions = json.loads(path.read_text())
     except (OSError, ValueError):
-        recipes = {}
-    recipes.setdefault("schema", RECIPES_SCHEMA)
+        promotions = {}
+    promotions.setdefault("schema", PROMOTIONS_SCHEMA)
     env = document["environment"]
     device = env["gpu"] if document["settings"]["device"] == "cuda" else "cpu"
-    entry = recipes.setdefault("devices", {}).setdefault(device, {"workloads": {}})
+    entry = promotions.setdefault("devices", {}).setdefault(device, {"workloads": {}})
     entry.update(
         updated=document["created"], torch=env["torch"], command=document["settings"].get("command")
     )
     shapes = {w["name"]: w for w in document["workloads"]}
     for workload, routes in document["promotion"].items():
         entry["workloads"][workload] = {**routes, "shape": shapes.get(workload)}
-    return write_json(path, recipes)
+    return write_json(path, promotions)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -268,10 +269,8 @@ def format_table(columns: Sequence[str], rows: Sequence[Sequence[object]]) -> st
     return "\n".join(lines)
 
 
-def fmt_ms(value: float | None) -> str:
-    if value is None:
-        return "-"
-    return f"{value:.3f}" if value < 10 else f"{value:.1f}" if value < 1000 else f"{value:.0f}"
+#: Milliseconds as the tables print them (one format for the driver and the benchmarks).
+fmt_ms = format_ms
 
 
 def _fmt_x(value: float | None) -> str:
@@ -426,9 +425,9 @@ def _target_row(verdict: dict) -> list:
     ]
 
 
-#: Issue 6's target for a restarted server loading compile-cache artifacts.
+#: The target for a restarted server loading compile-cache artifacts, seconds to its first answer.
 READY_TARGET_S = 30.0
-#: Issue 5's stream target: a fresh table's p50 latency over the warm latency of its bucket.
+#: The stream target: a fresh table's p50 latency over the warm latency of its bucket.
 STREAM_TARGET = 1.25
 
 
@@ -476,7 +475,7 @@ def render(document: dict) -> str:
         parts += [
             "",
             (
-                "Targets (issues 5 and 6; the promoted cell's figure against the reference of its"
+                "Targets (the promoted cell's figure against the reference of its"
                 " own run; last column: against the fastest reference run in the document)"
             ),
             format_table(TARGET_COLUMNS, [_target_row(v) for v in verdicts]),
@@ -500,7 +499,7 @@ def render(document: dict) -> str:
         parts += ["", "Promoted (fastest cell that passed its gate):"]
         for workload, routes in document["promotion"].items():
             picks = ", ".join(
-                f"{route} {p['cell']} ({fmt_ms(p['median_ms'])} ms)" for route, p in routes.items()
+                f"{route} {p['preset']} ({fmt_ms(p['median_ms'])} ms)" for route, p in routes.items()
             )
             parts.append(f"  {workload}: {picks}")
     return "\n".join(parts)
@@ -540,10 +539,8 @@ def render_ab(ab: dict) -> str:
 
 def plot(document: dict, path: Path) -> Path | None:
     """PNG: per workload, one-shot (or stream p50) latency by cell with p20-p80 whiskers (log
-    scale), and the speedup over the reference fp16 cell (fp32 when fp16 did not run).
-
-    Bars carry the cells' short ids (``c52``) and their figures; a key under the panels gives each
-    id's full name once, so fifty cells of ninety-character names stay legible."""
+    scale), and the speedup over the reference fp16 cell (fp32 when fp16 did not run); cells in
+    the order of the document's cell table."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -554,26 +551,27 @@ def plot(document: dict, path: Path) -> Path | None:
     workloads = list(dict.fromkeys(r["workload"] for r in ok))
     if not workloads:
         return None
+    order = {c["name"]: k for k, c in enumerate(document.get("cells", []))}
     per_workload = [
-        sorted((r for r in ok if r["workload"] == w), key=lambda r: _cell_number(r["cell"]))
+        sorted((r for r in ok if r["workload"] == w), key=lambda r: order.get(r["cell"], len(order)))
         for w in workloads
     ]
-    names = sorted(dict.fromkeys(r["cell"] for r in ok), key=_cell_number)
-    key_lines = (len(names) + 1) // 2
-    panel_rows = sum(len(mine) + 3 for mine in per_workload)
-    fig = plt.figure(figsize=(12, 0.22 * (panel_rows + key_lines / 2) + 1))
-    grid = fig.add_gridspec(
-        len(workloads) + 1, 2, height_ratios=[len(m) + 3 for m in per_workload] + [key_lines / 2 + 1]
+    fig, axes = plt.subplots(
+        len(workloads),
+        2,
+        figsize=(12, 0.25 * sum(len(m) + 3 for m in per_workload) + 0.5),
+        height_ratios=[len(m) + 3 for m in per_workload],
+        squeeze=False,
     )
-    for index, (workload, mine) in enumerate(zip(workloads, per_workload)):
-        left, right = fig.add_subplot(grid[index, 0]), fig.add_subplot(grid[index, 1])
+    references = {cell for _, cell in BASELINES}
+    for (left, right), workload, mine in zip(axes, workloads, per_workload):
         phase = "stream" if "stream" in mine[0] else "one_shot"
-        ids = [cell_id(r["cell"]) for r in mine]
+        names = [r["cell"] for r in mine]
         y = list(range(len(mine)))
         med = [r[phase]["median_ms"] for r in mine]
         low = [m - r[phase]["p20_ms"] for m, r in zip(med, mine)]
         high = [r[phase]["p80_ms"] - m for m, r in zip(med, mine)]
-        colors = ["tab:gray" if r["cell"].startswith(("c0-", "c1-")) else "tab:blue" for r in mine]
+        colors = ["tab:gray" if r["cell"] in references else "tab:blue" for r in mine]
         label = (
             "ref16"
             if any(r.get("speedup", {}).get(phase, {}).get("ref16") for r in mine)
@@ -588,7 +586,7 @@ def plot(document: dict, path: Path) -> Path | None:
             (left, med, [fmt_ms(m) for m in med]),
             (right, speed, [f"{v:.2f}x" for v in speed]),
         ):
-            axis.set_yticks(y, ids, fontsize=7)
+            axis.set_yticks(y, names, fontsize=7)
             axis.invert_yaxis()
             axis.tick_params(axis="x", which="both", labelsize=7)
             for row, (value, words) in enumerate(zip(values, text)):
@@ -601,27 +599,9 @@ def plot(document: dict, path: Path) -> Path | None:
         what = "stream p50" if phase == "stream" else "one-shot"
         left.set_title(f"{workload}: {what} ms", fontsize=9)
         right.set_title(f"{workload}: speedup over {label}", fontsize=9)
-    key = fig.add_subplot(grid[-1, :])
-    key.axis("off")
-    for column, start in enumerate((0, key_lines)):
-        key.text(
-            column / 2, 1, "\n".join(names[start : start + key_lines]), va="top", ha="left",
-            fontsize=6.5, family="monospace", transform=key.transAxes,
-        )
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
-
-
-def _cell_number(name: str) -> tuple:
-    """Sort key: c2 before c10; names not of the form cN sort last, by name."""
-    digits = cell_id(name)[1:]
-    return (0, int(digits), name) if digits.isdigit() else (1, 0, name)
-
-
-def cell_id(name: str) -> str:
-    """A cell's short id: ``c52-fp16-compile-...`` -> ``c52`` (names without a dash stay)."""
-    return name.split("-", 1)[0]

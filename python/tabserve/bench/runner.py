@@ -32,7 +32,7 @@ def run_isolated(
     timeout_s: float,
     env: dict | None = None,
 ) -> dict:
-    """Runs ``command`` in its own session, waits at most ``timeout_s``, reads ``result_path``.
+    """Runs ``command`` in its own process group, waits at most ``timeout_s``, reads ``result_path``.
 
     Returns the child's result dict (or ``{}`` when it wrote none) with ``status`` resolved,
     ``wall_s``, ``returncode`` and, for anything but success, ``log_tail`` (last 3,000 characters
@@ -130,6 +130,7 @@ def run_cell(
     job_dir.mkdir(parents=True, exist_ok=True)
     spec = {
         "cell": cell.name,
+        "cell_spec": cell.to_dict(),
         "workload": workload.name,
         "device": device,
         "checkpoint": str(checkpoint),
@@ -154,7 +155,7 @@ def run_cell(
             }
         spec.update(compile_cache=priming["spec"]["compile_cache"], compile_cache_mode="load")
         # A restart is about its first answer: the KV and estimator paths recompile in the
-        # restarted process and are the cached / bucketed cells' business (c16, c19).
+        # restarted process and are measured by the presets' own cells.
         spec["skip_phases"] = sorted({*spec.get("skip_phases", ()), "kv", "end_to_end"})
         spec["skip_reason"] = "a warm-cache cell measures the restart's first answer and one-shot"
     spec_path = job_dir / "spec.json"
@@ -213,14 +214,6 @@ def run_ab(
     seed: int = 0,
 ) -> dict:
     """ABBA comparison of two cells in one subprocess (see :func:`measure.run_ab`)."""
-    if len({tuple(sorted(c.kernel_knobs().items())) for c in cells}) > 1:
-        return {
-            "cells": [c.name for c in cells],
-            "status": "skipped",
-            "reason": "the cells' knobs (ffn_projecting_tile, ffn_gelu, checks_first) differ: "
-            "they are settings of the cell's process or model, so compare them as separate "
-            "cells",
-        }
     for cell in cells:
         reason = skip_reason(cell, device)
         if reason is not None:
@@ -234,6 +227,7 @@ def run_ab(
     spec = {
         "mode": "ab",
         "cells": [c.name for c in cells],
+        "cell_specs": [c.to_dict() for c in cells],
         "workload": workload.name,
         "device": device,
         "checkpoint": str(checkpoint),

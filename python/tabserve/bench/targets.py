@@ -1,7 +1,7 @@
-"""The performance targets of issues 5 and 6, checked against one driver document.
+"""The raw-model performance targets, checked against one driver document.
 
-Each target reads one figure of the cell the document promotes for a workload and route (the
-recipe ``recipe="auto"`` would serve), or, for the restart target, of the warm-cache cells, and
+Each target reads one figure of the preset cell the document promotes for a workload and route
+(what ``recipe="auto"`` would serve), or, for the restart target, of the warm-cache cells, and
 compares it with a threshold. Speedups are the document's (``result["speedup"]``: against the
 reference cells of the same run, or of the merged runs). A target whose cell or baseline did not
 run is "not measured", never "met". Speedup targets also carry the figure against the fastest
@@ -58,9 +58,9 @@ TARGETS = (
 
 #: Route of the promotion -> phase of a result (where speedups and figures live).
 PHASES = {"one_shot": "one_shot", "kv_predict": "kv", "stream": "stream"}
-REFERENCE_FP16 = "c1-ref-fp16"
+REFERENCE_FP16 = "ref-fp16"
 #: Speedup figure -> its reference cell.
-REFERENCE_CELLS = {"ref16": REFERENCE_FP16, "ref32": "c0-ref-fp32"}
+REFERENCE_CELLS = {"ref16": REFERENCE_FP16, "ref32": "ref-fp32"}
 
 
 def _against_fastest(target: Target, result: dict, document: dict) -> tuple[float, int] | None:
@@ -83,8 +83,8 @@ def _against_fastest(target: Target, result: dict, document: dict) -> tuple[floa
 def peak_allocated(result: dict, phase: str) -> int | None:
     """Peak allocated bytes of a result's ``phase``; where the cell captured CUDA graphs, the
     larger of that and its cold call's (the capture allocates the graphs' working memory, which
-    their replays reuse without allocating: c51's timed one-shot calls peaked at 0.4 GB against
-    7.4 GB in its cold call, fourteenth session)."""
+    their replays reuse without allocating: timed one-shot replays on the large workload peaked
+    at 0.4 GB against 7.4 GB in the capturing cold call on the H200)."""
     peaks = [(result.get(phase) or {}).get("memory") or {}]
     if result.get("captures"):
         peaks.append((result.get("cold") or {}).get("memory") or {})
@@ -145,9 +145,10 @@ def evaluate(document: dict, targets=TARGETS) -> list[dict]:
             rows.append({**_row(target, cell, value), "workload": workload})
             continue
         promoted = document.get("promotion", {}).get(target.workload, {}).get(target.route)
-        result = by_key.get((target.workload, promoted["cell"])) if promoted else None
+        cell = promoted["preset"] if promoted else None
+        result = by_key.get((target.workload, cell)) if promoted else None
         value = _figure(target, result, by_key) if result else None
-        row = _row(target, promoted["cell"] if promoted else None, value)
+        row = _row(target, cell, value)
         fastest = _against_fastest(target, result, document) if value is not None else None
         if fastest is not None:
             row["vs_fastest_reference"], row["reference_runs"] = fastest

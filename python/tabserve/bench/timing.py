@@ -1,4 +1,5 @@
-"""Timing primitives shared by every tabserve benchmark (the package driver and ``benchmarks/``).
+"""The timing harness of every tabserve benchmark: the driver (``python -m tabserve.bench``) and
+the kernel micro-benchmarks under ``benchmarks/``.
 
 CUDA: every timed call is bracketed by its own pair of CUDA events on the current stream, and the
 events are read after one final synchronisation, so calls queue back to back as in serving. CPU:
@@ -8,19 +9,35 @@ events are read after one final synchronisation, so calls queue back to back as 
 A :class:`Timing` keeps every sample and reports the median, p20 / p80 and the interquartile
 spread; ``noisy`` is set when IQR / median exceeds :data:`NOISE_THRESHOLD` (the threshold
 ``torch.utils.benchmark`` warns at).
+
+:func:`measure` (the micro-benchmarks' entry point) times a call the same way and adds its peak
+extra memory, from one more call apart from the timed ones:
+
+* CUDA: ``torch.cuda.max_memory_allocated()`` above ``memory_allocated()`` at the start, after
+  ``reset_peak_memory_stats()`` (the call's output counts: it is memory the call allocates).
+* CPU: the larger of two probes, both kept in ``memory_probes``. ``tracemalloc`` sees what goes
+  through Python's allocator (Python objects, numpy) but not torch's or Arrow's; the resident set
+  size, sampled every ~0.2 ms from /proc/self/statm after ``malloc_trim(0)`` hands freed heap back,
+  sees everything but misses allocations shorter than the sampling period and pages that
+  allocators other than glibc's keep from earlier calls. ``memory_method`` names the probe used.
 """
 
 from __future__ import annotations
 
+import ctypes
+import os
 import statistics
+import threading
 import time
+import tracemalloc
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 
 #: IQR / median above which a measurement is flagged noisy.
 NOISE_THRESHOLD = 0.10
+MiB = 1024 * 1024
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -158,3 +175,156 @@ def abba_summary(a_ms: Sequence[float], b_ms: Sequence[float]) -> dict:
         "a_median_ms": statistics.median(a_ms),
         "b_median_ms": statistics.median(b_ms),
     }
+
+
+# ---------------------------------------------------------------------------------------------
+# One measurement with its peak memory (the kernel micro-benchmarks)
+
+
+@dataclass
+class Measurement:
+    """Time (ms) and peak extra memory (bytes) of one benchmarked call."""
+
+    median_ms: float
+    p20_ms: float
+    p80_ms: float
+    repeats: int
+    peak_extra_bytes: int | None
+    memory_method: str
+    first_call_ms: float
+    memory_probes: dict = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    def table_cells(self) -> list:
+        """The median, the p20-p80 spread and the peak extra MiB, as table cells."""
+        spread = f"{format_ms(self.p20_ms)}-{format_ms(self.p80_ms)}"
+        return [format_ms(self.median_ms), spread, format_mib(self.peak_extra_bytes)]
+
+
+def format_ms(value: float | None) -> str:
+    """Milliseconds with three decimals below 10, one below 1,000, none above."""
+    if value is None:
+        return "-"
+    return f"{value:.3f}" if value < 10 else f"{value:.1f}" if value < 1000 else f"{value:.0f}"
+
+
+def format_mib(value: int | None) -> str:
+    return "-" if value is None else f"{value / MiB:.1f}"
+
+
+def measure(
+    fn: Callable[[], object],
+    device: torch.device | str,
+    *,
+    warmup: int = 2,
+    min_repeats: int = 5,
+    max_repeats: int = 50,
+    budget_s: float = 0.5,
+    memory: bool = True,
+    slow_s: float = 1.0,
+) -> Measurement:
+    """Times ``fn()`` on ``device`` and measures its peak extra memory (module docstring).
+
+    The first warm-up call is timed on its own (``first_call_ms``: compilation, lazy set-up).
+    When it took longer than ``slow_s`` and a second call still does, the remaining warm-up is
+    skipped and at most 3 repeats are taken, so slow baselines do not dominate a sweep.
+    Raises whatever ``fn`` raises.
+    """
+    device = torch.device(device)
+    first_call_ms, _ = time_once(fn, device)
+    for _ in range(max(warmup - 1, 0)):
+        if time_once(fn, device)[0] > slow_s * 1e3:
+            min_repeats = max_repeats = min(min_repeats, 3)
+            break
+    timer = time_cuda if device.type == "cuda" else time_cpu
+    times = timer(fn, min_repeats, max_repeats, budget_s)
+    if not memory:
+        peak, method, probes = None, "not measured", {}
+    elif device.type == "cuda":
+        peak, method, probes = cuda_peak_bytes(fn, device), "cuda allocator", {}
+    else:
+        peak, method, probes = cpu_peak_bytes(fn)
+    return Measurement(
+        median_ms=statistics.median(times),
+        p20_ms=percentile(times, 20),
+        p80_ms=percentile(times, 80),
+        repeats=len(times),
+        peak_extra_bytes=peak,
+        memory_method=method,
+        first_call_ms=first_call_ms,
+        memory_probes=probes,
+    )
+
+
+def cuda_peak_bytes(fn: Callable[[], object], device: torch.device | str) -> int:
+    """Bytes ``fn()`` allocates on ``device`` at its peak, above what was allocated before."""
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    out = fn()
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - base
+    del out
+    return int(peak)
+
+
+def rss_bytes() -> int:
+    """This process's resident set size (Linux: /proc/self/statm)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+class RssSampler(threading.Thread):
+    """Samples the resident set size until stopped; ``peak`` is the largest sample."""
+
+    def __init__(self, period_s: float = 2e-4):
+        super().__init__(daemon=True)
+        self.period_s = period_s
+        self.peak = rss_bytes()
+        self._stop_event = threading.Event()
+
+    def run(self) -> None:
+        while not self._stop_event.is_set():
+            self.peak = max(self.peak, rss_bytes())
+            time.sleep(self.period_s)
+
+    def stop(self) -> int:
+        self._stop_event.set()
+        self.join()
+        self.peak = max(self.peak, rss_bytes())
+        return self.peak
+
+
+def malloc_trim() -> None:
+    """Hands glibc's freed heap memory back to the system (no-op elsewhere)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: RSS then also counts retained free memory
+        pass
+
+
+def cpu_peak_bytes(fn: Callable[[], object]) -> tuple[int | None, str, dict]:
+    """(peak extra bytes, the probe that saw it, every probe's figure) of one ``fn()`` call."""
+    probes: dict = {}
+    if os.path.exists("/proc/self/statm"):
+        malloc_trim()
+        base = rss_bytes()
+        sampler = RssSampler()
+        sampler.start()
+        out = fn()
+        probes["rss"] = max(sampler.stop() - base, 0)
+        del out
+    tracing = tracemalloc.is_tracing()
+    if not tracing:
+        tracemalloc.start()
+    tracemalloc.reset_peak()
+    base = tracemalloc.get_traced_memory()[0]
+    out = fn()
+    probes["tracemalloc"] = max(tracemalloc.get_traced_memory()[1] - base, 0)
+    del out
+    if not tracing:
+        tracemalloc.stop()
+    method = max(probes, key=probes.get)
+    return probes[method], method, probes

@@ -21,8 +21,8 @@ KERNEL_WIDTHS = (16, 32, 64, 128)
 #: Token streams the kernels read (and residual sums they round to).
 STREAM_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 #: Tile configurations (tokens per program, warps, pipeline stages) by stream length, chosen
-#: on the H200 with ``benchmarks/feed_forward.py --sweep`` (2026-11-30, 18 configurations): 64 x
-#: 4 warps x 1 stage was the fastest on the large workload's row and column streams (5.6 and 5.2
+#: on the H200 with ``benchmarks/feed_forward.py --sweep`` (18 configurations): 64 x
+#: 4 warps x 1 stage is the fastest on the large workload's row and column streams (5.6 and 5.2
 #: M tokens: 5.40 and 5.09 ms, against 7.50 and 7.07 ms for Inductor's compiled composite);
 #: 128 x 8 x 1 on the small workload's row stream (55 k tokens: 0.085 ms, 64 x 4 x 1 0.159).
 LONG_STREAM = 1 << 20
@@ -55,8 +55,9 @@ def matmul_operand(weight: Tensor, compute_dtype: torch.dtype) -> Tensor:
     """A weight matrix as the kernels read it: fp32 weights cast to the matmul dtype here, once
     per call (under Inductor's freezing, once per compiled graph), instead of every program
     loading the fp32 matrix and rounding it itself. The same round-to-nearest as the kernels'
-    ``round_to``, so the same bits; half the bytes each program reads (the H200 profile of c38
-    had the fused feed-forward's programs re-reading its fp32 weights, 256 KiB per 64 tokens).
+    ``round_to``, so the same bits; half the bytes each program reads (with fp32 weights, an H200
+    profile of the large workload has the fused feed-forward's programs re-reading 256 KiB per 64
+    tokens).
     Other dtypes (fp64) keep the kernels' own single rounding."""
     if weight.dtype == torch.float32:
         weight = weight.to(compute_dtype)

@@ -10,14 +10,14 @@ in the promoted dtypes (what ``x + update`` and ``s + y`` give under autocast).
 
 Unfused, a block's FFN reads and writes the token stream five times and its hidden activations
 (twice as wide) three times; on the large workload's row stage (5.6 M tokens of width 128) the
-GELU kernel alone took 1.9 ms of HBM traffic per block on the H200 (docs/performance.md). Fused,
-each tile of tokens is read once and written once: LayerNorm, both matmuls (on tensor cores) and
-the GELU run on the tile in registers and shared memory, the hidden activations never reach HBM.
+GELU kernel alone takes 1.9 ms of HBM traffic per block on the H200. Fused, each tile of tokens
+is read once and written once: LayerNorm, both matmuls (on tensor cores) and the GELU run on the
+tile in registers and shared memory, the hidden activations never reach HBM.
 
 One place for the operator: the schema (``torch.library.triton_op``, so torch.compile traces
 the Triton kernel into its own graph), the composite ATen kernel (CPU, fp32 compute, shapes the
 kernel does not take), the CUDA kernel (Triton) and the fake kernel (the traced function itself).
-docs/ops.md gives the contract.
+docs/reference/ops.md gives the contract.
 """
 
 from __future__ import annotations
@@ -28,8 +28,6 @@ import sys
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-
-from tabserve.ops import RESIDENT_DIM, RESIDENT_HIDDEN
 
 from ._common import (
     LONG_CONFIG,
@@ -45,6 +43,7 @@ from ._common import (
     tile_config,
     triton,
 )
+from ._resident import RESIDENT_DIM, RESIDENT_HIDDEN
 
 if triton is not None:
     import triton.language as tl
@@ -77,18 +76,19 @@ def hidden_step_override(step: int):
         HIDDEN_STEP_OVERRIDE = saved
 
 
-#: How the kernel evaluates the GELU's erf: ``erf``, libdevice's ``erff`` (what ATen's CUDA
-#: GELU calls: two polynomials whose coefficients each element selects, 31 SASS instructions
-#: per hidden unit on sm_90, about two thirds of the kernel's instructions); ``rational``,
+#: How the kernel evaluates the GELU's erf: ``erf``, libdevice's ``erff`` (what ATen's CUDA GELU
+#: calls: two polynomials whose coefficients each element selects, 31 SASS instructions per hidden
+#: unit on sm_90, about two thirds of the kernel's instructions); ``rational``,
 #: ``erf(|z|) = 1 - exp(-z^2) Q(1 / (1 + |z| / 2))`` (:func:`_gelu`): one polynomial, one
 #: reciprocal square root and one exp2, 22 instructions (the kernel's static count 2,648 ->
-#: 2,336, its registers 230 -> 224, sm_90, Triton 3.8). The two round to different fp16
-#: GELUs on 3 of the 63,488 finite fp16 inputs under Triton's interpreter and on 8 on the H200
-#: (fourteenth session; at most 3 units apart, in the left tail where ``1 + erf`` cancels);
-#: each differs from ATen's CUDA GELU on 151 and from float64 maths on 328 / 330, by at most
-#: 2 units. In the large workload's model (cells c49 / c52, same run) the rational form took
-#: the one-shot call from 122.4 to 121.3 ms and the KV-cached prediction from 22.8 to 22.1:
-#: the default. (The resident kernel, ``feed_forward_resident``, keeps erff.)
+#: 2,336, its registers 230 -> 224,
+#: sm_90, Triton 3.8). The two round to different fp16 GELUs on 3 of the 63,488 finite fp16 inputs
+#: under Triton's interpreter and on 8 on the H200 (at most 3 units apart, in the left tail where
+#: ``1 + erf`` cancels); each differs from ATen's CUDA GELU on 151 and from float64 maths on 328 /
+#: 330, by at most 2 units. In the large workload's model on the H200 (erf and rational timed in the
+#: same benchmark run) the rational form takes the one-shot call from 122.4 to 121.3 ms and the
+#: KV-cached prediction from 22.8 to 22.1: the default. (The resident kernel,
+#: ``feed_forward_resident``, keeps erff.)
 GELUS = ("erf", "rational")
 GELU = "rational"
 
@@ -459,8 +459,8 @@ feed_forward_op = define_operator(_OPERATOR, _feed_forward)
 
 #: Route the shapes ``tabserve::feed_forward_resident`` serves (width 128, FFN width 256: the
 #: column and row stages) to that C++/CUDA operator, whose weights stay in shared memory for the
-#: whole launch, for streams shorter than RESIDENT_MAX_TOKENS. On the H200 (2026-12-01,
-#: ``benchmarks/feed_forward.py``, "resident op" against "tabserve op") it took 0.078 ms on
+#: whole launch, for streams shorter than RESIDENT_MAX_TOKENS. On the H200
+#: (``benchmarks/feed_forward.py``, "resident op" against "tabserve op") it takes 0.078 ms on
 #: the small workload's row stream (55 k tokens) against the Triton kernel's 0.137-0.259 ms,
 #: and 4.92 / 4.82 ms on the large row / column streams (5.6 / 5.2 M tokens) against 4.84 / 4.55.
 RESIDENT_KERNEL = True

@@ -4,9 +4,9 @@
     out = softmax(q @ k^T / sqrt(d)) @ v
 
 Written for the ICL stage's head-dimension-64 calls, which bound the xlarge workload: its 11
-train-row self-attentions (8 tables x 8 heads, 50,000 queries over 50,000 keys) took 1,098 ms of
-c52's 1,850 ms one-shot call on the H200 in cuDNN's fp16 kernel, the fastest PyTorch offers
-there (411 TFLOP/s, docs/performance.md); torch 2.11 has no fp8 attention. Each program takes a
+train-row self-attentions (8 tables x 8 heads, 50,000 queries over 50,000 keys) take 1,098 ms of
+the fp16 model's 1,850 ms one-shot call on the H200 in cuDNN's fp16 kernel, the fastest PyTorch
+offers there (411 TFLOP/s); torch 2.11 has no fp8 attention. Each program takes a
 tile of queries through every key block with an online softmax (running row maximum and sum in
 fp32, base-2 exponentials), so the scores never reach memory.
 
@@ -21,7 +21,8 @@ two matmuls then run on the fp8 tensor cores.
 One place for the operator: the schema (``torch.library.triton_op``), the composite ATen kernel
 (CPU, fp32, shapes or GPUs the kernel does not take: the same roundings with a two-pass softmax,
 so its weights are relative to the row's maximum over all keys rather than the running one), the
-CUDA kernel (Triton) and the fake kernel (the traced function). docs/ops.md gives the contract.
+CUDA kernel (Triton) and the fake kernel (the traced function). docs/reference/ops.md gives the
+contract.
 """
 
 from __future__ import annotations
@@ -37,10 +38,9 @@ from ._common import KERNEL_COMPUTE_DTYPES, KERNEL_WIDTHS, define_operator, trit
 
 #: Added to the query and key counts the kernel is passed: Triton's launcher and Inductor both
 #: compile an integer argument equal to 1 as a constant, and the fp8 kernel with permuted score
-#: columns so specialised for one key returned NaN rows on the H200 (twenty-fifth and
-#: twenty-sixth sessions; key order was right, and so is the general kernel over one key: the
-#: CUDA tests at one key and one query pass). Offset by 16, no count reaches 1 and the counts
-#: keep their divisibility by 16, the other specialisation.
+#: columns so specialised for one key returns NaN rows on the H200 (key order is right, and so is
+#: the general kernel over one key: the CUDA tests at one key and one query pass). Offset by 16, no
+#: count reaches 1 and the counts keep their divisibility by 16, the other specialisation.
 COUNT_OFFSET = 16
 
 if triton is not None:
@@ -102,13 +102,13 @@ class Tile(NamedTuple):
 
 
 #: Tiles per precision (``fp8``): the fastest of :data:`SWEEP` on the xlarge workload's
-#: train-row call on the H200 (``benchmarks/icl_attention.py --flash-sweep``, twenty-third to
-#: twenty-sixth sessions; fp8: permuted score columns 73.0 ms against 77.7 in key order, one run;
-#: with K and V through TMA at 128 registers 69.0 against 71.9, the next run).
+#: train-row call on the H200 (``benchmarks/icl_attention.py --flash-sweep``; fp8: permuted score
+#: columns 73.0 ms against 77.7 in key order; with K and V through TMA at 128 registers 69.0
+#: against 71.9 without TMA at 168).
 TILES = {False: Tile(128, 64, 8, 3), True: Tile(64, 128, 4, 3, 128, permuted=True, tma=True)}
 #: Half's tile for head dimensions up to 16, the column stage's inducing points over the train
-#: rows (``benchmarks/small_head_attention.py --cases col --flash-sweep``, twenty-fifth session,
-#: one H200 run: xlarge 6.30 ms against the default's 6.74, large 1.52 against 1.77).
+#: rows (``benchmarks/small_head_attention.py --cases col --flash-sweep`` on the H200: xlarge
+#: 6.30 ms against the default's 6.74, large 1.52 against 1.77).
 SMALL_HEAD_TILE = Tile(64, 128, 4, 3, 128)
 
 
@@ -117,18 +117,18 @@ def default_tile(fp8: bool, dim: int) -> Tile:
     return TILES[True] if fp8 else TILES[False] if dim > 16 else SMALL_HEAD_TILE
 
 
-#: The sweep: the three fastest tiles of six timed in the twenty-third session (fp8: 64x128 w4
-#: 74 ms, 64x64 79, 128x64 w8 80; half: 128x64 w8 94, 64x64 97, 64x128 100), the 64x128 fp8
-#: tile with 128 registers (twenty-fourth: 76.3 ms against 77.7 in one run, half spills there),
-#: and the permuted score columns (twenty-fifth, one run: 3 stages 73.0 ms, 2 stages 75.0; sm_90
-#: SASS per thread and key block: 453 instructions for 64 scores against key order's 503, 430
-#: with 2 stages). Dropped as slower: 64x64 permuted (79.1 ms; its NaN rows for one key were
-#: the one-key specialisation :data:`COUNT_OFFSET` avoids). The permuted tile with K and V
-#: through TMA (twenty-sixth session: 72.0 ms at 168 registers, 69.0 at 128; sm_90 compile with
-#: Triton 3.6: 444 instructions per key block against 449, the per-thread copies' address
-#: arithmetic gone; 132 registers unlimited against 175, so at 128, 8 bytes spilled outside the
-#: loop, 4 programs fit an SM, 53 KB of shared memory each). A 256-key block spills registers in the sm_90 compile (64 x 256, 4
-#: warps: 892 bytes for half, 8 for fp8).
+#: The sweep (H200, the xlarge train-row call): the three fastest of six plain tiles (fp8: 64x128
+#: w4 74 ms, 64x64 79, 128x64 w8 80; half: 128x64 w8 94, 64x64 97, 64x128 100), the 64x128 fp8
+#: tile with 128 registers (76.3 ms against 77.7 unlimited; half spills there), and the permuted
+#: score columns (3 stages 73.0 ms, 2 stages 75.0; sm_90 SASS per thread and key block: 453
+#: instructions for 64 scores against key order's 503, 430 with 2 stages). Not in it, as
+#: slower: 64x64 permuted (79.1 ms; its NaN rows for one key are the one-key specialisation
+#: :data:`COUNT_OFFSET` avoids). The permuted tile with K and V through TMA (72.0 ms at 168
+#: registers, 69.0 at 128; sm_90 compile with Triton 3.6: 444 instructions per key block against
+#: 449, the per-thread copies' address arithmetic gone; 132 registers unlimited against 175, so
+#: at 128, 8 bytes spilled outside the loop, 4 programs fit an SM, 53 KB of shared memory each).
+#: A 256-key block spills registers in the sm_90 compile (64 x 256, 4 warps: 892 bytes for half,
+#: 8 for fp8).
 SWEEP = (
     Tile(128, 64, 8, 3),
     Tile(64, 128, 4, 3),
@@ -144,7 +144,7 @@ SWEEP = (
 MAX_GRID_BATCH = 65_535
 #: Set by :func:`tile_override` (the benchmark's sweep, the interpreter tests' small tiles).
 TILE_OVERRIDE: Tile | None = None
-#: Tried and dropped (twenty-third session): exponentials on fp16 pairs (`ex2.approx.f16x2`: two
+#: Slower or no help, so not in the kernel: exponentials on fp16 pairs (`ex2.approx.f16x2`: two
 #: `MUFU.EX2.F16` on sm_90, 10% slower on the H200) and row sums by a matmul of the e4m3 weights
 #: by ones (slower, and 1.5e-2 less accurate); also, from the PTX that Triton compiles here for
 #: sm_90 (no GPU needed: ``triton.compile`` with a ``GPUTarget``, then ``ptxas -v``): an explicit
@@ -354,9 +354,9 @@ if triton is not None:
         if FP8:
             # Hopper's fp8 matmuls add into their accumulator in reduced precision, and Triton
             # leaves them unpromoted there by default: chained over every key block, the running
-            # sum drifted (~2.6e-2 over 50,000 keys whose values share a sign; the H200's first
-            # model run failed its gate so). Each block's product starts from zero and is added
-            # in fp32 here. (Triton's own promotion, ``max_num_imprecise_acc``, made ptxas
+            # sum drifts (~2.6e-2 over 50,000 keys whose values share a sign: the model then fails
+            # its reduced-precision gate on the H200). Each block's product starts from zero and is added
+            # in fp32 here. (Triton's own promotion, ``max_num_imprecise_acc``, makes ptxas
             # serialise the matmuls: warning C7514 in the sm_90 compile.)
             acc = acc * correction[:, None] + tl.dot(rounded, v)
         else:
@@ -630,7 +630,7 @@ if triton is not None:
     def _tma_launch(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         """The fp8 launch with TMA descriptors, by Triton's own launcher: torch 2.11's
         ``triton_op`` tracing keeps a host-side descriptor as an object holding a fake tensor
-        (Inductor's graph cache then failed on it, H200, twenty-sixth session), so these
+        (Inductor's graph cache then fails on it, H200), so these
         launches sit in an operator Inductor calls as it is (its scales and quantisation
         included)."""
         return _launch(q, k, v, True, lambda kernel: kernel, True)

@@ -19,7 +19,7 @@ rotated queries and keys and nothing rotates them in a pass or kernel of its own
 
 One place for the operator, as ``feed_forward``: schema (``torch.library.triton_op``), composite
 ATen kernel (CPU, fp32 compute, shapes the kernel does not take), Triton CUDA kernel and fake
-kernel (the traced function). docs/ops.md gives the contract.
+kernel (the traced function). docs/reference/ops.md gives the contract.
 """
 
 from __future__ import annotations
@@ -47,32 +47,31 @@ if triton is not None:
     from ._common import layer_norm_rows, round_to
 
 #: Long streams (>= 2^20 tokens): 128 tokens x 8 warps x 1 stage, the fastest of the sweep on the
-#: large workload's three projections (H200, 2026-11-30, ``benchmarks/norm_linear.py --sweep``:
+#: large workload's three projections (H200, ``benchmarks/norm_linear.py --sweep``:
 #: row q/k/v 3.03 ms, column k/v 1.66, column q 1.28; the feed-forward operator's 64 x 4 x 1
-#: took 3.51 / 1.86 / 1.36).
+#: takes 3.51 / 1.86 / 1.36).
 LONG_CONFIG = (128, 8, 1)
 
 #: Output features per step of the kernel's loop; the output width must be a multiple.
 OUTPUT_STEP = 64
 #: Output features per step over the rotated ones (whole heads): a narrower tile than
 #: OUTPUT_STEP keeps the rotation's split halves and tables in registers (sm_90, 128 tokens x 8
-#: warps, compiled by Triton 3.8: 64 spilled 56 bytes a thread, 32 8 bytes; compiled again in
-#: the thirteenth session with the pointer and stride alignment Triton specialises launches
-#: on, neither spilled: 118 and 97 registers. The step stays 32, the measured one).
+#: warps, compiled by Triton 3.8 without alignment hints: 64 spills 56 bytes a thread, 32 8
+#: bytes; compiled with the pointer and stride alignment Triton specialises launches on,
+#: neither spills: 118 and 97 registers. The step stays 32, the measured one).
 ROTARY_STEP = 32
 #: How the epilogue pairs each rotated output with its partner (the other half of its head):
-#: ``split`` reshapes the tile and splits the halves apart (measured on the H200, twelfth
-#: session: the row stage's packed projection 2.37 -> 3.34 ms per call with it); ``dot``
-#: multiplies the rounded tile by a signed permutation matrix on the tensor cores (exact: one
-#: +-1 per column), which keeps the tile in its accumulator layout, and was slower on the H200
-#: (thirteenth session: 4.27 against split's 3.55 ms); ``partner`` computes the partners
-#: themselves, a second product of the normalised tile with the partner rows of the weight
-#: (the same dot products as the partner outputs', so the same values), in the tile's own
-#: layout: no shuffle, one more matmul on tensor cores that the kernel leaves mostly idle, and
-#: was the slowest on the H200 (fourteenth session, fp16 stream: the row stage's packed
-#: projection 5.07 ms against dot's 4.12 and split's 3.43, 2.50 without RoPE; the CLS block's
-#: key / value 3.18 / 2.73 / 2.36): its second weight read costs more than the shuffle it saves.
-#: ``benchmarks/norm_linear.py`` times every rotation (:func:`rotation_override`).
+#: ``split`` reshapes the tile and splits the halves apart (measured on the H200: the row stage's
+#: packed projection 2.37 -> 3.34 ms per call with it); ``dot`` multiplies the rounded tile by a
+#: signed permutation matrix on the tensor cores (exact: one +-1 per column), which keeps the tile
+#: in its accumulator layout, and is slower on the H200 (4.27 against split's 3.55 ms); ``partner``
+#: computes the partners themselves, a second product of the normalised tile with the partner rows
+#: of the weight (the same dot products as the partner outputs', so the same values), in the tile's
+#: own layout: no shuffle, one more matmul on tensor cores that the kernel leaves mostly idle, and
+#: is the slowest on the H200 (fp16 stream: the row stage's packed projection 5.07 ms against dot's
+#: 4.12 and split's 3.43, 2.50 without RoPE; the CLS block's key / value 3.18 / 2.73 / 2.36): its
+#: second weight read costs more than the shuffle it saves. ``benchmarks/norm_linear.py`` times
+#: every rotation (:func:`rotation_override`).
 ROTATIONS = ("split", "dot", "partner")
 ROTATION = "split"
 

@@ -4,12 +4,12 @@ AOTInductor, saved to a directory and loaded by a restarted server without traci
 Compile-cache artifacts (:mod:`tabserve.compile_cache`) spare a restart Inductor's code generation
 but not Dynamo's tracing nor the reload of every graph, about 20 s per bucket on the H200 for the
 small workload. A bucket package is the bucket's whole forward as one shared library
-(``torch.export`` of :meth:`TabICLv2.padded_forward` at the bucket's static shapes, the recipe's
+(``torch.export`` of :meth:`TabICLv2.padded_forward` at the bucket's static shapes, the options'
 precision and attention backends baked in, then ``torch._inductor.aoti_compile_and_package``);
 loading one takes milliseconds and its first call runs compiled kernels at once. The real
 train-row and feature counts stay device tensors, so one package serves every table of its bucket.
 
-Layout of a directory: ``manifest.json`` (:func:`environment`, the recipe, the grid and one entry
+Layout of a directory: ``manifest.json`` (:func:`environment`, the options, the grid and one entry
 per package: kind, bucket, batch size, file name) and one ``.pt2`` per entry:
 ``bucket-<train>x<test>x<features>-b<batch>.pt2`` for the one-shot forward, with ``kv_cache``
 also ``build-cache-<train>x0x<features>-b<batch>.pt2`` (the cache of a padded train block) and
@@ -33,18 +33,20 @@ from torch.utils._pytree import tree_map
 
 from tabserve.buckets import Bucket
 
+from .options import describe
+
 MANIFEST = "manifest.json"
 FORMAT = "tabserve-aot-buckets/1"
 
 
 #: Loading CUDA packages crashed the process on the H200 (a segmentation fault inside
-#: ``torch._inductor.aoti_load_package``, torch 2.11.0+cu130, 2026-11-30; docs/serving.md), so
+#: ``torch._inductor.aoti_load_package``, torch 2.11.0+cu130; docs/guide/serving.md), so
 #: :func:`load` refuses them unless this variable is ``1`` (for whoever investigates the crash).
 ALLOW_CUDA_ENV = "TABSERVE_ALLOW_CUDA_AOT"
 
 
 class AotPackageError(ValueError):
-    """A bucket directory that is missing, malformed, or made for another environment, recipe or
+    """A bucket directory that is missing, malformed, or made for another environment, options or
     bucket grid, or packages this build refuses to load (CUDA: :data:`ALLOW_CUDA_ENV`)."""
 
 
@@ -54,7 +56,7 @@ def refuse_cuda_packages(device: torch.device | str) -> None:
     if torch.device(device).type == "cuda" and os.environ.get(ALLOW_CUDA_ENV) != "1":
         raise AotPackageError(
             "loading AOT bucket packages on CUDA is disabled: torch's AOTInductor loader crashed "
-            "the process on them (segmentation fault, torch 2.11, see docs/serving.md); serve "
+            "the process on them (segmentation fault, torch 2.11, see docs/guide/serving.md); serve "
             f"with compile-cache artifacts instead, or set {ALLOW_CUDA_ENV}=1 to try anyway"
         )
 
@@ -67,18 +69,18 @@ def environment() -> dict:
 
 
 class _Core(torch.nn.Module):
-    """An exported function: one of the model's padded entry points under the recipe's
+    """An exported function: one of the model's padded entry points under the options'
     precision context (``padded_forward``, ``padded_build_cache`` or ``padded_forward_cached``)."""
 
     def __init__(self, served, entry: str):
         super().__init__()
         self.model = served.model
-        self.recipe = served.recipe
+        self.options = served.options
         self.device = served.device
         self.entry = entry
 
     def forward(self, *inputs):
-        with self.recipe.context(self.device):
+        with self.options.context(self.device):
             return getattr(self.model, self.entry)(*inputs)
 
 
@@ -113,13 +115,13 @@ def _file_name(kind: str, bucket: Bucket, batch: int) -> str:
 
 def example_inputs(served, bucket: Bucket, batch: int) -> tuple[Tensor, ...]:
     """Random inputs of a bucket's padded forward (the shapes are what the package fixes)."""
-    from .serving import _counts
+    from .model import padded_counts
 
     generator = torch.Generator().manual_seed(0)
     rows = bucket.train_rows + bucket.test_rows
     X = torch.randn(batch, rows, bucket.features, generator=generator).to(served.device)
     y = torch.arange(bucket.train_rows).remainder(2).float().repeat(batch, 1).to(served.device)
-    return (X, y, *_counts(served.device, bucket.train_rows, bucket.features))
+    return (X, y, *padded_counts(served.device, bucket.train_rows, bucket.features))
 
 
 def _package(served, directory: Path, kind: str, bucket: Bucket, batch: int, inputs) -> dict:
@@ -163,7 +165,7 @@ def export(
     manifest = {
         "format": FORMAT,
         **environment(),
-        "recipe": served.recipe.name,
+        "options": describe(served.options),
         "grid": dataclasses.asdict(served.grid),
         "packages": entries,
     }
@@ -191,13 +193,13 @@ def read_manifest(directory: str | os.PathLike) -> dict:
 
 
 def load(served, directory: str | os.PathLike) -> dict:
-    """Loads every package of ``directory`` made for ``served``'s environment, recipe and grid:
+    """Loads every package of ``directory`` made for ``served``'s environment, options and grid:
     ``{kind: {(bucket, batch): runner}}`` for the kinds of :data:`KINDS`.
 
     Raises:
         FileNotFoundError: no manifest, or a package file it names is missing.
         AotPackageError: a malformed manifest, or one made under another torch / tabserve / GPU,
-            recipe or bucket grid (the message names the difference); a CUDA model without
+            options or bucket grid (the message names the difference); a CUDA model without
             :data:`ALLOW_CUDA_ENV` (:func:`refuse_cuda_packages`).
     """
     refuse_cuda_packages(served.device)
@@ -205,7 +207,7 @@ def load(served, directory: str | os.PathLike) -> dict:
     manifest = read_manifest(directory)
     expected = {
         **environment(),
-        "recipe": served.recipe.name,
+        "options": describe(served.options),
         "grid": json.loads(json.dumps(dataclasses.asdict(served.grid))),
     }
     for key, value in expected.items():

@@ -3,15 +3,16 @@
 They reproduce the reference ``tabicl`` 2.2.0 wrappers (same parameter names and defaults where
 they mean the same thing, same preprocessing and ensembling, see :mod:`.preprocessing`) on top of
 our model. Differences: ``model_path`` is required (no download), inference runs the serving
-``recipe`` (default: fp32 eager, the exact path; no FlashAttention-3), and preprocessing transforms
+``recipe`` (default: ``exact``, fp32 eager; no FlashAttention-3), and preprocessing transforms
 run as tensor maths on ``device``.
 
-``recipe``: a name of :data:`.recipes.RECIPES` (``"fp16-buckets-compile"``, ...), a
-:class:`.recipes.Recipe`, or ``"auto"`` (what the benchmark driver measured fastest on this device
-for the closest workload; fp32 eager with a warning when nothing was measured), or
-``"auto-without-fp8"`` (the same, never a recipe that computes in fp8: on the H200 the xlarge
-promotion has the ICL attention in fp8). ``bucket_grid``:
-the :class:`tabserve.buckets.BucketGrid` of bucketed recipes (default grid when None).
+``recipe``: a serving preset's name (:func:`tabserve.serving_presets`: ``exact``, ``medium``,
+``small``, ``large``, ``large-fp8``), a :class:`~.options.ServingOptions`, or ``"auto"``: the
+preset the benchmark driver measured fastest on this device for the closest workload (``exact``
+with a warning when nothing was measured). ``allow_fp8=False``: ``"auto"`` never serves a preset
+that computes in fp8 (on the H200 the promotion for tens of thousands of train rows runs the
+in-context attention in fp8). ``bucket_grid``: the :class:`tabserve.buckets.BucketGrid` of
+bucketed options (default grid when None).
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from sklearn.base import BaseEstimator, ClassifierMixin, RegressorMixin
 from sklearn.utils.validation import check_is_fitted
 from torch import Tensor
 
+from tabserve.buckets import BucketGrid
+
 from .model import TabICLv2, TabICLv2Cache
 from .preprocessing import (
     ConstantFeatureFilter,
@@ -35,7 +38,7 @@ from .preprocessing import (
     member_labels,
     member_tables,
 )
-from .recipes import auto_recipe
+from .options import auto_options, resolve_options
 from .serving import serve
 
 DEFAULT_NORM_METHODS = ("none", "power")
@@ -107,6 +110,13 @@ class _TabICLBase(BaseEstimator):
             )
 
     def _load_model(self, n_train: int, n_classes: int | None = None) -> TabICLv2:
+        if not (isinstance(self.recipe, str) and self.recipe == "auto"):
+            resolve_options(self.recipe)  # a bad name or type fails before the model loads
+        if self.bucket_grid is not None and not isinstance(self.bucket_grid, BucketGrid):
+            raise TypeError(
+                f"bucket_grid must be a tabserve.BucketGrid or None, got "
+                f"{type(self.bucket_grid).__name__}"
+            )
         if self.model_path is None:
             raise ValueError(
                 "model_path is required: the path of a TabICLv2 .ckpt or tabserve .safetensors file"
@@ -118,8 +128,8 @@ class _TabICLBase(BaseEstimator):
                 f"{self.model_path} is a {kind} checkpoint; {type(self).__name__} needs the other kind"
             )
         recipe = self.recipe
-        if isinstance(recipe, str) and recipe in ("auto", "auto-without-fp8"):
-            recipe = auto_recipe(
+        if isinstance(recipe, str) and recipe == "auto":
+            recipe = auto_options(
                 self.device_,
                 n_train,
                 self.n_features_in_,
@@ -127,7 +137,7 @@ class _TabICLBase(BaseEstimator):
                 task="clf" if self._classification else "reg",
                 n_classes=n_classes,
                 many_classes_above=model.config.max_classes,
-                fp8=recipe == "auto",
+                allow_fp8=bool(self.allow_fp8),
             )
         return serve(model, recipe, self.bucket_grid)
 
@@ -220,7 +230,8 @@ class TabICLClassifier(ClassifierMixin, _TabICLBase):
     ``outlier_threshold=4.0``, ``softmax_temperature=0.9``, ``average_logits=True``,
     ``support_many_classes=True``, ``batch_size=8`` (members per model call), ``kv_cache=False``,
     ``model_path`` (required), ``device=None`` (CUDA if available), ``random_state=42``;
-    tabserve's own: ``recipe=None`` (fp32 eager) and ``bucket_grid=None`` (module docstring).
+    tabserve's own: ``recipe=None`` (``exact``: fp32 eager), ``allow_fp8=True`` and
+    ``bucket_grid=None`` (module docstring).
     """
 
     _classification = True
@@ -241,6 +252,7 @@ class TabICLClassifier(ClassifierMixin, _TabICLBase):
         device: str | torch.device | None = None,
         random_state: int | None = 42,
         recipe=None,
+        allow_fp8: bool = True,
         bucket_grid=None,
     ):
         self.n_estimators = n_estimators
@@ -257,6 +269,7 @@ class TabICLClassifier(ClassifierMixin, _TabICLBase):
         self.device = device
         self.random_state = random_state
         self.recipe = recipe
+        self.allow_fp8 = allow_fp8
         self.bucket_grid = bucket_grid
 
     @_atomic_fit
@@ -353,6 +366,7 @@ class TabICLRegressor(RegressorMixin, _TabICLBase):
         device: str | torch.device | None = None,
         random_state: int | None = 42,
         recipe=None,
+        allow_fp8: bool = True,
         bucket_grid=None,
     ):
         self.n_estimators = n_estimators
@@ -365,6 +379,7 @@ class TabICLRegressor(RegressorMixin, _TabICLBase):
         self.device = device
         self.random_state = random_state
         self.recipe = recipe
+        self.allow_fp8 = allow_fp8
         self.bucket_grid = bucket_grid
 
     @_atomic_fit

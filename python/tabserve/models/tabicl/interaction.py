@@ -13,6 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from .layers import AttentionBlock, RotaryEmbedding, chunk_slices
+from .stage_kernels import DEFAULT_KERNELS
 
 #: Tokens (tables x rows x (CLS + column tokens)) the row stage processes in one pass; taller
 #: inputs run in chunks of rows. Its activations (the feed-forward hidden layer is 4 x dim wide
@@ -60,10 +61,14 @@ class RowInteraction(nn.Module):
         self.out_ln = nn.LayerNorm(dim, bias=ln_bias)
         #: Per-instance chunking threshold (tests lower it).
         self.max_tokens = ROW_STAGE_MAX_TOKENS
-        #: Whether the column stage hands this stage its tokens with the CLS tokens already in
-        #: front (:meth:`column_prefix`), written by the column stage's last fused feed-forward;
-        #: a serving recipe sets it (``fused_row_tokens``).
-        self.tokens_from_column_stage = False
+        #: The stage's kernel choices (:class:`~.stage_kernels.StageKernels`).
+        self.kernels = DEFAULT_KERNELS
+
+    @property
+    def tokens_from_column_stage(self) -> bool:
+        """Whether the column stage hands this stage its tokens with the CLS tokens already in
+        front (:meth:`column_prefix`), written by the column stage's last fused feed-forward."""
+        return self.kernels.fused_row_tokens
 
     def column_prefix(self) -> Tensor | None:
         """The CLS tokens, for the column stage to put in front of every row of its output

@@ -20,6 +20,8 @@ from tabserve.kernels import feed_forward as fused_ffn
 from tabserve.kernels import norm_linear as fused_norm_linear
 from tabserve.kernels.feed_forward import to_rows
 
+from .stage_kernels import DEFAULT_KERNELS
+
 #: Value that marks a skipped token in the reference (CLS placeholders, padded features).
 SKIP_VALUE = -100.0
 
@@ -73,9 +75,8 @@ class QASSMax(nn.Module):
         return q * (base * modulation)
 
 
-#: Devices whose eager RoPE runs the one-pass ``tabserve::rotary_embedding`` operator (CUDA since
-#: ``test/python/test_rotary.py -m cuda`` passed on the H200, 2026-11-30: bitwise equal to the
-#: composite and 2.8-3.3x faster than it eager, docs/ops.md).
+#: Devices whose eager RoPE runs the one-pass ``tabserve::rotary_embedding`` operator (on the
+#: H200 bitwise equal to the composite and 2.8-3.3x faster than it eager, docs/reference/ops.md).
 ROTARY_OP_DEVICES = frozenset({"cpu", "cuda"})
 
 
@@ -142,23 +143,37 @@ class Attention(nn.Module):
         self.in_proj_bias = nn.Parameter(torch.empty(3 * dim))
         self.out_proj = nn.Linear(dim, dim)
         self.ssmax_layer = QASSMax(num_heads, self.head_dim) if qassmax else None
-        #: Kernel of padded attention (``tabserve.ops.prefix_attention``'s ``backend``); a
-        #: serving recipe may set it per stage.
-        self.prefix_backend = "auto"
-        #: Attention through :func:`tabserve.ops.small_head_attention` where it applies (CUDA,
-        #: fp16 / bf16, head dimension 16); a serving recipe sets it per stage (``head16``).
-        self.small_heads = False
-        #: With :attr:`small_heads`: the most keys the kernel takes here (None: any number;
-        #: ``head16-short``: :data:`SHORT_KEYS`, longer runs on SDPA).
-        self.small_head_max_keys: int | None = None
-        #: Unpadded attention through :func:`tabserve.ops.flash_attention` on fp8 (True) or
-        #: half (False) operands; None: SDPA. A serving recipe sets it per stage
-        #: (``flash-fp8`` / ``flash-half``).
-        self.flash_fp8: bool | None = None
-        #: RoPE of queries and keys inside the fused LayerNorm + projection
-        #: (:func:`tabserve.ops.norm_linear`'s ``rotary``) where that operator serves the
-        #: projection; a serving recipe sets it (``rope_in_projection``).
-        self.rope_in_projection = False
+        #: The stage's kernel choices (:class:`~.stage_kernels.StageKernels`), handed over by a
+        #: served model when it is built.
+        self.kernels = DEFAULT_KERNELS
+
+    @property
+    def prefix_backend(self) -> str:
+        """Kernel of padded attention (``tabserve.ops.prefix_attention``'s ``backend``)."""
+        return self.kernels.prefix_backend
+
+    @property
+    def small_heads(self) -> bool:
+        """Attention through :func:`tabserve.ops.small_head_attention` where it applies (CUDA,
+        fp16 / bf16, head dimension 16)."""
+        return self.kernels.small_heads
+
+    @property
+    def small_head_max_keys(self) -> int | None:
+        """With :attr:`small_heads`: the most keys the kernel takes here (None: any number)."""
+        return self.kernels.small_head_max_keys
+
+    @property
+    def flash_fp8(self) -> bool | None:
+        """Unpadded attention through :func:`tabserve.ops.flash_attention` on fp8 (True) or
+        half (False) operands; None: SDPA."""
+        return self.kernels.flash_fp8
+
+    @property
+    def rope_in_projection(self) -> bool:
+        """RoPE of queries and keys inside the fused LayerNorm + projection
+        (:func:`tabserve.ops.norm_linear`'s ``rotary``) where that operator serves it."""
+        return self.kernels.rope_in_projection
 
     def _split_heads(self, x: Tensor) -> Tensor:
         return x.unflatten(-1, (self.num_heads, self.head_dim)).transpose(-3, -2)
@@ -409,16 +424,26 @@ class AttentionBlock(nn.Module):
         self.norm1 = nn.LayerNorm(dim, bias=ln_bias)
         self.norm2 = nn.LayerNorm(dim, bias=ln_bias)
         self.attn = Attention(dim, num_heads, qassmax)
-        #: Feed-forward half through :func:`tabserve.ops.feed_forward` where its kernel applies
-        #: (CUDA under fp16 / bf16 autocast, width <= 128); a serving recipe sets it.
-        self.fused_feed_forward = False
-        #: LayerNorm 1 and the input projections through :func:`tabserve.ops.norm_linear`
-        #: where its kernel applies (same conditions); a serving recipe sets it.
-        self.fused_norm_linear = False
-        #: With :attr:`fused_feed_forward`: the attention's out-projection folded into the
-        #: fused feed-forward operator (its ``update_weight``) where it applies; a serving
-        #: recipe sets it (``fused_out_projection``).
-        self.fused_out_projection = False
+        #: The stage's kernel choices (:class:`~.stage_kernels.StageKernels`).
+        self.kernels = DEFAULT_KERNELS
+
+    @property
+    def fused_feed_forward(self) -> bool:
+        """Feed-forward half through :func:`tabserve.ops.feed_forward` where its kernel applies
+        (CUDA under fp16 / bf16 autocast, width <= 128)."""
+        return self.kernels.fused_ffn
+
+    @property
+    def fused_norm_linear(self) -> bool:
+        """LayerNorm 1 and the input projections through :func:`tabserve.ops.norm_linear` where
+        its kernel applies (same conditions)."""
+        return self.kernels.fused_norm_linear
+
+    @property
+    def fused_out_projection(self) -> bool:
+        """With :attr:`fused_feed_forward`: the attention's out-projection folded into the fused
+        feed-forward operator (its ``update_weight``) where it applies."""
+        return self.kernels.fused_out_projection
 
     def _projection_norm(self, x: Tensor) -> nn.LayerNorm | None:
         """``norm1`` when the projections of ``x`` normalise it themselves (fused), else None:

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .layers import AttentionBlock, KeyValue
+from .stage_kernels import DEFAULT_KERNELS
 
 #: Softmax temperature used inside the class hierarchy (fixed in the reference).
 HIERARCHY_TEMPERATURE = 0.9
@@ -77,12 +78,16 @@ class InContextLearner(nn.Module):
         self.decoder = nn.Sequential(
             nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, out_dim)
         )
-        #: The unpadded :meth:`forward` with train and test rows through each block in one
-        #: pass (queries: every row; keys: the train rows) instead of the train rows' cache
-        #: first and the test rows after it: one attention call per block instead of two, and
-        #: no test-row launches of their own. Same maths; a serving recipe sets it
-        #: (``icl_one_pass``).
-        self.one_pass = False
+        #: The stage's kernel choices (:class:`~.stage_kernels.StageKernels`).
+        self.kernels = DEFAULT_KERNELS
+
+    @property
+    def one_pass(self) -> bool:
+        """The unpadded :meth:`forward` with train and test rows through each block in one pass
+        (queries: every row; keys: the train rows) instead of the train rows' cache first and
+        the test rows after it: one attention call per block instead of two, and no test-row
+        launches of their own. Same maths."""
+        return self.kernels.icl_one_pass
 
     def label_embedding(self, y: Tensor) -> Tensor:
         """``(B, N)`` labels -> ``(B, N, D)``."""

@@ -30,6 +30,15 @@ def _not_finite(name: str) -> str:
     return f"{name} contains NaN or infinite values; impute / clean the table first"
 
 
+def padded_counts(device: torch.device, n_train: int, n_features: int) -> tuple[Tensor, Tensor]:
+    """The real train-row and feature counts of a padded table as 0-d int64 tensors on
+    ``device`` (what the padded entry points read instead of shapes)."""
+    return (
+        torch.tensor(n_train, dtype=torch.int64, device=device),
+        torch.tensor(n_features, dtype=torch.int64, device=device),
+    )
+
+
 @dataclass
 class TabICLv2Cache:
     """Train-side K/V of a batch of tables, built by :meth:`TabICLv2.build_cache`.
@@ -90,9 +99,9 @@ class TabICLv2(nn.Module):
     #: (:meth:`_queue_checks`). What it buys: the network's compiled graph no longer depends on
     #: the class count K, which the host learns from the verdict, so a table of a new K
     #: recompiles a slice, not the network (under whole-model compile); no device idling
-    #: between the checks and the network. What it did not buy: latency on the large workload
-    #: (H200, fifteenth session: 120.1 ms either way, cells c52 / c53). False (per model, or
-    #: here for every model) reads the verdict first, the behaviour before that session.
+    #: between the checks and the network (the large workload's one-shot latency on the H200
+    #: is the same either way, 120.1 ms). False (per model, or here for every model) reads the
+    #: verdict first.
     defer_checks = True
 
     def __init__(self, config: TabICLv2Config):
@@ -231,8 +240,8 @@ class TabICLv2(nn.Module):
     # The checks' verdict is read on the host: Dynamo runs these two eagerly (one graph break
     # at their call) rather than trace the rest of them from the ints the verdict holds. Under
     # ``dynamic=True`` those ints become symbols, and torch 2.11's Inductor emitted a graph for
-    # ``K > max_classes`` that names a symbol it never binds (NameError on c12's first call on
-    # the H200, 2026-12-02).
+    # ``K > max_classes`` that names a symbol it never binds (a NameError at the first call of
+    # a dynamic-shape compile on the H200).
     @torch.compiler.disable
     def _check_inputs(self, X: Tensor, y_train: Tensor, name: str = "X") -> tuple[Tensor, int]:
         """Validate a table and its train labels; returns ``(X in the model's dtype, K)`` with
@@ -296,7 +305,7 @@ class TabICLv2(nn.Module):
         """K (0 for regression) when ``tabserve::table_checks``' verdict (read to the host)
         finds nothing wrong with the call: one kernel and one transfer instead of the
         fifteen-odd ATen ops of :meth:`_checks_in_aten` (most of a small table's time before
-        its replayed graph, H200 profile of c39). None whenever it finds a fault: the ATen
+        its replayed graph in an H200 profile of the small preset). None whenever it finds a fault: the ATen
         checks then raise the precise error."""
         if summary[0] or summary[1]:
             return None
@@ -317,7 +326,7 @@ class TabICLv2(nn.Module):
         a dtype the operator takes; test rows to predict; the last call's K within one
         output). The caller queues the network, then :meth:`_settle_checks` reads the verdict:
         one synchronisation, after every kernel is queued (reading it first left the device
-        idle for 1.13 ms in the profiled large call of c49, though not in unprofiled ones).
+        idle for 1.13 ms in a profiled large call on the H200, though not in unprofiled ones).
         None: read it first (:meth:`_check_inputs`)."""
         ops = extension_ops()
         if (
@@ -562,7 +571,8 @@ class TabICLv2(nn.Module):
         The finiteness of ``X_test`` is read once every kernel of the prediction is queued: a
         table with NaN or inf still raises, but the device never waits on the host between the
         check and the model (on the H200 the check's read came before the launches and left
-        the device idle while they began, one of the gaps of c40's 24 ms cached predict)."""
+        the device idle while they began, one of the gaps of a 24 ms cached predict on the large
+        workload)."""
         X_test, finite = self._check_test_rows_later(X_test, cache)
         if X_test.shape[1] == 0:
             out = self._no_predictions(X_test, cache.num_classes)

@@ -1,8 +1,11 @@
-"""Serving a :class:`TabICLv2` with a recipe: padded buckets, compiled graphs, CUDA graphs.
+"""Serving a :class:`TabICLv2` with :class:`ServingOptions`: kernels, padded buckets, compiled
+graphs, CUDA graphs.
 
-:class:`ServedTabICL` wraps a model and has its inference API (``__call__`` / ``forward``,
+:class:`ServedTabICL` is the one serving path: the estimators serve every preset and options
+through it, and the benchmark driver measures every tabserve cell through it. It wraps a model
+and has its inference API (``__call__`` / ``forward``,
 ``predict_stats``, ``build_cache``, ``forward_with_cache``, ``predict_stats_with_cache``), so the
-estimators use it in place of the model. With a bucketed recipe every table is padded onto the
+estimators use it in place of the model. With ``buckets`` every table is padded onto the
 smallest bucket of a :class:`~tabserve.buckets.BucketGrid` that holds it:
 
 * train rows at ``[0, n_train)`` of a ``train_rows`` block, test rows in their own
@@ -44,17 +47,10 @@ from tabserve.buckets import Bucket, BucketGrid
 
 from .layers import SKIP_VALUE, AttentionBlock
 from .learning import HIERARCHY_LOG_EPS
-from .model import TabICLv2, TabICLv2Cache
+from .model import TabICLv2, TabICLv2Cache, padded_counts
+from .options import ServingOptions, describe, freezing, resolve_options, sdpa_context
 from .quantiles import quantile_stats
-from .recipes import (
-    STAGES,
-    Recipe,
-    freezing,
-    get_recipe,
-    sdpa_context,
-    set_fused_operators,
-    set_stage_kernels,
-)
+from .stage_kernels import STAGES, use_stage_kernels
 
 #: Compiled variants one transformer block needs per bucket under regional compile (attention
 #: with / without cached K/V, self-attention, CLS-only queries, ...), with margin.
@@ -96,13 +92,6 @@ class PaddedCache(TabICLv2Cache):
         return dataclasses.replace(
             moved, n_train_t=self.n_train_t.to(device), n_features_t=self.n_features_t.to(device)
         )
-
-
-def _counts(device: torch.device, n_train: int, n_features: int) -> tuple[Tensor, Tensor]:
-    return (
-        torch.tensor(n_train, dtype=torch.int64, device=device),
-        torch.tensor(n_features, dtype=torch.int64, device=device),
-    )
 
 
 class _BucketGraph:
@@ -149,27 +138,29 @@ class _RecentGraphs(OrderedDict):
 
 
 class ServedTabICL:
-    """A :class:`TabICLv2` served with a :class:`Recipe` (see the module docstring).
+    """A :class:`TabICLv2` served with :class:`ServingOptions` (see the module docstring).
 
     Args:
-        model: the network; regional compile compiles its blocks in place (give each served
-            instance its own model).
-        recipe: a name from :data:`recipes.RECIPES`, a :class:`Recipe` or a benchmark cell's
-            recipe dict; None = fp32 eager.
-        grid: the bucket grid of bucketed recipes (default ``BucketGrid()``).
+        model: the network; its stage modules get the options' kernel choices, and compiles
+            happen in place (give each served instance its own model).
+        options: a preset name (:func:`~.options.serving_presets`), a :class:`ServingOptions`,
+            or None (``exact``: fp32 eager).
+        grid: the bucket grid of bucketed options (default ``BucketGrid()``).
 
     Raises:
-        ValueError for a CUDA-graph recipe on a non-CUDA model, or an unknown recipe.
+        ValueError for CUDA graphs on a model not on CUDA, or an unknown preset.
     """
 
-    def __init__(self, model: TabICLv2, recipe=None, grid: BucketGrid | None = None):
+    def __init__(self, model: TabICLv2, options=None, grid: BucketGrid | None = None):
+        if grid is not None and not isinstance(grid, BucketGrid):
+            raise TypeError(f"grid must be a BucketGrid or None, got {type(grid).__name__}")
         self.model = model
-        self.recipe: Recipe = get_recipe(recipe)
+        self.options: ServingOptions = resolve_options(options)
         self.grid = grid or BucketGrid()
         self.device = model.icl_predictor.ln.weight.device
-        if self.recipe.graphs and self.device.type != "cuda":
+        if self.options.graphs and self.device.type != "cuda":
             raise ValueError(
-                f"recipe {self.recipe.name} captures CUDA graphs; the model is on {self.device}"
+                f"{describe(self.options)} captures CUDA graphs; the model is on {self.device}"
             )
         self.captures = 0
         # Graph buffers are shared by every caller: one caller at a time copies in, replays and
@@ -180,46 +171,55 @@ class ServedTabICL:
         self._graphs: dict = {}
         self._cached_graphs = _RecentGraphs(MAX_CACHED_GRAPHS)
         self._shape_graphs = _RecentGraphs(MAX_SHAPE_GRAPHS)
-        self._pool = torch.cuda.graph_pool_handle() if self.recipe.graphs else None
+        self._pool = torch.cuda.graph_pool_handle() if self.options.graphs else None
         # Ahead-of-time bucket packages (load_buckets): kind -> {(bucket, batch): runner}.
         self._aot: dict = {"forward": {}, "build_cache": {}, "forward_cached": {}}
         self.aot_calls = 0
+        for stage, module in STAGES.items():
+            use_stage_kernels(getattr(model, module), self.options.stage_kernels(stage))
         self._pin_stage_attention()
-        set_fused_operators(model, self.recipe)
         self._forward, self._build_cache, self._forward_cached = self._core_callables()
-        self._unpadded_forward_cached = model.forward_with_cache
+        self._unpadded_forward_cached = self._unpadded_cached_callable()
         self._raw_forward_cached = (
-            self._graph_core(model.forward_cached_raw) if self.recipe.kv_graphs else None
+            self._graph_core(model.forward_cached_raw) if self.options.kv_graphs else None
         )
         self._raw_forward = (
-            self._graph_core(_one_shot_core(model)) if self.recipe.shape_graphs else None
+            self._graph_core(_one_shot_core(model)) if self.options.shape_graphs else None
         )
 
-    # ------------------------------------------------------------------ recipe -> callables
+    # ------------------------------------------------------------------ options -> callables
     def _compile_options(self) -> dict:
-        mode = self.recipe.compile
+        mode = self.options.compile
         return {
             # The unpadded model's forward checks its inputs on the host (graph breaks); the
             # padded cores and the blocks have no host work.
-            "fullgraph": self.recipe.buckets or mode == "regional",
+            "fullgraph": self.options.buckets or mode == "regional",
             # Buckets: static shapes. Unpadded: Dynamo's default (static, then dynamic at the
-            # first new shape) unless the recipe asks for dynamic shapes from the start.
-            "dynamic": False if self.recipe.buckets else (True if self.recipe.dynamic else None),
+            # first new shape) unless the options ask for dynamic shapes from the start.
+            "dynamic": False if self.options.buckets else (True if self.options.dynamic else None),
             "mode": None if mode in ("default", "regional") else mode,
-            "backend": self.recipe.compile_backend,
+            "backend": self.options.compile_backend,
         }
 
+    def _unpadded_cached_callable(self):
+        """The KV-cached prediction of unpadded caches: compiled like the model under a
+        whole-model compile (its own frame: ``model.compile`` compiles ``forward`` only)."""
+        forward_cached = self.model.forward_with_cache
+        if self.options.compile in ("none", "regional"):
+            return forward_cached
+        return torch.compile(forward_cached, **self._compile_options())
+
     def _core_callables(self):
-        model, recipe = self.model, self.recipe
+        model, options = self.model, self.options
         cores = (model.padded_forward, model.padded_build_cache, model.padded_forward_cached)
-        if recipe.compile == "regional":
-            buckets = len(self.grid.buckets()) if recipe.buckets else 8
+        if options.compile == "regional":
+            buckets = len(self.grid.buckets()) if options.buckets else 8
             raise_recompile_limit(REGIONAL_VARIANTS_PER_BUCKET * BATCH_SIZES_PER_BUCKET * buckets)
             for block in model.modules():
                 if isinstance(block, AttentionBlock):
                     block.compile(**self._compile_options())
-        elif recipe.compiled:
-            if recipe.buckets:
+        elif options.compiled:
+            if options.buckets:
                 raise_recompile_limit(BATCH_SIZES_PER_BUCKET * len(self.grid.buckets()))
                 cores = tuple(torch.compile(fn, **self._compile_options()) for fn in cores)
             else:
@@ -227,11 +227,11 @@ class ServedTabICL:
         return cores
 
     def _graph_core(self, core):
-        """What a ``kv_graphs`` / ``shape_graphs`` recipe captures (``core``: the model's
+        """What ``kv_graphs`` / ``shape_graphs`` capture (``core``: the model's
         :meth:`TabICLv2.forward_cached_raw` / :meth:`TabICLv2.forward_raw`), compiled like the
-        recipe's model (static shapes: one graph per cache shape and test bucket, or per table
+        served model (static shapes: one graph per cache shape and test bucket, or per table
         shape; under regional compile its blocks are compiled already)."""
-        if not self.recipe.compiled or self.recipe.compile == "regional":
+        if not self.options.compiled or self.options.compile == "regional":
             return core
         raise_recompile_limit(MAX_CACHED_GRAPHS + MAX_SHAPE_GRAPHS)
         options = {**self._compile_options(), "fullgraph": True, "dynamic": False}
@@ -240,9 +240,8 @@ class ServedTabICL:
     def _pin_stage_attention(self) -> None:
         """Per-stage SDPA backends: each stage module runs under its ``sdpa_kernel``, and its
         padded attention uses the matching ``prefix_attention`` kernel."""
-        for stage, backend in self.recipe.attention.items():
+        for stage, backend in self.options.attention.items():
             module = getattr(self.model, STAGES[stage])
-            set_stage_kernels(module, backend)
             for name in ("forward", "build_cache", "forward_cached", "hierarchical_probs"):
                 method = getattr(module, name, None)
                 if method is None:
@@ -259,7 +258,7 @@ class ServedTabICL:
         self, key, fn, inputs: Sequence[Tensor], static: Sequence = (), graphed=None, store=None
     ):
         """``fn(*inputs, *static)``, replayed from a per-``key`` CUDA graph with CUDA graphs
-        (``graphed``: whether to; default the recipe's ``cuda_graphs``).
+        (``graphed``: whether to; default the options' ``cuda_graphs``).
 
         ``key`` must pin every input shape (bucket and batch size). A replay's outputs are the
         graph's own buffers, overwritten by the next replay: they are returned as copies.
@@ -267,7 +266,7 @@ class ServedTabICL:
         predictions' with ``static`` inputs); all but the buckets' keep their
         :data:`MAX_CACHED_GRAPHS` / :data:`MAX_SHAPE_GRAPHS` most recently replayed graphs.
         """
-        if not (self.recipe.cuda_graphs if graphed is None else graphed):
+        if not (self.options.cuda_graphs if graphed is None else graphed):
             return fn(*inputs, *static)
         with self._graph_lock:
             on_cuda = self.device.type == "cuda"  # (a CPU stand-in replays in the tests)
@@ -277,7 +276,7 @@ class ServedTabICL:
             graphs = store if store is not None else self._cached_graphs if static else self._graphs
             graph = graphs.get(key)
             if graph is None:
-                with freezing(self.recipe.freeze):  # the capture is where compiled cores trace
+                with freezing(self.options.freeze):  # the capture is where compiled cores trace
                     graph = _BucketGraph(fn, inputs, static, self._pool)
                 graphs[key] = graph
                 self.captures += 1
@@ -320,12 +319,12 @@ class ServedTabICL:
         return_logits: bool = True,
         softmax_temperature: float = 0.9,
     ) -> Tensor:
-        """As :meth:`TabICLv2.forward` (same checks, same output), served with the recipe."""
+        """As :meth:`TabICLv2.forward` (same checks, same output), served with the options."""
         model = self.model
-        if self.recipe.shape_graphs:
+        if self.options.shape_graphs:
             return self._graphed_forward(X, y_train, return_logits, softmax_temperature)
-        if not self.recipe.buckets:
-            with self.recipe.context(self.device):
+        if not self.options.buckets:
+            with self.options.context(self.device):
                 return model(X, y_train, return_logits, softmax_temperature)
         X, num_classes = model._check_inputs(X, y_train)
         y_train = y_train.to(X.dtype)
@@ -335,10 +334,10 @@ class ServedTabICL:
             return model._no_predictions(X, num_classes)
         chunks = self.grid.plan(n_train, n_test, n_features)
         if chunks[0].bucket is None:  # past the grid: unpadded
-            with self.recipe.context(self.device):
+            with self.options.context(self.device):
                 return model(X, y_train, return_logits, softmax_temperature)
-        counts = _counts(X.device, n_train, n_features)
-        with self.recipe.context(self.device):
+        counts = padded_counts(X.device, n_train, n_features)
+        with self.options.context(self.device):
             if num_classes > self.config.max_classes:
                 return self._many_classes(
                     X,
@@ -384,7 +383,7 @@ class ServedTabICL:
         if X.shape[1] == y_train.shape[1]:
             return model._no_predictions(X, num_classes)
         if num_classes > self.config.max_classes:  # the class hierarchy: not capturable
-            with self.recipe.context(self.device):
+            with self.options.context(self.device):
                 return model(X, y_train, return_logits, softmax_temperature)
         raw = self._replay_shape_graphs(X, y_train.to(X.dtype))
         return self._finish(raw, num_classes, return_logits, softmax_temperature)
@@ -393,7 +392,7 @@ class ServedTabICL:
         """The raw output of ``X``'s test rows (``y_train`` in X's dtype), chunk by chunk."""
         n_train, n_features = y_train.shape[1], X.shape[2]
         outputs = []
-        with self.recipe.context(self.device):
+        with self.options.context(self.device):
             for key, chunk in self._shape_chunks(X, n_train):
                 rows = chunk.bucket.test_rows
                 test = X[:, n_train + chunk.start : n_train + chunk.stop]
@@ -442,11 +441,11 @@ class ServedTabICL:
     # ------------------------------------------------------------------ KV cache
     @torch.no_grad()
     def build_cache(self, X_train: Tensor, y_train: Tensor) -> TabICLv2Cache:
-        """As :meth:`TabICLv2.build_cache`; bucketed recipes return a :class:`PaddedCache` on the
+        """As :meth:`TabICLv2.build_cache`; bucketed options return a :class:`PaddedCache` on the
         train-row and feature buckets (a plain cache past the grid)."""
         model = self.model
-        if not self.recipe.buckets:
-            with self.recipe.context(self.device):
+        if not self.options.buckets:
+            with self.options.context(self.device):
                 return model.build_cache(X_train, y_train)
         X_train, num_classes = model._check_inputs(X_train, y_train, "X_train")
         n_train, n_features = X_train.shape[1], X_train.shape[2]
@@ -454,12 +453,12 @@ class ServedTabICL:
             return model.build_cache(X_train, y_train)  # raises the model's error
         bucket = self.grid.bucket_for(n_train, 0, n_features)
         if bucket is None:  # past the grid: unpadded
-            with self.recipe.context(self.device):
+            with self.options.context(self.device):
                 return model.build_cache(X_train, y_train)
         bucket = Bucket(bucket.train_rows, 0, bucket.features)
         padded, labels = self._pad(X_train, y_train.to(X_train.dtype), bucket)
-        counts = _counts(X_train.device, n_train, n_features)
-        with self.recipe.context(self.device):
+        counts = padded_counts(X_train.device, n_train, n_features)
+        with self.options.context(self.device):
             build = self._packaged("build_cache", (bucket, padded.shape[0]), self._build_cache)
             key = ("cache", bucket, padded.shape[0])
             col, icl = self._run(key, build, (padded, labels, *counts))
@@ -476,11 +475,11 @@ class ServedTabICL:
         """As :meth:`TabICLv2.forward_with_cache`, for plain and padded caches."""
         model = self.model
         if not isinstance(cache, PaddedCache):
-            if self.recipe.kv_graphs:
+            if self.options.kv_graphs:
                 return self._graphed_forward_cached(
                     X_test, cache, return_logits, softmax_temperature
                 )
-            with self.recipe.context(self.device):
+            with self.options.context(self.device):
                 return self._unpadded_forward_cached(
                     X_test, cache, return_logits, softmax_temperature
                 )
@@ -488,7 +487,7 @@ class ServedTabICL:
         bucket = cache.bucket
         chunks = self.grid.plan(cache.n_train, X_test.shape[1], cache.n_features)
         outputs = []
-        with self.recipe.context(self.device):
+        with self.options.context(self.device):
             for chunk in chunks:
                 test_bucket = chunk.bucket.test_rows if chunk.bucket else X_test.shape[1]
                 key = (test_bucket, *_storage_key(cache))
@@ -520,7 +519,7 @@ class ServedTabICL:
             model._raise_unless_all_finite(finite, "X_test")
             return model._no_predictions(X_test, cache.num_classes)
         outputs = []
-        with self.recipe.context(self.device):
+        with self.options.context(self.device):
             for chunk in self.grid.plan(1, X_test.shape[1], 1):  # test-row buckets only
                 rows = chunk.bucket.test_rows
                 table = _pad_test(X_test[:, chunk.start : chunk.stop], rows, cache.n_features)
@@ -581,7 +580,7 @@ class ServedTabICL:
 
     def load_buckets(self, directory) -> int:
         """Loads the bucket packages of ``directory`` (made by :meth:`export_buckets` for this
-        recipe, grid and environment): tables of those buckets and batch sizes then run the
+        options, grid and environment): tables of those buckets and batch sizes then run the
         packages, with no tracing or compiling. Returns how many were loaded. Load only
         directories your own deployment wrote: packages are compiled code."""
         from . import aot
@@ -607,15 +606,17 @@ class ServedTabICL:
         return runner
 
     def _require_buckets(self, what: str) -> None:
-        if not self.recipe.buckets:
-            raise ValueError(f"{what}: recipe {self.recipe.name} does not pad onto buckets")
+        if not self.options.buckets:
+            raise ValueError(f"{what}: {describe(self.options)} does not pad onto buckets")
 
     def save_compile_cache(self, path) -> dict:
         """Saves this process's compile-cache artifacts (call it after :meth:`warm_up`), tagged
-        with the recipe and the grid (:func:`tabserve.compile_cache.save`)."""
+        with the options and the grid (:func:`tabserve.compile_cache.save`)."""
         from tabserve import compile_cache
 
-        return compile_cache.save(path, recipe=self.recipe.name, grid=dataclasses.asdict(self.grid))
+        return compile_cache.save(
+            path, options=self.options.to_dict(), grid=dataclasses.asdict(self.grid)
+        )
 
     @staticmethod
     def load_compile_cache(path) -> dict:
@@ -653,9 +654,7 @@ def _storage_key(cache: TabICLv2Cache) -> tuple:
     return tuple((t.data_ptr(), tuple(t.shape), t.stride()) for t in tensors)
 
 
-def serve(model: TabICLv2, recipe=None, grid: BucketGrid | None = None) -> TabICLv2 | ServedTabICL:
-    """``model`` itself for the plain fp32 eager recipe, else a :class:`ServedTabICL`."""
-    resolved = get_recipe(recipe)
-    if resolved == get_recipe(None):
-        return model
-    return ServedTabICL(model, resolved, grid)
+def serve(model: TabICLv2, options=None, grid: BucketGrid | None = None) -> ServedTabICL:
+    """``model`` served with ``options`` (a preset name, a :class:`ServingOptions` or None:
+    ``exact``): every configuration runs through :class:`ServedTabICL`."""
+    return ServedTabICL(model, options, grid)

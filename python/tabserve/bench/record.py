@@ -1,0 +1,483 @@
+"""docs/results.md, rendered from the measured records under ``benchmarks/results/``.
+
+The records are JSON files of three kinds, told apart by their content:
+
+* a driver record (``schema`` ``tabserve.bench.tabiclv2/...``): one per device, e.g. ``h200.json``
+  and ``cpu.json`` (the driver's JSON, merged with ``python -m tabserve.bench --merge``), with its
+  plot ``<name>.png`` beside it when there is one;
+* the string-lookup sweep (``benchmarks/string_lookup.py``, ``"benchmark": "string_lookup"``);
+* the category-alignment sweep (``benchmarks/align_categories.py``,
+  ``"benchmark": "align_categories"``).
+
+Other JSON files are left out. For each driver record the page gives the device, the versions
+(torch, CUDA, cuDNN, Triton, driver, tabicl), the commit and the command, then one table per
+workload: per cell the one-shot median (p20-p80), the KV-cached median, the speed-up over the
+reference cells of the same run (``ref-fp16`` / ``ref-fp32``; ``c1-ref-fp16`` / ``c0-ref-fp32``
+in older records), the peak allocated memory and the accuracy gate's verdict. The sweeps get
+their headline tables.
+
+    python -m tabserve.bench.record benchmarks/results/*.json -o docs/results.md
+    python -m tabserve.bench.record --check benchmarks/results/*.json -o docs/results.md
+
+``--check`` writes nothing and exits with status 1 when the file differs from what it would
+render (a record changed and the page was not rendered again).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+from .timing import MiB, format_mib, format_ms
+
+#: The repository root: paths inside it are printed relative to it.
+ROOT = Path(__file__).resolve().parents[3]
+
+DRIVER_SCHEMA = "tabserve.bench.tabiclv2/"
+#: The reference cells speed-ups are quoted against: (column label, cell names, speed-up keys).
+REFERENCES = (
+    ("ref-fp16", ("ref-fp16", "c1-ref-fp16"), ("ref-fp16", "ref16")),
+    ("ref-fp32", ("ref-fp32", "c0-ref-fp32"), ("ref-fp32", "ref32")),
+)
+#: String-lookup methods of the headline table: (column, method name, figure).
+LOOKUP_COLUMNS = (
+    ("tabserve cpu", "tabserve cpu", "lookup"),
+    ("tabserve cuda", "tabserve cuda", "lookup"),
+    ("tabserve cuda compiled", "tabserve cuda compiled", "lookup"),
+    ("pyarrow", "pyarrow index_in", "lookup"),
+    ("pandas", "pandas get_indexer", "lookup"),
+    ("torch peer cuda", "torch_peer cuda", "lookup"),
+    ("torch peer cpu", "torch_peer cpu", "lookup"),
+    ("build cuda", "tabserve cuda", "build"),
+)
+
+HEADER = """\
+# Measured results
+
+This page is generated from the records under `benchmarks/results/`; do not edit it by hand.
+After a record changes:
+
+    python -m tabserve.bench.record benchmarks/results/*.json -o docs/results.md
+
+Columns of the TabICLv2 tables: *one-shot* is one call that fits on the train rows and predicts
+the test rows (median, then the 20th-80th percentile range, ms); *KV-cached* predicts the test
+rows from a cache built once on the train rows; *x ref-fp16* / *x ref-fp32* is the reference
+cell's median over this cell's, both measured in the same run (one-shot, then KV-cached; a record
+merged from several runs shows each cell against its own run's reference, which can differ from
+the reference row printed beside it); *peak MiB* is the
+device memory allocated at the peak of a one-shot call; *gate* is the accuracy check against the
+fp32 reference (the largest probability difference, or the mean relative error for a regressor).
+The checkpoints are random weights of the full architecture: the timings are real, the accuracy
+figures compare numerics only.
+"""
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+
+
+def load(paths: Iterable[str | Path]) -> list[tuple[Path, dict]]:
+    """The records among ``paths`` (driver records first, then the sweeps), each with its path."""
+    records = []
+    for path in paths:
+        path = Path(path)
+        document = json.loads(path.read_text())
+        if kind(document) is not None:
+            records.append((path, document))
+    order = {"driver": 0, "string_lookup": 1, "align_categories": 2}
+    return sorted(records, key=lambda item: (order[kind(item[1])], item[0].name))
+
+
+def kind(document: object) -> str | None:
+    """``"driver"``, ``"string_lookup"``, ``"align_categories"`` or None (not a record)."""
+    if not isinstance(document, dict):
+        return None
+    if str(document.get("schema", "")).startswith(DRIVER_SCHEMA):
+        return "driver"
+    if document.get("benchmark") in ("string_lookup", "align_categories"):
+        return document["benchmark"]
+    return None
+
+
+def shown_path(path: Path) -> str:
+    """``path`` relative to the repository when it lies inside it, else its name."""
+    try:
+        return path.resolve().relative_to(ROOT).as_posix()
+    except ValueError:
+        return path.name
+
+
+# ---------------------------------------------------------------------------------------------
+# Formatting
+
+
+def markdown_table(columns: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    """A Markdown table; columns named with a leading '>' are right-aligned."""
+    names = [c.lstrip(">") for c in columns]
+    align = ["---:" if c.startswith(">") else "---" for c in columns]
+    lines = ["| " + " | ".join(names) + " |", "| " + " | ".join(align) + " |"]
+    lines += ["| " + " | ".join(str(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def _x(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}x"
+
+
+def _mib(value: int | None) -> str:
+    return "-" if value is None else f"{value / MiB:,.0f}"
+
+
+def _cudnn(value: object) -> str:
+    """cuDNN's version number (91900) as 9.19.0."""
+    if isinstance(value, int) and value >= 10000:
+        return f"{value // 10000}.{value // 100 % 100}.{value % 100}"
+    return "-" if value is None else str(value)
+
+
+def _phase(result: dict, phase: str) -> dict:
+    value = result.get(phase)
+    return value if isinstance(value, dict) and "median_ms" in value else {}
+
+
+# ---------------------------------------------------------------------------------------------
+# Driver records
+
+
+def versions(env: dict) -> str:
+    parts = [
+        ("torch", env.get("torch")),
+        ("CUDA", env.get("cuda")),
+        ("cuDNN", _cudnn(env.get("cudnn"))),
+        ("Triton", env.get("triton")),
+        ("driver", env.get("driver")),
+        ("tabicl", env.get("tabicl")),
+    ]
+    return ", ".join(f"{name} {value if value is not None else '-'}" for name, value in parts)
+
+
+def device_name(document: dict) -> str:
+    env = document.get("environment", {})
+    if document.get("settings", {}).get("device") == "cuda" and env.get("gpu"):
+        return env["gpu"]
+    cpu = env.get("cpu") or "CPU"
+    count = env.get("cpu_count")
+    return f"{cpu} (CPU, {count} cores)" if count else f"{cpu} (CPU)"
+
+
+def speedup(result: dict, phase: str, label: str, references: dict) -> float | None:
+    """The reference median over this result's (same run: the figure the driver stored; a record
+    without it: its own reference cell of the workload)."""
+    _, _, keys = next(r for r in REFERENCES if r[0] == label)
+    stored = result.get("speedup", {}).get(phase, {})
+    for key in keys:
+        if stored.get(key) is not None:
+            return stored[key]
+    if result.get("speedup"):
+        return None  # the run measured no such reference: a merged one is not the same run
+    mine = _phase(result, phase).get("median_ms")
+    theirs = references.get(label, {}).get(phase)
+    return theirs / mine if mine and theirs else None
+
+
+def gate_text(result: dict) -> str:
+    status = result.get("status", "?")
+    if status != "ok":
+        reason = result.get("reason") or ""
+        if reason.lower().startswith(status):
+            reason = reason[len(status) :].strip()
+        return status.upper() + (f": {reason}" if reason else "")
+    gate = result.get("gate")
+    if not gate or gate.get("passed") is None:
+        return "-"
+    if gate.get("note") == "is the fp32 reference":
+        return "reference"
+    if not gate["passed"]:
+        failures = [
+            f"{route}: {', '.join(gate[route]['failures'])}"
+            for route in ("one_shot", "kv", "padded", "padded_recipe", "padding_gates")
+            if isinstance(gate.get(route), dict) and gate[route].get("failures")
+        ]
+        return "FAIL " + "; ".join(failures)
+    one = gate.get("one_shot", {})
+    if one.get("max_prob_diff") is not None:
+        return f"pass (max dp {one['max_prob_diff']:.1e})"
+    if one.get("mean_rel_error") is not None:
+        return f"pass (rel {one['mean_rel_error']:.1e})"
+    return "pass"
+
+
+def _pair(result: dict, label: str, references: dict) -> str:
+    one = speedup(result, "one_shot", label, references)
+    kv = speedup(result, "kv", label, references)
+    if one is None and kv is None:
+        return "-"
+    return f"{_x(one)} / {_x(kv)}"
+
+
+def workload_rows(results: list, references: dict) -> list:
+    rows = []
+    for r in results:
+        one, kv = _phase(r, "one_shot"), _phase(r, "kv")
+        if r.get("gate_only"):
+            timing = "gate reference only"
+        elif one:
+            timing = f"{format_ms(one['median_ms'])} ({format_ms(one.get('p20_ms'))}-"
+            timing += f"{format_ms(one.get('p80_ms'))})"
+        else:
+            timing = "-"
+        memory = one.get("memory") or {}
+        rows.append(
+            [
+                r["cell"],
+                timing,
+                format_ms(kv.get("median_ms")),
+                *(_pair(r, label, references) for label, _, _ in REFERENCES),
+                _mib(memory.get("peak_allocated_bytes")),
+                gate_text(r),
+            ]
+        )
+    return rows
+
+
+def stream_rows(results: list, references: dict) -> list:
+    rows = []
+    for r in results:
+        stream = _phase(r, "stream")
+        rows.append(
+            [
+                r["cell"],
+                format_ms(stream.get("median_ms")),
+                format_ms(stream.get("p90_ms")),
+                _x(stream.get("fresh_over_warm_p50")),
+                *(_x(speedup(r, "stream", label, references)) for label, _, _ in REFERENCES),
+                stream.get("recompiles", "-"),
+                gate_text(r),
+            ]
+        )
+    return rows
+
+
+WORKLOAD_COLUMNS = (
+    "cell", ">one-shot ms (p20-p80)", ">KV-cached ms", ">x ref-fp16", ">x ref-fp32",
+    ">peak MiB", "gate",
+)  # fmt: skip
+STREAM_COLUMNS = (
+    "cell", ">p50 ms", ">p90 ms", ">fresh / warm p50", ">x ref-fp16", ">x ref-fp32",
+    ">recompiles", "gate",
+)  # fmt: skip
+
+
+def _cell_order(document: dict) -> dict:
+    return {c["name"]: i for i, c in enumerate(document.get("cells", [])) if "name" in c}
+
+
+def _references(results: list) -> dict:
+    """``{label: {phase: median}}`` of the workload's reference cells in ``results``."""
+    found: dict = {}
+    for label, names, _ in REFERENCES:
+        for r in results:
+            if r["cell"] in names and r.get("status") == "ok" and not r.get("gate_only"):
+                for phase in ("one_shot", "kv", "stream"):
+                    median = _phase(r, phase).get("median_ms")
+                    if median:
+                        found.setdefault(label, {})[phase] = median
+    return found
+
+
+def render_driver(path: Path, document: dict) -> str:
+    env, settings = document.get("environment", {}), document.get("settings", {})
+    lines = [f"## {device_name(document)}", ""]
+    lines.append(f"- record: `{shown_path(path)}`")
+    lines.append(f"- versions: {versions(env)}")
+    lines.append(f"- commit: `{env.get('git_commit') or '-'}`")
+    command = settings.get("command")
+    if command:
+        merged = " (the last run merged into this record)" if settings.get("merged_from") else ""
+        lines.append(f"- command{merged}: `{command}`")
+    if settings.get("checkpoint_note"):
+        lines.append(f"- checkpoints: {settings['checkpoint_note']}")
+    plot = path.with_suffix(".png")
+    if plot.exists():
+        try:
+            link = Path("..") / plot.resolve().relative_to(ROOT)
+            lines += ["", f"![{path.stem}]({link.as_posix()})"]
+        except ValueError:
+            pass
+    order = _cell_order(document)
+    results = document.get("results", [])
+    workloads = [w for w in document.get("workloads", []) if "name" in w]
+    names = [w["name"] for w in workloads]
+    names += sorted({r["workload"] for r in results} - set(names))
+    descriptions = {w["name"]: w.get("description") for w in workloads}
+    for workload in names:
+        mine = [r for r in results if r.get("workload") == workload]
+        ran = [r for r in mine if r.get("status") != "skipped"]
+        if not ran:
+            continue
+        ran.sort(key=lambda r: (order.get(r["cell"], len(order)), r["cell"]))
+        references = _references(ran)
+        title = workload + (f": {descriptions[workload]}" if descriptions.get(workload) else "")
+        lines += ["", f"### {title}", ""]
+        if any("stream" in r for r in ran):
+            lines.append(markdown_table(STREAM_COLUMNS, stream_rows(ran, references)))
+        else:
+            lines.append(markdown_table(WORKLOAD_COLUMNS, workload_rows(ran, references)))
+        skipped = [r["cell"] for r in mine if r.get("status") == "skipped"]
+        if skipped:
+            skipped.sort(key=lambda c: (order.get(c, len(order)), c))
+            lines += ["", "Not run on this device: " + ", ".join(skipped) + "."]
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# Sweeps
+
+
+def _sweep_header(title: str, path: Path, document: dict) -> list:
+    env = document.get("environment", {})
+    device = env.get("gpu") if document.get("device") == "cuda" else None
+    device = device or f"{env.get('cpu') or 'CPU'} (CPU)"
+    lines = [f"## {title}: {device}", ""]
+    lines.append(f"- record: `{shown_path(path)}`")
+    lines.append(f"- versions: {versions(env)}")
+    lines.append(f"- commit: `{env.get('git_commit') or '-'}`")
+    if document.get("command"):
+        lines.append(f"- command: `{document['command']}`")
+    return lines
+
+
+def _lookup_cell(record: dict, method: str, what: str) -> str:
+    result = record.get("methods", {}).get(method, {})
+    if "error" in result:
+        return "error"
+    if "check" in result and not result["check"].get("ok"):
+        return "wrong codes"
+    return format_ms(result.get(what, {}).get("median_ms"))
+
+
+def _target_value(value: object) -> str:
+    if isinstance(value, float):
+        return f"{value / 1e6:.1f} MB" if value > 1000 else f"{value:.3f} ms"
+    if isinstance(value, int):
+        return f"{value / 1e6:.1f} MB"
+    return "-" if value is None else str(value)
+
+
+def render_string_lookup(path: Path, document: dict) -> str:
+    lines = _sweep_header("String lookup", path, document)
+    targets = document.get("targets", [])
+    if targets:
+        rows = []
+        for t in targets:
+            losses = t.get("losses") or []
+            note = f" (slower in {len(losses)} cases)" if losses else ""
+            rows.append([t["target"], _target_value(t.get("value")) + note, t["state"]])
+        lines += ["", markdown_table(("target", "value", "verdict"), rows)]
+    cases = document.get("cases", [])
+    present = [
+        column
+        for column in LOOKUP_COLUMNS
+        if any(column[2] in c.get("methods", {}).get(column[1], {}) for c in cases)
+    ]
+    # The headline cases: the largest vocabulary and query of the sweep (every label pattern).
+    largest = [
+        c
+        for c in cases
+        if c["case"].get("vocabulary") == max(x["case"].get("vocabulary", 0) for x in cases)
+        and c["case"].get("query") == max(x["case"].get("query", 0) for x in cases)
+    ]
+    if largest and present:
+        rows = [
+            [c["case"]["name"], *(_lookup_cell(c, method, what) for _, method, what in present)]
+            for c in largest
+        ]
+        lines += [
+            "",
+            f"Median ms per call on the cases with the largest vocabulary and query "
+            f"({len(largest)} of the record's {len(cases)}; build: the index build):",
+            "",
+        ]
+        lines.append(markdown_table(["case"] + [">" + p[0] for p in present], rows))
+    return "\n".join(lines)
+
+
+def render_align(path: Path, document: dict) -> str:
+    lines = _sweep_header("Category alignment", path, document)
+    workloads = document.get("workloads", [])
+    if workloads:
+        names = list(dict.fromkeys(n for w in workloads for n in w.get("methods", {})))
+        rows = []
+        for w in workloads:
+            cells = []
+            for name in names:
+                m = w.get("methods", {}).get(name, {})
+                if m.get("skipped") or m.get("median_ms") is None:
+                    cells.append("-")
+                else:
+                    peak = format_mib(m.get("peak_extra_bytes"))
+                    cells.append(f"{format_ms(m['median_ms'])} / {peak}")
+            rows.append([w["workload"], w.get("columns", "-"), *cells])
+        lines += ["", "Total ms over the prediction batches / peak extra MiB:", ""]
+        lines.append(markdown_table(["workload", ">columns"] + [">" + n for n in names], rows))
+    failures = document.get("failures") or []
+    if failures:
+        lines += ["", "Mismatches: " + ", ".join(failures) + "."]
+    return "\n".join(lines)
+
+
+RENDERERS = {
+    "driver": render_driver,
+    "string_lookup": render_string_lookup,
+    "align_categories": render_align,
+}
+
+
+def render_results(paths: Iterable[str | Path]) -> str:
+    """docs/results.md for the records among ``paths`` (others are left out)."""
+    sections = [HEADER.rstrip("\n")]
+    for path, document in load(paths):
+        sections.append(RENDERERS[kind(document)](path, document))
+    return "\n\n".join(sections) + "\n"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m tabserve.bench.record", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument("records", nargs="+", type=Path, help="record JSON files")
+    parser.add_argument("-o", "--output", type=Path, help="the page to write (default: stdout)")
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="write nothing; exit 1 when --output differs from what would be rendered",
+    )
+    args = parser.parse_args(argv)
+    text = render_results(args.records)
+    if args.check:
+        if args.output is None:
+            parser.error("--check needs --output")
+        current = args.output.read_text() if args.output.exists() else None
+        if current != text:
+            print(
+                f"{args.output} is out of date; render it again: python -m tabserve.bench.record "
+                f"{' '.join(str(p) for p in args.records)} -o {args.output}",
+                file=sys.stderr,
+            )
+            return 1
+        print(f"{args.output} is up to date")
+        return 0
+    if args.output is None:
+        sys.stdout.write(text)
+    else:
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        args.output.write_text(text)
+        print(f"wrote {args.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
