@@ -575,20 +575,17 @@ def test_research_and_restart_cells_are_never_promoted():
     assert gates.promote(results[:3], TABLE) == {}
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="Cell.promotable_preset (python/tabserve/bench/cells.py) promotes a research cell "
-    "whose options equal its preset's (a cells-file entry without changes): only the preset's "
-    "own default cell should be",
-)
 def test_a_research_cell_with_the_presets_options_is_never_promoted(tmp_path):
-    (same,) = load_cells_file(_cells_file(tmp_path, [{"name": "exact-again", "preset": "exact"}]))
-    assert same.options == PRESETS["exact"].options
+    """A cells file cannot repeat a preset unchanged; a cell built with a preset's options under
+    another name still never stands in for the preset's own cell in the promotion."""
+    with pytest.raises(ValueError, match="exact-again: no changes to 'exact'"):
+        load_cells_file(_cells_file(tmp_path, [{"name": "exact-again", "preset": "exact"}]))
+    same = Cell("exact-again", "x", options=PRESETS["exact"].options, preset="exact")
     table = {**TABLE, same.name: same}
     results = [_result("exact-again", 1.0, True), _result("exact", 5.0, True)]
     assert cell_by_name("exact").promotable_preset == "exact"
-    assert gates.promote(results, table) == {"w": {"one_shot": {"preset": "exact", "median_ms": 5.0}}}
     assert same.promotable_preset is None
+    assert gates.promote(results, table) == {"w": {"one_shot": {"preset": "exact", "median_ms": 5.0}}}
 
 
 def _document(promotion_results, workloads, device="cpu", created="t0"):
@@ -814,27 +811,6 @@ def test_quick_cpu_run_writes_json_table_plot_and_promotions(tmp_path, capsys):
     assert written_files == {"promotions.json", json_path.name, json_path.with_suffix(".png").name}
 
 
-class _ReplayOnCPU:
-    """Stands in for ``serving._BucketGraph`` on the CPU: captured input buffers copied into,
-    one output buffer overwritten by every replay, as a CUDA graph does."""
-
-    def __init__(self, fn, inputs, static=(), pool=None):
-        from torch.utils._pytree import tree_leaves
-
-        self._leaves = tree_leaves
-        self.fn, self.static = fn, static
-        self.inputs = [t.clone() for t in inputs]
-        self.output = fn(*self.inputs, *static)
-
-    def __call__(self, *inputs):
-        for buffer, value in zip(self.inputs, inputs):
-            buffer.copy_(value)
-        fresh = self.fn(*self.inputs, *self.static)
-        for buffer, value in zip(self._leaves(self.output), self._leaves(fresh)):
-            buffer.copy_(value)
-        return self.output
-
-
 @pytest.mark.parametrize(
     "graphs", [("kv_graphs",), ("shape_graphs",), ("kv_graphs", "shape_graphs")]
 )
@@ -852,6 +828,8 @@ def test_graph_cells_gate_their_padded_test_rows(tmp_path, monkeypatch, graphs):
             self.options = options
             self._raw_forward_cached = self._graph_core(self.model.forward_cached_raw)
             self._raw_forward = self._graph_core(serving._one_shot_core(self.model))
+
+    from test_padded_inference import _ReplayOnCPU
 
     monkeypatch.setattr(serving, "_BucketGraph", _ReplayOnCPU)
     monkeypatch.setattr(serving, "ServedTabICL", ServedOnCPU)

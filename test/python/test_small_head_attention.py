@@ -211,13 +211,14 @@ def test_stage_kernel_choice_reaches_the_attention_layers():
     assert torch.equal(model(X, y), our_model("clf", "tiny")(X, y))
 
 
-def test_the_named_row_recipe_puts_the_kernel_in_the_row_stage_only():
-    """``fp16-compile-head16-row`` (cell c32, promoted for large tables on the H200) reaches the
-    row stage's attention layers through ServedTabICL, and only those."""
+def test_row_stage_options_put_the_kernel_in_the_row_stage_only():
+    """``attention={"row": "head16"}`` reaches the row stage's attention layers through
+    ServedTabICL, and only those."""
+    from tabserve.models.tabicl.options import ServingOptions
     from tabserve.models.tabicl.serving import ServedTabICL
 
     model = copy.deepcopy(our_model("clf", "tiny"))
-    ServedTabICL(model, "fp16-compile-head16-row")
+    ServedTabICL(model, ServingOptions(precision="fp16", attention={"row": "head16"}))
     row = [m.small_heads for m in model.row_interactor.modules() if hasattr(m, "small_heads")]
     others = [
         m.small_heads

@@ -93,9 +93,9 @@ class Cell:
 
     @property
     def promotable_preset(self) -> str | None:
-        """The preset ``recipe="auto"`` may serve for this cell: a default cell's preset (its
-        options equal to the preset's, and no restart)."""
-        if self.preset is None or self.warm_cache or self.baseline:
+        """The preset ``recipe="auto"`` may serve for this cell: a preset's own cell (named after
+        it, its options the preset's, no restart); never a research variant."""
+        if self.preset is None or self.name != self.preset or self.warm_cache or self.baseline:
             return None
         return self.preset if PRESETS[self.preset].options == self.options else None
 
@@ -166,6 +166,11 @@ def cell_from_entry(entry: dict) -> Cell:
         options = PRESETS[entry["preset"]].options.replace(**entry.get("changes", {}))
     except (TypeError, ValueError) as e:
         raise ValueError(f"cells file: {name}: {e}") from None
+    if options == PRESETS[entry["preset"]].options and not entry.get("warm_cache"):
+        raise ValueError(
+            f"cells file: {name}: no changes to {entry['preset']!r}: the preset's own cell "
+            f"measures that"
+        )
     return Cell(
         name,
         entry.get("description") or f"{entry['preset']} with {describe(options)}",

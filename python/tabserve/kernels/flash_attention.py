@@ -35,6 +35,7 @@ import torch
 from torch import Tensor
 
 from ._common import KERNEL_COMPUTE_DTYPES, KERNEL_WIDTHS, define_operator, triton
+from ._common import MAX_GRID_BATCH as _MAX_GRID_BATCH
 
 #: Added to the query and key counts the kernel is passed: Triton's launcher and Inductor both
 #: compile an integer argument equal to 1 as a constant, and the fp8 kernel with permuted score
@@ -139,9 +140,9 @@ SWEEP = (
     Tile(64, 128, 4, 3, 168, permuted=True, tma=True),
     Tile(64, 128, 4, 3, 128, permuted=True, tma=True),
 )
-#: CUDA's limit on a grid's second and third axes (heads, batch): larger batches run in several
-#: launches, more heads are folded into the batch.
-MAX_GRID_BATCH = 65_535
+#: CUDA's limit on a grid's second and third axes (heads, batch), :data:`._common.MAX_GRID_BATCH`:
+#: larger batches run in several launches, more heads are folded into the batch.
+MAX_GRID_BATCH = _MAX_GRID_BATCH
 #: Set by :func:`tile_override` (the benchmark's sweep, the interpreter tests' small tiles).
 TILE_OVERRIDE: Tile | None = None
 #: Slower or no help, so not in the kernel: exponentials on fp16 pairs (`ex2.approx.f16x2`: two

@@ -20,7 +20,9 @@ from tabserve.kernels import feed_forward as fused_ffn
 from tabserve.kernels import norm_linear as fused_norm_linear
 from tabserve.kernels.feed_forward import to_rows
 
-from .stage_kernels import DEFAULT_KERNELS
+from tabserve.kernels._common import MAX_GRID_BATCH
+
+from .stage_kernels import DEFAULT_KERNELS, SHORT_KEYS
 
 #: Value that marks a skipped token in the reference (CLS placeholders, padded features).
 SKIP_VALUE = -100.0
@@ -324,12 +326,6 @@ class Attention(nn.Module):
         return self.out_proj(out) if project_out else out
 
 
-#: Keys :func:`tabserve.ops.small_head_attention` stages in one chunk (its fastest path; the
-#: ``head16-short`` backend's limit).
-SHORT_KEYS = 128
-
-#: Batch limit of the fused CUDA attention kernels (a grid dimension).
-_CUDA_ATTENTION_MAX_BATCH = 65_535
 
 
 def chunk_slices(length: int, cost_per_item: int, budget: int) -> list:
@@ -348,7 +344,7 @@ def _in_cuda_batch_chunks(attend, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     of that limit and fail to launch beyond it; the row stage's batch is tables x rows (8 x
     10,240 on the large workload, seen on the H200 with flash forced). One call wherever the
     batch fits. Chunk bounds are shapes, not data: a compiled or captured graph holds them."""
-    chunks = chunk_slices(q.shape[0], 1, _CUDA_ATTENTION_MAX_BATCH)
+    chunks = chunk_slices(q.shape[0], 1, MAX_GRID_BATCH)
     if q.device.type != "cuda" or len(chunks) == 1:
         return attend(q, k, v)
     return torch.cat([attend(q[c], k[c], v[c]) for c in chunks])

@@ -445,7 +445,7 @@ def _unknown_preset(name: object) -> ValueError:
     close = difflib.get_close_matches(str(name), [*names, "auto"], n=1)
     hint = f"; did you mean {close[0]!r}?" if close else ""
     return ValueError(
-        f"unknown serving preset {name!r}{hint} Presets: {', '.join(names)} (or 'auto', or a "
+        f"unknown serving preset {name!r}{hint}; presets: {', '.join(names)} (or 'auto', or a "
         f"ServingOptions)"
     )
 

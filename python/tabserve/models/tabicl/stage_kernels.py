@@ -23,7 +23,7 @@ SDPA_BACKENDS = {
 #: tabserve's own attention kernels by the names the serving options use: ``head16`` is
 #: :func:`tabserve.ops.small_head_attention` (CUDA, fp16 / bf16, head dimension 16: the column
 #: and row stages, padded or not); ``head16-short`` the same kernel only where every key fits its
-#: one staged chunk (<= :data:`~.layers.SHORT_KEYS` keys: the column stage's rows over the 128
+#: one staged chunk (<= :data:`SHORT_KEYS` keys: the column stage's rows over the 128
 #: induced tokens), longer key runs on PyTorch's SDPA; ``flash-half`` / ``flash-fp8``:
 #: :func:`tabserve.ops.flash_attention` on half or fp8 operands for the stage's unpadded calls
 #: (padded calls keep ``prefix_attention``); ``head16-flash``: ``head16-short`` with the longer
@@ -38,6 +38,9 @@ _FLASH_OPERANDS = {"flash-half": False, "flash-fp8": True, "head16-flash": False
 #: ``prefix_attention`` kernel of padded attention per backend: flash / efficient have varlen
 #: kernels reading n on the device; cuDNN and math run SDPA with a key mask (``masked``).
 _PREFIX_BACKENDS = {"flash": "flash", "efficient": "efficient", "cudnn": "masked", "math": "masked"}
+#: Keys :func:`tabserve.ops.small_head_attention` stages in one chunk (its fastest path; the
+#: ``head16-short`` and ``head16-flash`` backends' limit).
+SHORT_KEYS = 128
 #: The model's stages in the order data flows through them (``stage -> submodule``).
 STAGES = {"col": "col_embedder", "row": "row_interactor", "icl": "icl_predictor"}
 
@@ -90,8 +93,6 @@ class StageKernels:
     @property
     def small_head_max_keys(self) -> int | None:
         """With :attr:`small_heads`: the most keys the kernel takes (None: any number)."""
-        from .layers import SHORT_KEYS
-
         return SHORT_KEYS if self.attention in _SHORT_KEY_BACKENDS else None
 
     @property
