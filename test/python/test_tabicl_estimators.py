@@ -300,3 +300,37 @@ def test_cuda_estimators_match_reference():
     np.testing.assert_allclose(
         ours.predict_proba(X_test), ref.predict_proba(X_test), atol=ATOL, rtol=0
     )
+
+
+@pytest.mark.cuda
+@requires_cuda
+@pytest.mark.parametrize("task", ["clf", "reg"])
+def test_cuda_estimators_on_dataframes_match_reference(task):
+    """A DataFrame with string, pandas ``category`` and boolean columns, NaN and categories
+    unseen at fit, string class labels (classifier) or a continuous target (regressor), on CUDA
+    in fp32: the reference's answers, as on the CPU."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    frame, y = _mixed_frame(seed=4)
+    frame.loc[frame.index[-5:], "colour"] = "purple"  # unseen at fit
+    X_train, X_test = frame.iloc[:130], frame.iloc[130:]
+    path = reference_checkpoint(task, "tiny")
+    reference = {**REFERENCE_OPTIONS, "device": "cuda", "model_path": str(path), "n_estimators": 4}
+    ours = {"device": "cuda", "model_path": path, "n_estimators": 4}
+    if task == "clf":
+        labels = np.array(["low", "mid", "high"])[y]
+        ref = tabicl.TabICLClassifier(**reference).fit(X_train, labels[:130])
+        ours = TabICLClassifier(**ours).fit(X_train, labels[:130])
+        assert list(ours.classes_) == list(ref.classes_)
+        np.testing.assert_allclose(
+            ours.predict_proba(X_test), ref.predict_proba(X_test), atol=ATOL, rtol=0
+        )
+        assert (ours.predict(X_test) == ref.predict(X_test)).all()
+    else:
+        target = np.nan_to_num(frame["size"].to_numpy(), nan=3.0) * 2 + frame["weight"].to_numpy()
+        ref = tabicl.TabICLRegressor(**reference).fit(X_train, target[:130])
+        ours = TabICLRegressor(**ours).fit(X_train, target[:130])
+        np.testing.assert_allclose(
+            ours.predict(X_test), ref.predict(X_test), atol=ATOL * np.std(target), rtol=0
+        )
+

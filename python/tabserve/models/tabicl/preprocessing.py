@@ -52,7 +52,9 @@ class TableEncoder:
             # for all categorical columns), which reproduces tabicl's TransformToNumerical.
             from tabserve.encoding import TabICLEncoder
 
-            self.frame_encoder_ = TabICLEncoder().fit(X)
+            # Fitted on the host, then moved: its vocabularies must live where the tables'
+            # codes do (the string lookup takes all of its operands on one device).
+            self.frame_encoder_ = TabICLEncoder().fit(X).to(self.device)
             self.categorical_ = list(self.frame_encoder_.categorical_names)
             self.numeric_ = list(self.frame_encoder_.numerical_names)
         numeric = self._numeric(X)
