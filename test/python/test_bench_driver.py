@@ -138,11 +138,15 @@ def test_cells_file_errors_name_the_entry(tmp_path):
     for entry, message in bad:
         with pytest.raises(ValueError, match=message):
             load_cells_file(_cells_file(tmp_path, [entry]))
-    twice = [{"name": "twin", "preset": "exact"}, {"name": "twin", "preset": "medium"}]
+    fp16 = {"precision": "fp16"}
+    twice = [
+        {"name": "twin", "preset": "exact", "changes": fp16},
+        {"name": "twin", "preset": "medium", "changes": {"precision": "bf16"}},
+    ]
     with pytest.raises(ValueError, match=r"used twice or by a default cell: \['twin'\]"):
         load_cells_file(_cells_file(tmp_path, twice))
     with pytest.raises(ValueError, match=r"used twice or by a default cell: \['large'\]"):
-        load_cells_file(_cells_file(tmp_path, [{"name": "large", "preset": "large"}]))
+        load_cells_file(_cells_file(tmp_path, [{"name": "large", "preset": "exact", "changes": fp16}]))
     (tmp_path / "list.json").write_text("[]")
     with pytest.raises(ValueError, match="a cells file is"):
         load_cells_file(tmp_path / "list.json")
@@ -652,7 +656,7 @@ def test_auto_serves_what_the_driver_promoted(tmp_path):
     assert auto(500, 8, task="reg") == "exact"  # the regression workload, though farther
     assert auto_options("cpu", 500, 8, path=path, allow_fp8=False) == "small"
     # Nothing measured for the device: warns and serves exact.
-    with pytest.warns(UserWarning, match="no one_shot measurement for device 'cpu'"):
+    with pytest.warns(UserWarning, match="no one_shot measurement for 'cpu'; serving 'exact'"):
         assert auto_options("cpu", 500, 8, path=tmp_path / "none.json") == "exact"
     # Only an fp8 preset measured: nothing to serve without fp8.
     alone = tmp_path / "fp8.json"

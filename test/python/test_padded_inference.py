@@ -359,7 +359,70 @@ def test_auto_options_finds_the_shipped_promotions_and_the_override(tmp_path, mo
     mine = tmp_path / "mine.json"
     _promotions(mine, {"w": {"one_shot": _entry("medium"), "shape": {"n_train": 9, "n_features": 9}}})
     monkeypatch.setenv(options.PROMOTIONS_ENV, str(mine))
-    assert options.promotions_path() == mine and options.auto_options("cpu", 9, 9) == "medium"
+    assert options.promotion_files() == [mine] and options.auto_options("cpu", 9, 9) == "medium"
+
+
+def _fake_gpu(monkeypatch, name: str, capability: tuple) -> None:
+    """``cuda:0`` reads as a GPU called ``name`` of ``capability`` (what auto_options asks)."""
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: name)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: capability)
+
+
+def test_auto_options_on_an_unmeasured_gpu(tmp_path, monkeypatch):
+    """A GPU no file measured takes the promotions of a measured GPU of the same compute
+    capability, and with none of those a GPU preset, never fp32; both warn."""
+    import json
+
+    path = tmp_path / "promotions.json"
+    shape = {"n_train": 8192, "n_features": 64}
+    entry = {"capability": [9, 0], "workloads": {"large": {"one_shot": _entry("large"), "shape": shape}}}
+    path.write_text(json.dumps({"schema": options.PROMOTIONS_SCHEMA, "devices": {"GPU A": entry}}))
+    _fake_gpu(monkeypatch, "GPU A", (9, 0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert options.auto_options("cuda:0", 8000, 60, path=path) == "large"  # measured
+    _fake_gpu(monkeypatch, "GPU B", (9, 0))
+    assert options.auto_options("cuda:0", 8000, 60, path=path) == "large"  # same capability
+    _fake_gpu(monkeypatch, "GPU C", (8, 0))
+    with pytest.warns(UserWarning, match="no one_shot measurement for 'GPU C'; serving 'medium'"):
+        assert options.auto_options("cuda:0", 8000, 60, path=path) == options.UNMEASURED_GPU_PRESET
+    assert not PRESETS[options.UNMEASURED_GPU_PRESET].options.compiled
+
+
+def test_auto_options_prefers_this_machines_promotions_and_warns_on_other_versions(
+    tmp_path, monkeypatch
+):
+    """The driver's own run on this machine (the user cache) comes before the shipped file;
+    promotions measured under another torch version warn; TABSERVE_PROMOTIONS replaces both."""
+    import json
+
+    import tabserve
+    from tabserve.bench import report
+
+    monkeypatch.delenv(options.PROMOTIONS_ENV, raising=False)
+    monkeypatch.setenv(options.CACHE_DIR_ENV, str(tmp_path / "cache"))
+    assert options.promotion_files() == [tmp_path / "cache" / "promotions.json", options.promotions_path()]
+    shape = {"name": "w", "n_train": 128, "n_features": 8}
+    document = {
+        "environment": {"torch": torch.__version__, "tabserve": tabserve.__version__},
+        "settings": {"device": "cpu", "command": "python -m tabserve.bench"},
+        "created": "t",
+        "workloads": [shape],
+        "promotion": {"w": {"one_shot": _entry("medium")}},
+    }
+    report.write_promotions(options.user_promotions_path(), document)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert options.auto_options("cpu", 128, 8) == "medium"  # not the shipped "exact"
+    document["environment"]["torch"] = "0.0.1"
+    report.write_promotions(options.user_promotions_path(), document)
+    with pytest.warns(UserWarning, match="measured with torch 0.0.1"):
+        assert options.auto_options("cpu", 128, 8) == "medium"
+    mine = tmp_path / "mine.json"
+    _promotions(mine, {"w": {"one_shot": _entry("small"), "shape": shape}})
+    monkeypatch.setenv(options.PROMOTIONS_ENV, str(mine))
+    assert options.promotion_files() == [mine] and options.auto_options("cpu", 128, 8) == "small"
+    assert json.loads(options.user_promotions_path().read_text())["schema"] == options.PROMOTIONS_SCHEMA
 
 
 def test_auto_options_without_fp8_takes_the_fastest_preset_without_it(tmp_path):

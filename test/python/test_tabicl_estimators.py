@@ -8,6 +8,8 @@ suite fast on a 2-core CPU.
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pandas as pd
 import pytest
@@ -334,3 +336,46 @@ def test_cuda_estimators_on_dataframes_match_reference(task):
             ours.predict(X_test), ref.predict(X_test), atol=ATOL * np.std(target), rtol=0
         )
 
+
+
+def test_fresh_estimators_share_one_served_model_per_configuration(tmp_path, monkeypatch):
+    """Fresh estimators (clones, as cross-validation makes) of one checkpoint, device and preset
+    get the same served model: the file is read once and the network built once, without
+    random initialisation; another configuration, a rewritten file or a cleared cache gets a
+    new one; the predictions are the same either way."""
+    import shutil
+
+    from sklearn.base import clone
+    from tabserve.models.tabicl import model_cache
+    from tabserve.models.tabicl.options import ServingOptions
+
+    model_cache.clear_model_cache()
+    path = tmp_path / "clf.ckpt"
+    shutil.copy(reference_checkpoint("clf", "tiny"), path)
+    reads = []
+    original = model_cache.load_checkpoint
+    monkeypatch.setattr(model_cache, "load_checkpoint", lambda p: reads.append(p) or original(p))
+    for name in ("kaiming_uniform_", "uniform_", "normal_", "ones_", "zeros_"):
+        init = getattr(torch.nn.init, name)
+
+        def on_meta_only(tensor, *args, __init=init, **kwargs):  # initialising costs nothing
+            assert tensor.is_meta, "a weight was initialised in memory before being loaded"
+            return __init(tensor, *args, **kwargs)
+
+        monkeypatch.setattr(torch.nn.init, name, on_meta_only)
+    X, y = datasets.load_iris(return_X_y=True)
+    first = TabICLClassifier(n_estimators=2, model_path=path, device="cpu").fit(X, y)
+    second = clone(first).fit(X[::2], y[::2])
+    assert second.model_ is first.model_ and len(reads) == 1
+    np.testing.assert_array_equal(clone(first).fit(X, y).predict_proba(X), first.predict_proba(X))
+    other = clone(first).set_params(recipe=ServingOptions(buckets=True)).fit(X, y)
+    assert other.model_ is not first.model_ and len(reads) == 1
+    info = model_cache.cache_info()
+    assert (info["checkpoints"], info["served_models"]) == (1, 2)
+    shutil.copy(reference_checkpoint("clf", "tiny"), path)  # rewritten: a new identity
+    os.utime(path, ns=(0, 0))
+    assert clone(first).fit(X, y).model_ is not first.model_ and len(reads) == 2
+    model_cache.clear_model_cache()
+    assert model_cache.cache_info()["served_models"] == 0
+    assert clone(first).fit(X, y).model_ is not first.model_ and len(reads) == 3
+    model_cache.clear_model_cache()

@@ -18,6 +18,8 @@ import torch
 
 from . import report
 from .cells import FP32_CELLS, cell_by_name, cell_table, load_cells_file, select_cells, skip_reason
+from tabserve.models.tabicl.options import user_promotions_path
+
 from .gates import apply_gates
 from .runner import run_ab, run_cell, skipped_result
 from .workloads import (
@@ -103,6 +105,13 @@ def parse_args(argv):
         type=Path,
         help="promotions file to merge this run's promotion into (default OUT/promotions.json; "
         "the one recipe='auto' ships with: python/tabserve/models/tabicl/promotions.json)",
+    )
+    p.add_argument(
+        "--no-user-promotions",
+        action="store_true",
+        help="do not merge the promotion into this machine's own promotions file, which "
+        "recipe='auto' prefers to the shipped one (its path: $TABSERVE_CACHE_DIR or the "
+        "platform's user cache directory)",
     )
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--work-dir", type=Path, help="keep job folders here (default: temporary)")
@@ -363,6 +372,8 @@ def _publish(document: dict, out: Path, args) -> None:
     print(report.render(document))
     promotions = args.promotions or out.parent / "promotions.json"
     report.write_promotions(promotions, document)
+    if not args.no_user_promotions:  # what recipe="auto" on this machine reads first
+        report.write_promotions(user_promotions_path(), document)
     png = None if args.no_plot else report.plot(document, out.with_suffix(".png"))
     print(f"\nresults: {out}" + (f"; plot: {png}" if png else "") + f"; promotions: {promotions}")
 

@@ -230,7 +230,8 @@ def write_promotions(path: Path, document: dict) -> Path:
     """Merges this run's promotion into a promotions file, keyed by device, then by workload.
 
     The file ``recipe="auto"`` reads (:func:`tabserve.models.tabicl.options.auto_options`):
-    ``{"schema", "devices": {<GPU name or "cpu">: {"updated", "torch", "command", "workloads":
+    ``{"schema", "devices": {<GPU name or "cpu">: {"updated", "torch", "tabserve",
+    "capability", "command", "workloads":
     {<workload>: {<route>: {"preset", "median_ms"}, "shape": {...}}}}}}``. Workloads of other
     runs on the same device are kept.
     """
@@ -244,7 +245,11 @@ def write_promotions(path: Path, document: dict) -> Path:
     device = env["gpu"] if document["settings"]["device"] == "cuda" else "cpu"
     entry = promotions.setdefault("devices", {}).setdefault(device, {"workloads": {}})
     entry.update(
-        updated=document["created"], torch=env["torch"], command=document["settings"].get("command")
+        updated=document["created"],
+        torch=env["torch"],
+        tabserve=env.get("tabserve"),
+        capability=env.get("gpu_capability") if device != "cpu" else None,
+        command=document["settings"].get("command"),
     )
     shapes = {w["name"]: w for w in document["workloads"]}
     for workload, routes in document["promotion"].items():

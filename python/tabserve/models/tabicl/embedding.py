@@ -155,7 +155,10 @@ class ColumnEmbedding(nn.Module):
             )
         self.max_classes = max_classes
         # A buffer, not a tensor built per call: no host-to-device copy (CUDA-graph capturable).
-        self.register_buffer("group_offsets", torch.tensor(GROUP_OFFSETS), persistent=False)
+        # Made on the host even when the model is built on ``meta`` (its weights then come from
+        # a checkpoint; this buffer is in none).
+        offsets = torch.tensor(GROUP_OFFSETS, device="cpu")
+        self.register_buffer("group_offsets", offsets, persistent=False)
         self.in_linear = nn.Linear(group_size, dim)
         self.tf_col = SetTransformer(num_blocks, dim, num_heads, ff_dim, num_inds, ln_bias)
         #: Per-instance chunking threshold (tests lower it).

@@ -29,7 +29,7 @@ from torch import Tensor
 
 from tabserve.buckets import BucketGrid
 
-from .model import TabICLv2, TabICLv2Cache
+from .model import TabICLv2Cache
 from .preprocessing import (
     ConstantFeatureFilter,
     MemberPreprocessor,
@@ -38,8 +38,9 @@ from .preprocessing import (
     member_labels,
     member_tables,
 )
+from .model_cache import read_checkpoint, served_model
 from .options import auto_options, resolve_options
-from .serving import serve
+from .serving import ServedTabICL
 
 DEFAULT_NORM_METHODS = ("none", "power")
 
@@ -109,7 +110,7 @@ class _TabICLBase(BaseEstimator):
                 f"X columns {names} differ from the columns seen at fit {list(fitted)}"
             )
 
-    def _load_model(self, n_train: int, n_classes: int | None = None) -> TabICLv2:
+    def _load_model(self, n_train: int, n_classes: int | None = None) -> ServedTabICL:
         if not (isinstance(self.recipe, str) and self.recipe == "auto"):
             resolve_options(self.recipe)  # a bad name or type fails before the model loads
         if self.bucket_grid is not None and not isinstance(self.bucket_grid, BucketGrid):
@@ -121,9 +122,9 @@ class _TabICLBase(BaseEstimator):
             raise ValueError(
                 "model_path is required: the path of a TabICLv2 .ckpt or tabserve .safetensors file"
             )
-        model = TabICLv2.from_checkpoint(Path(self.model_path), device=self.device_)
-        if model.is_regressor == self._classification:
-            kind = "regression" if model.is_regressor else "classification"
+        config, _ = read_checkpoint(Path(self.model_path))  # once per process and file
+        if config.is_regression == self._classification:
+            kind = "regression" if config.is_regression else "classification"
             raise ValueError(
                 f"{self.model_path} is a {kind} checkpoint; {type(self).__name__} needs the other kind"
             )
@@ -136,10 +137,13 @@ class _TabICLBase(BaseEstimator):
                 bool(self.kv_cache),
                 task="clf" if self._classification else "reg",
                 n_classes=n_classes,
-                many_classes_above=model.config.max_classes,
+                many_classes_above=config.max_classes,
                 allow_fp8=bool(self.allow_fp8),
             )
-        return serve(model, recipe, self.bucket_grid)
+        # Shared by every estimator of this checkpoint, device and configuration in the process:
+        # loaded, compiled and captured once (model_cache).
+        options = resolve_options(recipe)
+        return served_model(Path(self.model_path), self.device_, options, self.bucket_grid)
 
     def _fit_members(self, X, y: Tensor, n_classes: int) -> None:
         if self.n_estimators < 1:

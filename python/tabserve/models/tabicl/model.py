@@ -150,19 +150,29 @@ class TabICLv2(nn.Module):
     def from_checkpoint(cls, path: PathLike, device: str | torch.device | None = None) -> TabICLv2:
         """Load a reference ``.ckpt`` (``weights_only=True``) or a tabserve ``.safetensors`` file.
 
+        The network is built on the ``meta`` device (no random initialisation: every weight
+        comes from the file) and its weights are copied straight to ``device`` (default CPU).
+        A file is read once per process while it is unchanged
+        (:func:`~.model_cache.read_checkpoint`); every call returns a model of its own.
+
         Raises:
             FileNotFoundError, CheckpointError (unreadable / wrong tensors), ConfigError
             (missing, contradictory or non-v2 config).
         """
-        config, state_dict = load_checkpoint(path)
-        model = cls(config)
-        model.load_reference_state_dict(state_dict, source=str(path))
-        return model.to(device) if device is not None else model
+        from .model_cache import read_checkpoint
+
+        config, state_dict = read_checkpoint(path)
+        with torch.device("meta"):
+            model = cls(config)
+        model.load_reference_state_dict(state_dict, source=str(path), device=device or "cpu")
+        return model
 
     def load_reference_state_dict(
-        self, state_dict: dict[str, Tensor], source: str = "state_dict"
+        self, state_dict: dict[str, Tensor], source: str = "state_dict", device=None
     ) -> None:
-        """Strictly load a reference state_dict; mismatches name the config keys to check."""
+        """Strictly load a reference state_dict; mismatches name the config keys to check.
+        A model built on ``meta`` gets copies of the tensors on ``device`` (default: where its
+        buffers are), in its own dtypes; a materialised one copies them into its parameters."""
         own = self.state_dict()
         missing = sorted(set(own) - set(state_dict))
         unexpected = sorted(set(state_dict) - set(own))
@@ -183,7 +193,15 @@ class TabICLv2(nn.Module):
                 f"{source}: weights contradict the config {self.config} ({details}); check bias_free_ln, "
                 "max_classes, num_quantiles and the block / head counts"
             )
+        if any(t.is_meta for t in own.values()):
+            target = torch.device(device) if device is not None else self.col_embedder.group_offsets.device
+            copies = {k: v.to(target, own[k].dtype, copy=True) for k, v in state_dict.items()}
+            self.load_state_dict(copies, assign=True)
+            self.to(target)  # the buffers no checkpoint holds
+            return
         self.load_state_dict({k: v.to(own[k].dtype) for k, v in state_dict.items()})
+        if device is not None:
+            self.to(device)
 
     def save_safetensors(self, path: PathLike) -> Path:
         """Export weights + config to one safetensors file (config as JSON metadata)."""

@@ -73,8 +73,14 @@ COMPILE_MODES = ("none", "default", "max-autotune-no-cudagraphs", "regional")
 WHOLE_MODEL_COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
 #: What ``recipe=None`` serves.
 DEFAULT_PRESET = "exact"
-#: The measured promotions shipped with the package (``TABSERVE_PROMOTIONS`` overrides).
+#: A promotions file that replaces every other (:func:`promotion_files`).
 PROMOTIONS_ENV = "TABSERVE_PROMOTIONS"
+#: tabserve's per-user cache directory (:func:`user_cache_dir`).
+CACHE_DIR_ENV = "TABSERVE_CACHE_DIR"
+#: What ``recipe="auto"`` serves on a GPU without measurements: fp16, CUDA graphs, no
+#: compilation and none of tabserve's Triton kernels (the measured H200 presets' compiled and
+#: fused kernels are tuned for compute capability 9.0).
+UNMEASURED_GPU_PRESET = "medium"
 PROMOTIONS_SCHEMA = "tabserve.promotions/1"
 
 
@@ -476,13 +482,81 @@ def device_key(device: torch.device | str) -> str:
     return "cpu"
 
 
-def promotions_path() -> Path:
-    """The promotions file ``recipe="auto"`` reads: ``$TABSERVE_PROMOTIONS``, else the one
-    shipped in the package."""
-    override = os.environ.get(PROMOTIONS_ENV)
+def user_cache_dir() -> Path:
+    """tabserve's per-user cache directory: ``$TABSERVE_CACHE_DIR``, else the platform's
+    (``platformdirs``; ``~/.cache/tabserve`` on Linux)."""
+    override = os.environ.get(CACHE_DIR_ENV)
     if override:
         return Path(override)
+    import platformdirs
+
+    return Path(platformdirs.user_cache_dir("tabserve"))
+
+
+def user_promotions_path() -> Path:
+    """Where the benchmark driver files this machine's own promotions, which ``recipe="auto"``
+    prefers to the shipped ones."""
+    return user_cache_dir() / "promotions.json"
+
+
+def promotions_path() -> Path:
+    """The shipped promotions file (in the package: found after a wheel install)."""
     return Path(str(resources.files(__package__).joinpath("promotions.json")))
+
+
+def promotion_files() -> list[Path]:
+    """The promotions files ``recipe="auto"`` reads, first match wins: ``$TABSERVE_PROMOTIONS``
+    alone when set, else this machine's own (:func:`user_promotions_path`) and the shipped
+    ones."""
+    override = os.environ.get(PROMOTIONS_ENV)
+    if override:
+        return [Path(override)]
+    return [user_promotions_path(), promotions_path()]
+
+
+def _device_entries(path: Path) -> dict:
+    try:
+        devices = json.loads(path.read_text())["devices"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
+    return devices if isinstance(devices, dict) else {}
+
+
+def _measured_entry(device: torch.device, paths: list[Path]) -> tuple[dict | None, str]:
+    """The promotions entry for ``device`` (its GPU name, or ``cpu``) from the first file that
+    has one, else, for an unmeasured GPU, the entry of a measured GPU of the same compute
+    capability; with a sentence saying where it came from."""
+    key = device_key(device)
+    for path in paths:
+        entry = _device_entries(path).get(key)
+        if isinstance(entry, dict):
+            return entry, f"{key!r} in {path}"
+    if device.type != "cuda":
+        return None, ""
+    capability = list(torch.cuda.get_device_capability(device))
+    for path in paths:
+        for name, entry in _device_entries(path).items():
+            if isinstance(entry, dict) and entry.get("capability") == capability:
+                return entry, f"{name!r} (same compute capability {capability}) in {path}"
+    return None, ""
+
+
+def _warn_if_other_versions(entry: dict, where: str) -> None:
+    import tabserve
+
+    measured = {"torch": entry.get("torch"), "tabserve": entry.get("tabserve")}
+    current = {"torch": torch.__version__, "tabserve": tabserve.__version__}
+    changed = [
+        f"{name} {measured[name]} (now {current[name]})"
+        for name in measured
+        if measured[name] not in (None, current[name])
+    ]
+    if changed:
+        warnings.warn(
+            f"recipe='auto': the promotions of {where} were measured with {', '.join(changed)}; "
+            f"python -m tabserve.bench measures again",
+            stacklevel=4,
+        )
 
 
 def _promoted_preset(entry: dict, route: str, allow_fp8: bool) -> str | None:
@@ -522,32 +596,36 @@ def auto_options(
     same ``task`` ("clf" or "reg") are preferred, then, for classification, those on the same
     side of ``many_classes_above`` classes (past it the model runs its many-class hierarchy); a
     criterion that no measured workload meets is dropped rather than failing. Closest = smallest
-    distance in log2 of train rows and features. No file, no entry for the device: warns and
-    returns :data:`DEFAULT_PRESET`.
+    distance in log2 of train rows and features. The files: :func:`promotion_files` (or
+    ``path``). A GPU none of them measured takes the promotions of a measured GPU of the same
+    compute capability; with none of those either, it warns and returns
+    :data:`UNMEASURED_GPU_PRESET` (never fp32 on a GPU); the CPU unmeasured warns and returns
+    :data:`DEFAULT_PRESET`. Promotions measured under another torch or tabserve version warn.
     """
     if task not in (None, "clf", "reg"):
         raise ValueError(f"auto_options: task must be 'clf', 'reg' or None, got {task!r}")
-    path = Path(path) if path is not None else promotions_path()
-    key = device_key(device)
-    try:
-        workloads = json.loads(path.read_text())["devices"][key]["workloads"]
-    except (OSError, ValueError, KeyError, TypeError):
-        workloads = {}
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    entry, where = _measured_entry(device, [Path(path)] if path is not None else promotion_files())
+    workloads = entry.get("workloads") if entry else None
     route = "kv_predict" if kv_cache else "one_shot"
     candidates = [
-        (entry["shape"], name)
-        for entry in (workloads.values() if isinstance(workloads, dict) else ())
-        if isinstance(entry, dict)
-        and isinstance(entry.get("shape"), dict)
-        and (name := _promoted_preset(entry, route, allow_fp8))
+        (measured["shape"], name)
+        for measured in (workloads.values() if isinstance(workloads, dict) else ())
+        if isinstance(measured, dict)
+        and isinstance(measured.get("shape"), dict)
+        and (name := _promoted_preset(measured, route, allow_fp8))
     ]
     if not candidates:
+        fallback = UNMEASURED_GPU_PRESET if device.type == "cuda" else DEFAULT_PRESET
         warnings.warn(
-            f"recipe='auto': no {route} measurement for device {key!r} in {path}; serving "
-            f"{DEFAULT_PRESET!r} (python -m tabserve.bench on this machine measures one)",
+            f"recipe='auto': no {route} measurement for {device_key(device)!r}; serving "
+            f"{fallback!r} (python -m tabserve.bench on this machine measures one)",
             stacklevel=3,
         )
-        return DEFAULT_PRESET
+        return fallback
+    _warn_if_other_versions(entry, where)
 
     def prefer(pool: list, keep) -> list:
         kept = [c for c in pool if keep(c[0])]

@@ -1,0 +1,122 @@
+"""Process-wide cache of read checkpoints and served models, shared by every estimator.
+
+A fresh estimator per call (scikit-learn's ``clone``, cross-validation, grid search, one estimator
+per request) would otherwise read and verify its checkpoint again, build the network again and,
+under a compiled or graph-capturing preset, compile and capture again. Here:
+
+* checkpoints read from disk are kept by identity (resolved path, size, modification time: a file
+  rewritten in place is read anew), at most :data:`MAX_CHECKPOINTS`;
+* served models (:class:`~.serving.ServedTabICL`) are kept by (checkpoint identity, device,
+  serving options, bucket grid), at most :data:`MAX_SERVED_MODELS`, the least recently used
+  dropped first. A served model keeps its compiled graphs and captured CUDA graphs, so estimators
+  of one configuration pay for them once per process.
+
+Both are guarded by one lock (host threads may fit estimators concurrently); a served model is
+itself safe to share between threads (:mod:`.serving`). :func:`clear_model_cache` empties both.
+The cached models are for inference: a caller that changes a cached model's weights changes them
+for every estimator that shares it (load a private copy with
+:meth:`~.model.TabICLv2.from_checkpoint` instead).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import threading
+from collections import OrderedDict
+from pathlib import Path
+
+import torch
+
+from .checkpoint import load_checkpoint
+
+#: Checkpoints kept read (CPU tensors; a full TabICLv2 checkpoint is about 100 MB).
+MAX_CHECKPOINTS = 2
+#: Served models kept, each with its weights on its device and its graphs.
+MAX_SERVED_MODELS = 4
+
+_lock = threading.Lock()
+_checkpoints: OrderedDict = OrderedDict()
+_served: OrderedDict = OrderedDict()
+
+
+def checkpoint_identity(path) -> tuple:
+    """``(resolved path, size, modification time in ns)`` of a checkpoint file.
+
+    Raises:
+        FileNotFoundError: no such file.
+    """
+    resolved = Path(path).resolve()
+    if not resolved.is_file():
+        raise FileNotFoundError(f"checkpoint not found: {path}")
+    stat = resolved.stat()
+    return str(resolved), stat.st_size, stat.st_mtime_ns
+
+
+def _remember(store: OrderedDict, key, value, limit: int) -> None:
+    store[key] = value
+    store.move_to_end(key)
+    while len(store) > limit:
+        store.popitem(last=False)
+
+
+def read_checkpoint(path) -> tuple:
+    """``(config, state_dict)`` of a checkpoint, read once per identity (:func:`load_checkpoint`
+    otherwise). The state_dict's tensors are shared: copy before changing them."""
+    key = checkpoint_identity(path)
+    with _lock:
+        if key in _checkpoints:
+            _checkpoints.move_to_end(key)
+            return _checkpoints[key]
+    loaded = load_checkpoint(path)  # outside the lock: reading takes seconds
+    with _lock:
+        _remember(_checkpoints, key, loaded, MAX_CHECKPOINTS)
+    return loaded
+
+
+def served_model(path, device, options, grid=None):
+    """The :class:`~.serving.ServedTabICL` of checkpoint ``path`` on ``device`` with
+    ``options`` (a :class:`~.options.ServingOptions`) and ``grid``, built once per process and
+    shared; raises what loading raises (the cache is left as it was)."""
+    from .model import TabICLv2
+    from .serving import ServedTabICL
+
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    key = (
+        checkpoint_identity(path),
+        str(device),
+        json.dumps(options.to_dict(), sort_keys=True),
+        None if grid is None else json.dumps(dataclasses.asdict(grid), sort_keys=True),
+    )
+    with _lock:
+        if key in _served:
+            _served.move_to_end(key)
+            return _served[key]
+    served = ServedTabICL(TabICLv2.from_checkpoint(path, device=device), options, grid)
+    with _lock:
+        # Another thread may have built the same one meanwhile: keep the first.
+        if key in _served:
+            return _served[key]
+        _remember(_served, key, served, MAX_SERVED_MODELS)
+    return served
+
+
+def clear_model_cache() -> None:
+    """Forgets every cached checkpoint and served model (their memory is freed once no
+    estimator holds them)."""
+    with _lock:
+        _checkpoints.clear()
+        _served.clear()
+
+
+def cache_info() -> dict:
+    """How many checkpoints and served models are cached, and the limits."""
+    with _lock:
+        return {
+            "checkpoints": len(_checkpoints),
+            "served_models": len(_served),
+            "max_checkpoints": MAX_CHECKPOINTS,
+            "max_served_models": MAX_SERVED_MODELS,
+        }
