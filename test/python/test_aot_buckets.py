@@ -106,6 +106,7 @@ RESTART = textwrap.dedent(
     sys.path.insert(0, sys.argv[2])
     from tabicl_helpers import our_model, random_table
     from tabserve.buckets import BucketGrid
+    from tabserve.models.tabicl.options import ServingOptions
     from tabserve.models.tabicl.serving import ServedTabICL
 
     served = ServedTabICL(our_model("clf", "tiny"), ServingOptions(buckets=True),

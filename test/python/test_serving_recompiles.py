@@ -108,7 +108,7 @@ def test_dynamic_recipe_traces_the_network_once_with_floats_specialised():
     otherwise Dynamo traces each module's float attribute (every LayerNorm's eps) as a
     symbolic float, pins it when the graph is lowered (AOTAutograd's pass over Python
     scalars, so not with the ``eager`` backend) and traces the whole network again, which
-    lengthened the cold call of c12 (dynamic flash) past its timeout on the H200's large
+    lengthened the cold call of a dynamic-shape flash compile past its timeout on the H200's large
     workload. The operations captured must stay near the static compile's (without the
     setting: 2.3x), the outputs those of the eager model, and the setting the caller's."""
     captured = {}

@@ -55,9 +55,8 @@ HIDDEN_STEP = 64
 #: Set by the benchmark's sweep (:func:`hidden_step_override`) to time another step everywhere.
 HIDDEN_STEP_OVERRIDE = None
 #: Long-stream tile (tokens, warps, stages) of the launches that fold the out-projection (one
-#: more matmul per tile, the sum held in the output): the plain launches' tile until the whole
-#: model measures another better; a benchmark-driver cell may set it
-#: (``Cell.ffn_projecting_tile``).
+#: more matmul per tile, the sum held in the output): the plain launches' tile, kept as its own
+#: setting so that a sweep can time another in the whole model.
 PROJECTING_LONG_CONFIG = LONG_CONFIG
 
 

@@ -50,6 +50,12 @@ class AotPackageError(ValueError):
     bucket grid, or packages this build refuses to load (CUDA: :data:`ALLOW_CUDA_ENV`)."""
 
 
+def _package_options(served) -> str:
+    """The served options a package is made for: all but ``cuda_graphs``, which replays the
+    packages' kernels from a graph without changing what they compute."""
+    return describe(served.options.replace(cuda_graphs=False))
+
+
 def refuse_cuda_packages(device: torch.device | str) -> None:
     """Raises :class:`AotPackageError` for packages of a CUDA model unless :data:`ALLOW_CUDA_ENV`
     is ``1``: a crash of the server process is worse than serving without the packages."""
@@ -165,7 +171,7 @@ def export(
     manifest = {
         "format": FORMAT,
         **environment(),
-        "options": describe(served.options),
+        "options": _package_options(served),
         "grid": dataclasses.asdict(served.grid),
         "packages": entries,
     }
@@ -207,7 +213,7 @@ def load(served, directory: str | os.PathLike) -> dict:
     manifest = read_manifest(directory)
     expected = {
         **environment(),
-        "options": describe(served.options),
+        "options": _package_options(served),
         "grid": json.loads(json.dumps(dataclasses.asdict(served.grid))),
     }
     for key, value in expected.items():
