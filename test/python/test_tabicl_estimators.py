@@ -379,3 +379,14 @@ def test_fresh_estimators_share_one_served_model_per_configuration(tmp_path, mon
     assert model_cache.cache_info()["served_models"] == 0
     assert clone(first).fit(X, y).model_ is not first.model_ and len(reads) == 3
     model_cache.clear_model_cache()
+
+
+def test_dataframe_with_integer_column_names_matches_reference():
+    """``pd.DataFrame(array)`` names its columns 0, 1, ...: fitted and predicted by position of
+    those names, as the reference does."""
+    X, y = datasets.load_iris(return_X_y=True)
+    frame = pd.DataFrame(X)
+    X_train, y_train, X_test = frame.iloc[:120], y[:120], frame.iloc[120:]
+    ref, ours = _classifiers("tiny", n_estimators=2)
+    expected = ref.fit(X_train, y_train).predict_proba(X_test)
+    np.testing.assert_allclose(ours.fit(X_train, y_train).predict_proba(X_test), expected, atol=ATOL, rtol=0)

@@ -1,8 +1,8 @@
 """The tree speaks of the product only.
 
 Code, comments, tests, scripts and documents state what the code does and why (the invariant, or
-a measured figure with its device), never how the work on it was organised: no work sessions or
-sittings, no run, call or issue numbers, no dates of past changes. And the user documentation
+a measured figure with its device), never how the work on it was organised (the patterns below
+say which words that takes), nor dates of past changes. And the user documentation
 (README.md, docs/) never points outside the repository: what a reader needs is in it.
 
 Both checks read the files git knows (tracked, plus new files that are not ignored), so they see
@@ -24,8 +24,7 @@ THIS = Path(__file__).resolve()
 DATA_UNDER = ("benchmarks/results/",)
 DATA_SUFFIXES = (".json", ".png", ".txt")
 
-# Ordinals as work-history words use: "the ninth session", "(twelfth)", "twenty-sixth". The
-# first three are left out ("the first call compiles" is a fact about the product), and so are
+# Ordinals that number pieces of work history (see the cases below). The first three are left out ("the first call compiles" is a fact about the product), and so are
 # fractions ("a fifth of the slots").
 _ORDINAL = (
     r"(?:fourth|fifth|sixth|seventh|eighth|ninth|tenth|eleventh|twelfth|thirteenth|fourteenth"
@@ -44,7 +43,7 @@ _NOT_AN_IDENTIFIER = (
     r"|epochs|seeds|configurations|jobs|batches|queries|keys|heads|tokens|features|gpus|cores"
     r"|copies|samples|trials|seconds|minutes|hours|bytes|graphs|buckets|shapes|models)\b)"
 )
-# "session" in its other senses: a process's session (start_new_session's), a user's shell.
+# The word's other senses: a process group (start_new_session's), a user's shell.
 _OTHER_SESSIONS = "".join(
     f"(?<!{word} )" for word in ("own", "new", "process", "interactive", "python", "shell", "login")
 )

@@ -1,0 +1,206 @@
+"""The estimator-level benchmark suite (``python -m tabserve.bench.estimator_suite``).
+
+CPU only, a tiny random-weight model, ``--quick`` tables and one warm repeat: one end-to-end run
+on a numeric and a regression kind (shared by the tests that read its document), one run whose
+checkpoint does not exist (every job an error row), and unit tests of the tables and figures.
+"""
+
+import json
+
+import numpy as np
+import pandas as pd
+import pytest
+
+pytest.importorskip("tabicl")
+pytest.importorskip("sklearn")
+
+from tabserve.bench import estimator_suite as suite
+
+QUICK = ["--device", "cpu", "--quick", "--model-size", "tiny", "--repeats", "1", "--quiet"]
+
+
+def _document(out) -> dict:
+    (path,) = out.glob("estimator_suite_*.json")
+    return json.loads(path.read_text())
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("suite")
+    argv = QUICK + ["--kinds", "small", "regression", "--recipes", "exact", "--out", str(out)]
+    argv += ["--work-dir", str(out / "work")]
+    assert suite.main(argv) == 0
+    return out, _document(out)
+
+
+def _result(document, kind, engine):
+    (found,) = [r for r in document["results"] if r["kind"] == kind and r["engine"] == engine]
+    return found
+
+
+def test_end_to_end_writes_a_result_per_engine_and_kind(run):
+    _, document = run
+    engines = ["tabicl", "tabicl-fp32", "tabserve-exact"]
+    assert document["settings"]["engines"] == engines
+    assert document["environment"]["tabicl"].startswith("2.2")
+    assert document["command"].startswith("python -m tabserve.bench.estimator_suite")
+    assert sorted((r["kind"], r["engine"]) for r in document["results"]) == sorted(
+        (k, e) for k in ("small", "regression") for e in engines
+    )
+    for r in document["results"]:
+        assert r["status"] == "ok", r.get("reason")
+        assert r["cold"]["cold_ms"] > r["cold"]["first_call_ms"] > 0  # imports included
+        assert r["warm"]["median_ms"] > 0 and r["warm"]["repeats"] == 1
+        warm = r["warm"]
+        assert warm["fit_ms"] + warm["predict_ms"] == pytest.approx(warm["median_ms"])
+        assert r["warm"]["max_abs_diff_to_cold"] == 0.0  # a clone gives the same answer
+        assert r["speedup"]["warm"]["tabicl-fp32"] > 0
+    exact = _result(document, "small", "tabserve-exact")
+    assert 0 < exact["stages"]["model_share"] <= 1 and exact["stages"]["model_calls"] >= 1
+    summary = document["summary"]["tabserve-exact"]
+    assert summary["warm_vs_tabicl-fp32"] > 0 and summary["warm_vs_tabicl-fp32_kinds"] == 2
+    assert document["predict_many"] == []  # wide-rows not selected
+
+
+def test_exact_matches_tabicl_fp32_on_the_numeric_kind(run):
+    _, document = run
+    acc = _result(document, "small", "tabserve-exact")["accuracy"]
+    assert acc["max_abs_prob_diff"] <= 1e-5
+    assert acc["argmax_agreement"] == 1.0
+    reg = _result(document, "regression", "tabserve-exact")["accuracy"]
+    assert reg["max_mean_diff_over_std"] <= 1e-4
+    assert _result(document, "small", "tabicl-fp32")["accuracy"] == {"reference": True}
+
+
+def test_the_table_renders_and_is_saved(run):
+    out, document = run
+    text = suite.render(document)
+    (saved,) = out.glob("estimator_suite_*.txt")
+    assert saved.read_text().strip() == text.strip()
+    lines = text.splitlines()
+    header = next(line for line in lines if line.startswith("kind"))
+    for column in ("cold s", "warm ms", "x tabicl", "x fp32", "accuracy vs tabicl-fp32"):
+        assert column in header
+    rows = [line for line in lines if line.startswith("small") and "tabserve-exact" in line]
+    assert len(rows) == 1 and "dp " in rows[0]
+    assert "Speed-ups, geometric mean across kinds" in text
+    assert "Errors" not in text
+
+
+def test_a_failing_engine_is_an_error_row(tmp_path):
+    missing = tmp_path / "no-such.ckpt"
+    argv = QUICK + ["--kinds", "small", "--recipes", "exact", "--out", str(tmp_path)]
+    argv += ["--work-dir", str(tmp_path / "work")]
+    assert suite.main(argv + ["--checkpoint", str(missing)]) == 0
+    document = _document(tmp_path)
+    assert [r["engine"] for r in document["results"]] == ["tabicl", "tabicl-fp32", "tabserve-exact"]
+    for r in document["results"]:
+        assert r["status"] == "failed"
+        assert r["error"]["stage"].startswith("cold")
+        assert r["speedup"]["warm"]["tabicl"] is None and r["accuracy"] is None
+    text = suite.render(document)
+    assert "FAILED" in text and "Errors (recorded as results, not fatal):" in text
+    assert "small / tabserve-exact: failed:" in text
+
+
+def test_tables_are_seeded_and_shaped():
+    for kind in suite.KINDS:
+        a, b = suite.make_table(kind, quick=True), suite.make_table(kind, quick=True)
+        n_train, n_test, n_features = kind.shape(quick=True)
+        if kind.name == "mixed":  # its numeric columns, then the string ones
+            n_features += len(suite.MIXED_STRING_CATEGORIES)
+        assert a["X_train"].shape == (n_train, n_features)
+        assert a["X_test"].shape == (n_test, n_features)
+        assert len(a["y_train"]) == n_train
+        for key in a:
+            left, right = a[key], b[key]
+            if isinstance(left, pd.DataFrame):
+                pd.testing.assert_frame_equal(left, right)
+            else:
+                np.testing.assert_array_equal(left, right)
+        if kind.task == "clf":
+            assert len(set(a["y_train"])) == kind.n_classes
+    assert suite.kind_by_name("wide").shape(quick=False) == (4000, 1000, 150)
+    pool = suite.make_table(suite.kind_by_name("wide-rows"), quick=True, n_test=1000)
+    base = suite.make_table(suite.kind_by_name("wide-rows"), quick=True)
+    assert pool["X_test"].shape[0] == 1000
+    np.testing.assert_array_equal(pool["X_train"], base["X_train"])
+
+
+def test_mixed_and_categories_columns():
+    mixed = suite.make_table(suite.kind_by_name("mixed"))
+    X_train, X_test = mixed["X_train"], mixed["X_test"]
+    assert set(mixed["y_train"]) == {"alpha", "beta", "gamma"}
+    assert 0.08 < X_train.filter(like="num_").isna().to_numpy().mean() < 0.12
+    strings = [f"str_{j}" for j in range(4)]
+    assert [str(X_train[c].dtype) for c in strings] == ["object", "object", "string", "string"]
+    unseen = np.mean([X_test[c].astype(str).str.contains("unseen").mean() for c in strings])
+    assert 0.01 < unseen < 0.03
+    assert not X_train["str_0"].astype(str).str.contains("unseen").any()
+    cats = suite.make_table(suite.kind_by_name("categories"))["X_train"]
+    assert list(cats.columns) == list(range(11))
+    assert [str(cats[c].dtype) for c in range(6, 11)] == ["category"] * 3 + ["bool"] * 2
+    assert cats[6].isna().any()
+
+
+def test_accuracy_and_speedup_figures():
+    ref = np.array([[0.2, 0.8], [0.6, 0.4]])
+    acc = suite.accuracy("clf", ref + [[0.01, -0.01], [-0.2, 0.2]], ref)
+    assert acc == {"max_abs_prob_diff": pytest.approx(0.2), "argmax_agreement": 0.5}
+    reg = suite.accuracy("reg", np.array([1.0, 2.5]), np.array([1.0, 2.0]), target_std=2.0)
+    assert reg["max_mean_diff_over_std"] == pytest.approx(0.25)
+    assert "error" in suite.accuracy("clf", ref[:1], ref)
+    assert suite.geometric_mean([2.0, 8.0, None]) == pytest.approx(4.0)
+    assert suite.geometric_mean([]) is None
+
+
+def test_speedups_and_geometric_means(tmp_path):
+    ref = np.array([[0.2, 0.8], [0.6, 0.4]])
+
+    def row(kind, engine, warm, cold, output=ref):
+        path = tmp_path / f"{kind}-{engine}.npy"
+        np.save(path, output)
+        return {
+            "kind": kind,
+            "engine": engine,
+            "status": "ok",
+            "warm": {"median_ms": warm},
+            "cold": {"cold_ms": cold},
+            "outputs": str(path),
+        }
+
+    results = [
+        row("a", "tabicl", 40.0, 4000.0),
+        row("a", "tabicl-fp32", 80.0, 4000.0),
+        row("a", "tabserve-exact", 20.0, 2000.0, ref + 1e-3),
+        row("b", "tabicl", 10.0, 1000.0),
+        {"kind": "b", "engine": "tabicl-fp32", "status": "failed", "reason": "x"},
+        row("b", "tabserve-exact", 10.0, 500.0),
+    ]
+    kinds = [suite.Kind("a", 1, 1, 1, 2, (1, 1, 1), ""), suite.Kind("b", 1, 1, 1, 2, (1, 1, 1), "")]
+    suite.add_accuracy_and_speedups(results, kinds)
+    mine = results[2]
+    assert mine["speedup"]["warm"] == {"tabicl": 2.0, "tabicl-fp32": 4.0}
+    assert mine["accuracy"]["max_abs_prob_diff"] == pytest.approx(1e-3)
+    assert results[5]["accuracy"] is None and results[5]["speedup"]["warm"]["tabicl-fp32"] is None
+    summary = suite.summarize(results, ["tabserve-exact"])["tabserve-exact"]
+    assert summary["warm_vs_tabicl"] == pytest.approx(2.0**0.5)  # kinds a (2x) and b (1x)
+    assert summary["warm_vs_tabicl-fp32"] == pytest.approx(4.0)
+    assert summary["warm_vs_tabicl-fp32_kinds"] == 1  # kind b's fp32 failed
+    assert summary["cold_vs_tabicl"] == pytest.approx(2.0)
+    rows = suite.suite_rows(results)
+    assert rows[2][10:12] == ["2.00x", "4.00x"] and rows[4][2] == "FAILED"
+
+
+def test_engine_specs():
+    fp32 = suite.estimator_spec("tabicl-fp32", "clf", "m.ckpt", "cpu")
+    assert fp32["family"] == "tabicl" and fp32["class"] == "TabICLClassifier"
+    assert fp32["params"]["use_amp"] is False and fp32["params"]["use_fa3"] is False
+    assert fp32["params"]["allow_auto_download"] is False and fp32["params"]["n_estimators"] == 8
+    default = suite.estimator_spec("tabicl", "reg", "m.ckpt", "cuda")["params"]
+    assert "use_amp" not in default and "use_fa3" not in default
+    mine = suite.estimator_spec("tabserve-auto", "reg", "m.ckpt", "cpu", kv_cache=True)
+    assert mine["class"] == "TabICLRegressor" and mine["params"]["recipe"] == "auto"
+    assert mine["params"]["kv_cache"] is True
+    with pytest.raises(ValueError):
+        suite.estimator_spec("other", "clf", "m.ckpt", "cpu")
