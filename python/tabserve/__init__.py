@@ -23,6 +23,8 @@ _LAZY = {
     "TabICLRegressor": "tabserve.models.tabicl",
     "ServingOptions": "tabserve.models.tabicl.options",
     "serving_presets": "tabserve.models.tabicl.options",
+    "wait_for_compiles": "tabserve.models.tabicl.background",
+    "clear_model_cache": "tabserve.models.tabicl.model_cache",
 }
 
 

@@ -298,7 +298,7 @@ def test_cuda_estimators_match_reference():
     ref = tabicl.TabICLClassifier(
         model_path=str(path), device="cuda", use_amp=False, use_fa3=False, allow_auto_download=False
     ).fit(X_train, y_train)
-    ours = TabICLClassifier(model_path=path, device="cuda").fit(X_train, y_train)
+    ours = TabICLClassifier(model_path=path, device="cuda", recipe="exact").fit(X_train, y_train)
     np.testing.assert_allclose(
         ours.predict_proba(X_test), ref.predict_proba(X_test), atol=ATOL, rtol=0
     )
@@ -318,7 +318,7 @@ def test_cuda_estimators_on_dataframes_match_reference(task):
     X_train, X_test = frame.iloc[:130], frame.iloc[130:]
     path = reference_checkpoint(task, "tiny")
     reference = {**REFERENCE_OPTIONS, "device": "cuda", "model_path": str(path), "n_estimators": 4}
-    ours = {"device": "cuda", "model_path": path, "n_estimators": 4}
+    ours = {"device": "cuda", "model_path": path, "n_estimators": 4, "recipe": "exact"}
     if task == "clf":
         labels = np.array(["low", "mid", "high"])[y]
         ref = tabicl.TabICLClassifier(**reference).fit(X_train, labels[:130])
@@ -390,3 +390,44 @@ def test_dataframe_with_integer_column_names_matches_reference():
     ref, ours = _classifiers("tiny", n_estimators=2)
     expected = ref.fit(X_train, y_train).predict_proba(X_test)
     np.testing.assert_allclose(ours.fit(X_train, y_train).predict_proba(X_test), expected, atol=ATOL, rtol=0)
+
+
+@pytest.mark.cuda
+@requires_cuda
+@pytest.mark.parametrize("task", ["clf", "reg"])
+def test_cuda_default_serves_at_once_then_compiled_within_the_gate(task):
+    """With no recipe a CUDA estimator serves recipe='auto': its first answer comes before any
+    compile (the ready preset), the later ones from the compiled preset once the background
+    has built it, both within the default's accuracy gate of tabicl in fp32 (2e-2 of a
+    probability, or of the target's spread)."""
+    from tabserve.models.tabicl.background import (
+        CompilingTabICL,
+        background_compiles,
+        wait_for_compiles,
+    )
+
+    frame, y = _mixed_frame(rows=400, seed=6)
+    X_train, X_test = frame.iloc[:300], frame.iloc[300:]
+    path = reference_checkpoint(task, "full")
+    reference = {**REFERENCE_OPTIONS, "device": "cuda", "model_path": str(path)}
+    if task == "clf":
+        ref = tabicl.TabICLClassifier(**reference).fit(X_train, y[:300])
+        expected, spread = ref.predict_proba(X_test), 1.0
+        make = lambda: TabICLClassifier(model_path=path, device="cuda").fit(X_train, y[:300])  # noqa: E731
+        answer = lambda est: est.predict_proba(X_test)  # noqa: E731
+    else:
+        target = np.nan_to_num(frame["size"].to_numpy(), nan=3.0) * 2 + frame["weight"].to_numpy()
+        ref = tabicl.TabICLRegressor(**reference).fit(X_train, target[:300])
+        expected, spread = ref.predict(X_test), float(np.std(target[:300]))
+        make = lambda: TabICLRegressor(model_path=path, device="cuda").fit(X_train, target[:300])  # noqa: E731
+        answer = lambda est: est.predict(X_test)  # noqa: E731
+    first = make()
+    np.testing.assert_allclose(answer(first), expected, atol=2e-2 * spread, rtol=0)
+    if isinstance(first.model_, CompilingTabICL):
+        # answered while the compiled preset was still compiling, in the background
+        assert background_compiles() > 0
+        assert wait_for_compiles(timeout=900)
+        second = make()
+        assert second.model_ is first.model_  # shared, with what it compiled
+        np.testing.assert_allclose(answer(second), expected, atol=2e-2 * spread, rtol=0)
+        assert any(state == "compiled" for state in second.model_._state.values())

@@ -20,6 +20,10 @@ loads this file by path. Measured per pair:
 * ``cold``: the fresh process's first fit + predict, from the parent's spawn of the process
   (interpreter start and imports included, building the seeded table excluded), as the driver's
   ``ready_ms``; and the first fit and predict on their own.
+* ``restarted`` (``--restart``, tabserve): the cold figures of a second fresh process over the
+  first one's on-disk compile caches (Inductor's, Triton's);
+* ``steady``: for tabserve, from the spawn until the compiles the first call started in the
+  background have finished (:func:`tabserve.wait_for_compiles`);
 * ``warm``: the median over ``--repeats`` of fit + predict with a fresh estimator per call
   (``sklearn.base.clone`` of the configured one) in the same process, split into fit and
   predict; for tabserve, one more warm call with the model's calls timed (its share of predict).
@@ -491,6 +495,20 @@ def _child_suite(job: _Child) -> None:
     job.result["cold"] = cold
     if family == "tabserve":
         job.result["served_preset"] = _served_preset(estimator)
+        # A compiled preset compiles in the background while the ready one answers: the steady
+        # state starts once it has finished.
+        from tabserve.models.tabicl.background import wait_for_compiles
+
+        start = time.perf_counter()
+        finished = wait_for_compiles(timeout=job.spec.get("compile_timeout_s"))
+        cold["compile_wait_ms"] = (time.perf_counter() - start) * 1e3
+        cold["compiled"] = finished
+        if spawned is not None:
+            cold["steady_ms"] = (time.time() - spawned) * 1e3 - job.result["data_ms"]
+    if job.spec.get("restart"):  # the restarted process: its cold figures are all it adds
+        job.result["status"] = "ok"
+        job.save()
+        return
     np.save(job.spec["outputs"], first)
     job.result["outputs"] = job.spec["outputs"]
     job.result["output_shape"] = list(first.shape)
@@ -575,6 +593,13 @@ def _child_predict_many(job: _Child) -> None:
         try:
             _reset_peak(device)
             first_ms, _ = timing.time_once(lambda X=X: _predict(estimator, kind, X), device)
+            if job.result["estimator"]["family"] == "tabserve":
+                # steady state: the cache's compiled half, then the prediction's own compile
+                from tabserve.models.tabicl.background import wait_for_compiles
+
+                for _ in range(2):
+                    wait_for_compiles(timeout=job.spec.get("compile_timeout_s"))
+                    _predict(estimator, kind, X)
             figures = timing.time_calls(
                 lambda X=X: _predict(estimator, kind, X),
                 device,
@@ -600,16 +625,17 @@ def _child_predict_many(job: _Child) -> None:
 # The parent: jobs, accuracy, speed-ups, report
 
 
-def run_job(spec: dict, job_dir: Path, timeout_s: float) -> dict:
-    """One child job in a fresh process (:func:`runner.run_isolated`, :func:`runner.child_env`)."""
+def run_job(spec: dict, job_dir: Path, timeout_s: float, name: str = "result") -> dict:
+    """One child job in a fresh process (:func:`runner.run_isolated`, :func:`runner.child_env`:
+    the job folder's compile caches, empty at its first job). ``name``: the job's files."""
     from .runner import child_env, run_isolated
 
     job_dir.mkdir(parents=True, exist_ok=True)
-    spec = dict(spec, result=str(job_dir / "result.json"), outputs=str(job_dir / "outputs.npy"))
-    spec_path = job_dir / "spec.json"
+    spec = dict(spec, result=str(job_dir / f"{name}.json"), outputs=str(job_dir / f"{name}.npy"))
+    spec_path = job_dir / f"{name}-spec.json"
     spec_path.write_text(json.dumps({**spec, "spawned_at": time.time()}, indent=1))
     command = child_command(spec_path)
-    result = run_isolated(command, job_dir / "result.json", timeout_s, child_env(job_dir))
+    result = run_isolated(command, Path(spec["result"]), timeout_s, child_env(job_dir))
     result.setdefault("engine", spec["engine"])
     result.setdefault("kind", spec["kind"])
     result.setdefault("mode", spec.get("mode", "suite"))
@@ -753,7 +779,8 @@ def _mib(memory: dict | None) -> str:
 
 
 SUITE_COLUMNS = (
-    "kind", "engine", "status", ">cold s", ">first ms", ">warm ms", ">p20-p80", ">fit ms",
+    "kind", "engine", "status", ">cold s", ">restart s", ">steady s", ">first ms", ">warm ms",
+    ">p20-p80", ">fit ms",
     ">predict ms", ">model %", ">x tabicl", ">x fp32", "accuracy vs tabicl-fp32", ">peak MiB",
 )  # fmt: skip
 
@@ -767,6 +794,8 @@ def suite_rows(results: list) -> list:
         share = stages.get("model_share")
         spread = f"{_ms(warm['p20_ms'])}-{_ms(warm['p80_ms'])}" if "p20_ms" in warm else "-"
         cold_s = cold.get("cold_ms")
+        restart_s = (r.get("restarted") or {}).get("cold_ms")
+        steady_s = cold.get("steady_ms")
         speed = (r.get("speedup") or {}).get("warm", {})
         engine = r["engine"]
         if r.get("served_preset") and not engine.endswith(r["served_preset"]):
@@ -777,6 +806,8 @@ def suite_rows(results: list) -> list:
                 engine,
                 "ok" if ok else r["status"].upper(),
                 "-" if cold_s is None else f"{cold_s / 1e3:.1f}",
+                "-" if restart_s is None else f"{restart_s / 1e3:.1f}",
+                "-" if steady_s is None else f"{steady_s / 1e3:.1f}",
                 _ms(cold.get("first_call_ms")),
                 _ms(warm.get("median_ms")),
                 spread,
@@ -807,7 +838,9 @@ def render(document: dict) -> str:
         "",
         (
             "Fit + predict (cold s: a fresh process's first fit + predict from its spawn, imports "
-            "included; first ms: that fit + predict alone; warm: median over fresh clones; "
+            "included; restart s: the same in a second process over the first one's compile "
+            "caches; steady s: from the spawn until the background compiles finished; first ms: "
+            "the first fit + predict alone; warm: median over fresh clones after that; "
             "model %: the model's share of one warm predict; x: tabicl's warm time over this one's)"
         ),
         format_table(SUITE_COLUMNS, suite_rows(document["results"])),
@@ -899,6 +932,11 @@ def parse_args(argv):
     p.add_argument(
         "--no-predict-many", action="store_true", help="leave out fit once, predict many"
     )
+    p.add_argument(
+        "--restart", action="store_true",
+        help="run each tabserve job a second time over the first one's on-disk compile caches",
+    )  # fmt: skip
+    p.add_argument("--compile-timeout", type=float, help="seconds a job waits for compiles")
     p.add_argument("--work-dir", type=Path, help="keep job folders here (default: temporary)")
     p.add_argument("--quiet", action="store_true")
     return p.parse_args(argv)
@@ -959,12 +997,23 @@ def main(argv=None) -> int:
     }
     say = (lambda *a: None) if args.quiet else (lambda *a: print(*a, flush=True))
     say(f"[estimator-suite] {device}{' (quick)' if quick else ''}; checkpoints: {note}")
-    base = {"device": device, "quick": quick, "seed": args.seed, "repeats": repeats}
+    base = {
+        "device": device,
+        "quick": quick,
+        "seed": args.seed,
+        "repeats": repeats,
+        "compile_timeout_s": args.compile_timeout,
+    }
     results = []
     for kind in kinds:
         for engine in engines:
             spec = dict(base, engine=engine, kind=kind.name, checkpoint=str(checkpoints[kind.task]))
-            result = run_job(spec, run_dir / "jobs" / f"{kind.name}__{engine}", args.timeout)
+            job_dir = run_dir / "jobs" / f"{kind.name}__{engine}"
+            result = run_job(spec, job_dir, args.timeout)
+            if args.restart and engine not in BASELINES and result["status"] == "ok":
+                # the same job again in a fresh process, over the first one's compile caches
+                again = run_job(dict(spec, restart=True), job_dir, args.timeout, "restarted")
+                result["restarted"] = again.get("cold") or {"error": again.get("reason")}
             results.append(result)
             say(f"  {kind.name} / {engine}: {result['status']} ({result.get('wall_s', 0):.1f} s)")
     many = []

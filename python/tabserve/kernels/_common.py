@@ -18,9 +18,6 @@ except ImportError:  # CPU-only torch builds come without Triton: the composites
 KERNEL_COMPUTE_DTYPES = (torch.float16, torch.bfloat16)
 #: Token widths the kernels take (a power of two: a tile row lives in registers).
 KERNEL_WIDTHS = (16, 32, 64, 128)
-#: CUDA's limit on a grid's second and third axes: the most batch entries (or heads) one
-#: launch covers; the attention kernels split larger batches into several launches.
-MAX_GRID_BATCH = 65_535
 #: Token streams the kernels read (and residual sums they round to).
 STREAM_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 #: Tile configurations (tokens per program, warps, pipeline stages) by stream length, chosen

@@ -44,6 +44,7 @@ from ._common import (
     triton,
 )
 from ._resident import RESIDENT_DIM, RESIDENT_HIDDEN
+from .layout import to_rows
 
 if triton is not None:
     import triton.language as tl
@@ -147,16 +148,6 @@ def check_row_prefix(x: Tensor, row_prefix: Tensor | None) -> None:
         raise ValueError(
             f"{_OPERATOR}: row_prefix is on {row_prefix.device} but x is on {x.device}"
         )
-
-
-def to_rows(out: Tensor, row_prefix: Tensor | None) -> Tensor:
-    """The ``row_prefix`` layout from the sets layout as ATen ops: ``out (B, S, L, E)`` ->
-    ``(B, L, P + S, E)``, every row led by the prefix's P tokens (in out's dtype)."""
-    if row_prefix is None:
-        return out
-    batch, _, length, _ = out.shape
-    lead = row_prefix.to(out.dtype).expand(batch, length, *row_prefix.shape)
-    return torch.cat([lead, out.transpose(1, 2)], dim=2)
 
 
 def project_update(update, update_weight, update_bias, compute_dtype) -> Tensor:

@@ -35,7 +35,7 @@ import torch
 from torch import Tensor
 
 from ._common import KERNEL_COMPUTE_DTYPES, KERNEL_WIDTHS, define_operator, triton
-from ._common import MAX_GRID_BATCH as _MAX_GRID_BATCH
+from .layout import MAX_GRID_BATCH as _MAX_GRID_BATCH
 
 #: Added to the query and key counts the kernel is passed: Triton's launcher and Inductor both
 #: compile an integer argument equal to 1 as a constant, and the fp8 kernel with permuted score
@@ -140,7 +140,7 @@ SWEEP = (
     Tile(64, 128, 4, 3, 168, permuted=True, tma=True),
     Tile(64, 128, 4, 3, 128, permuted=True, tma=True),
 )
-#: CUDA's limit on a grid's second and third axes (heads, batch), :data:`._common.MAX_GRID_BATCH`:
+#: CUDA's limit on a grid's second and third axes (heads, batch), :data:`.layout.MAX_GRID_BATCH`:
 #: larger batches run in several launches, more heads are folded into the batch.
 MAX_GRID_BATCH = _MAX_GRID_BATCH
 #: Set by :func:`tile_override` (the benchmark's sweep, the interpreter tests' small tiles).

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from tabserve.kernels.feed_forward import to_rows
+from tabserve.kernels.layout import to_rows
 
 from .layers import SKIP_VALUE, AttentionBlock, KeyValue, chunk_slices, sentinel_linear
 
@@ -299,5 +299,5 @@ class ColumnEmbedding(nn.Module):
 
 def _as_rows(cells: Tensor, row_prefix: Tensor | None) -> Tensor:
     """Cells ``(B, H, T, E)`` as the column stage hands them on: ``(B, T, H, E)``, or with
-    ``row_prefix`` the row stage's tokens (:func:`tabserve.kernels.feed_forward.to_rows`)."""
+    ``row_prefix`` the row stage's tokens (:func:`tabserve.kernels.layout.to_rows`)."""
     return cells.transpose(1, 2) if row_prefix is None else to_rows(cells, row_prefix)

@@ -3,16 +3,22 @@
 They reproduce the reference ``tabicl`` 2.2.0 wrappers (same parameter names and defaults where
 they mean the same thing, same preprocessing and ensembling, see :mod:`.preprocessing`) on top of
 our model. Differences: ``model_path`` is required (no download), inference runs the serving
-``recipe`` (default: ``exact``, fp32 eager; no FlashAttention-3), and preprocessing transforms
-run as tensor maths on ``device``.
+``recipe`` (no FlashAttention-3), and preprocessing runs as tensor maths on ``device``.
 
 ``recipe``: a serving preset's name (:func:`tabserve.serving_presets`: ``exact``, ``medium``,
-``small``, ``large``, ``large-fp8``), a :class:`~.options.ServingOptions`, or ``"auto"``: the
-preset the benchmark driver measured fastest on this device for the closest workload (``exact``
-with a warning when nothing was measured). ``allow_fp8=False``: ``"auto"`` never serves a preset
-that computes in fp8 (on the H200 the promotion for tens of thousands of train rows runs the
-in-context attention in fp8). ``bucket_grid``: the :class:`tabserve.buckets.BucketGrid` of
-bucketed options (default grid when None).
+``small``, ``large``, ``large-fp8``), a :class:`~.options.ServingOptions`, ``"auto"``: the
+preset the benchmark driver measured fastest on this device for the closest workload
+(:func:`~.options.auto_options`), or None (the default): ``"auto"`` on CUDA, like tabicl's own
+``use_amp="auto"``, and ``exact`` on the CPU. ``recipe="exact"`` keeps fp32 parity with the
+reference (within 1e-5) on every device. ``allow_fp8=False``: ``"auto"`` never serves a preset
+that computes in fp8 (on the H200 the promotion for thousands of train rows runs the in-context
+attention in fp8). ``bucket_grid``: the :class:`tabserve.buckets.BucketGrid` of bucketed options
+(default grid when None).
+
+A preset that compiles never makes a call wait for its compiler: each kind of call (entry point
+and shapes) is answered by ``medium``, which compiles nothing, until a background thread has
+compiled and captured it (:mod:`.background`); estimators of one configuration share what has
+compiled (:mod:`.model_cache`). :func:`tabserve.wait_for_compiles` waits for the background.
 """
 
 from __future__ import annotations
@@ -29,7 +35,6 @@ from torch import Tensor
 
 from tabserve.buckets import BucketGrid
 
-from .model import TabICLv2Cache
 from .preprocessing import (
     ConstantFeatureFilter,
     MemberPreprocessor,
@@ -40,7 +45,6 @@ from .preprocessing import (
 )
 from .model_cache import read_checkpoint, served_model
 from .options import auto_options, resolve_options
-from .serving import ServedTabICL
 
 DEFAULT_NORM_METHODS = ("none", "power")
 
@@ -110,9 +114,16 @@ class _TabICLBase(BaseEstimator):
                 f"X columns {names} differ from the columns seen at fit {list(fitted)}"
             )
 
-    def _load_model(self, n_train: int, n_classes: int | None = None) -> ServedTabICL:
-        if not (isinstance(self.recipe, str) and self.recipe == "auto"):
-            resolve_options(self.recipe)  # a bad name or type fails before the model loads
+    def _recipe(self):
+        """The recipe asked for: None means ``"auto"`` on CUDA, ``exact`` elsewhere."""
+        if self.recipe is None:
+            return "auto" if self.device_.type == "cuda" else "exact"
+        return self.recipe
+
+    def _load_model(self, n_train: int, n_classes: int | None = None):
+        recipe = self._recipe()
+        if not (isinstance(recipe, str) and recipe == "auto"):
+            resolve_options(recipe)  # a bad name or type fails before the model loads
         if self.bucket_grid is not None and not isinstance(self.bucket_grid, BucketGrid):
             raise TypeError(
                 f"bucket_grid must be a tabserve.BucketGrid or None, got "
@@ -128,7 +139,6 @@ class _TabICLBase(BaseEstimator):
             raise ValueError(
                 f"{self.model_path} is a {kind} checkpoint; {type(self).__name__} needs the other kind"
             )
-        recipe = self.recipe
         if isinstance(recipe, str) and recipe == "auto":
             recipe = auto_options(
                 self.device_,
@@ -141,9 +151,11 @@ class _TabICLBase(BaseEstimator):
                 allow_fp8=bool(self.allow_fp8),
             )
         # Shared by every estimator of this checkpoint, device and configuration in the process:
-        # loaded, compiled and captured once (model_cache).
+        # loaded, compiled and captured once (model_cache), compiled in the background.
         options = resolve_options(recipe)
-        return served_model(Path(self.model_path), self.device_, options, self.bucket_grid)
+        return served_model(
+            Path(self.model_path), self.device_, options, self.bucket_grid, background=True
+        )
 
     def _fit_members(self, X, y: Tensor, n_classes: int) -> None:
         if self.n_estimators < 1:
@@ -171,12 +183,14 @@ class _TabICLBase(BaseEstimator):
         if self.kv_cache:
             if self.kv_cache not in (True, "kv"):
                 raise ValueError(f"kv_cache must be False, True or 'kv', got {self.kv_cache!r}")
-            self.cache_ = {
-                method: TabICLv2Cache.concat(
-                    [self.model_.build_cache(X_m, y_m) for X_m, y_m in self._chunks(method, None)]
-                )
-                for method in self.plan_
-            }
+            self.cache_ = self._build_caches()
+
+    def _build_caches(self) -> dict:
+        """``method -> [KV cache of each chunk of batch_size members]``."""
+        return {
+            method: [self.model_.build_cache(X_m, y_m) for X_m, y_m in self._chunks(method, None)]
+            for method in self.plan_
+        }
 
     def _chunks(self, method: str, X_test: Tensor | None):
         """Member tables of one normalisation group, ``batch_size`` members at a time.
@@ -209,14 +223,9 @@ class _TabICLBase(BaseEstimator):
             X_members = member_tables(
                 self.preprocessors_[method].transform(X_test), members
             ).float()
-            cache = self.cache_[method]
             step = self.batch_size or len(members)
-            for start in range(0, len(members), step):
-                outputs.append(
-                    run_cached(
-                        X_members[start : start + step], cache.select(slice(start, start + step))
-                    )
-                )
+            for start, cache in zip(range(0, len(members), step), self.cache_[method]):
+                outputs.append(run_cached(X_members[start : start + step], cache))
         return outputs
 
     def __sklearn_tags__(self):
@@ -234,7 +243,7 @@ class TabICLClassifier(ClassifierMixin, _TabICLBase):
     ``outlier_threshold=4.0``, ``softmax_temperature=0.9``, ``average_logits=True``,
     ``support_many_classes=True``, ``batch_size=8`` (members per model call), ``kv_cache=False``,
     ``model_path`` (required), ``device=None`` (CUDA if available), ``random_state=42``;
-    tabserve's own: ``recipe=None`` (``exact``: fp32 eager), ``allow_fp8=True`` and
+    tabserve's own: ``recipe=None`` (``"auto"`` on CUDA, ``exact`` on the CPU), ``allow_fp8=True`` and
     ``bucket_grid=None`` (module docstring).
     """
 

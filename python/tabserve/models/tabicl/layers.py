@@ -16,11 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from tabserve.kernels import feed_forward as fused_ffn
-from tabserve.kernels import norm_linear as fused_norm_linear
-from tabserve.kernels.feed_forward import to_rows
+from tabserve.kernels.layout import MAX_GRID_BATCH, to_rows
 
-from tabserve.kernels._common import MAX_GRID_BATCH
 
 from .stage_kernels import DEFAULT_KERNELS, SHORT_KEYS
 
@@ -215,8 +212,8 @@ class Attention(nn.Module):
         if norm is None:
             return F.linear(x, weight, bias)
         dtype = _autocast_matmul_dtype(x)
-        if dtype is not None and fused_norm_linear.kernel_applies(x, weight, dtype):
-            return fused_norm_linear.norm_linear_op(
+        if dtype is not None and _norm_linear_kernels().kernel_applies(x, weight, dtype):
+            return _norm_linear_kernels().norm_linear_op(
                 x, norm.weight, norm.bias, weight, bias, norm.eps, dtype
             )
         return F.linear(norm(x), weight, bias)
@@ -235,11 +232,11 @@ class Attention(nn.Module):
             or norm is None
             or not self.rope_in_projection
             or dtype is None
-            or not fused_norm_linear.kernel_applies(x, weight, dtype)
+            or not _norm_linear_kernels().kernel_applies(x, weight, dtype)
         ):
             return self._project(x, weight, bias, norm), False
         cos, sin = rope.tables(x.shape[-2], x.device, dtype)
-        return fused_norm_linear.norm_linear_op(
+        return _norm_linear_kernels().norm_linear_op(
             x, norm.weight, norm.bias, weight, bias, norm.eps, dtype, cos, sin, rotary_features
         ), True  # fmt: skip
 
@@ -384,6 +381,26 @@ def _small_head_kernel_applies(q: Tensor, k: Tensor, v: Tensor) -> bool:
     )
 
 
+# The kernel modules load Triton and register their operators (torch.library.triton_op pulls in
+# Inductor): seconds of import that only a fused call needs, so they load at the first one.
+def _feed_forward_kernels():
+    from tabserve.kernels import feed_forward
+
+    return feed_forward
+
+
+def _norm_linear_kernels():
+    from tabserve.kernels import norm_linear
+
+    return norm_linear
+
+
+def load_kernels() -> None:
+    """Loads every kernel module now: a served model whose options may call them does, so that
+    their operators are registered before anything traces a call."""
+    from tabserve.kernels import flash_attention, feed_forward, norm_linear  # noqa: F401
+
+
 def _flash_attention_op():
     from tabserve.kernels.flash_attention import flash_attention_op
 
@@ -448,7 +465,7 @@ class AttentionBlock(nn.Module):
             return None
         dtype = _autocast_matmul_dtype(x)
         weight = self.attn.in_proj_weight
-        applies = dtype is not None and fused_norm_linear.kernel_applies(x, weight, dtype)
+        applies = dtype is not None and _norm_linear_kernels().kernel_applies(x, weight, dtype)
         return self.norm1 if applies else None
 
     def key_value(self, kv: Tensor, rope: RotaryEmbedding | None = None) -> KeyValue:
@@ -508,7 +525,7 @@ class AttentionBlock(nn.Module):
         if not (self.fused_out_projection and self.fused_feed_forward):
             return False
         dtype = _autocast_matmul_dtype(x)
-        return dtype is not None and fused_ffn.kernel_applies(x, None, self.linear1.weight, dtype)
+        return dtype is not None and _feed_forward_kernels().kernel_applies(x, None, self.linear1.weight, dtype)
 
     def feed_forward(
         self,
@@ -530,10 +547,10 @@ class AttentionBlock(nn.Module):
             update = update if out_proj is None else out_proj(update)
             x, update, out_proj = x + update, None, None
         dtype = _autocast_matmul_dtype(x) if self.fused_feed_forward else None
-        if dtype is not None and fused_ffn.kernel_applies(x, update, self.linear1.weight, dtype):
+        if dtype is not None and _feed_forward_kernels().kernel_applies(x, update, self.linear1.weight, dtype):
             norm, linear1, linear2 = self.norm2, self.linear1, self.linear2
             projection = (None, None) if out_proj is None else (out_proj.weight, out_proj.bias)
-            return fused_ffn.feed_forward(
+            return _feed_forward_kernels().feed_forward(
                 x, update, norm.weight, norm.bias, linear1.weight, linear1.bias,
                 linear2.weight, linear2.bias, norm.eps, dtype, skip, SKIP_VALUE, *projection,
                 row_prefix,

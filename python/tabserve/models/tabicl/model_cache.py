@@ -74,27 +74,43 @@ def read_checkpoint(path) -> tuple:
     return loaded
 
 
-def served_model(path, device, options, grid=None):
+def served_model(path, device, options, grid=None, background: bool = False):
     """The :class:`~.serving.ServedTabICL` of checkpoint ``path`` on ``device`` with
     ``options`` (a :class:`~.options.ServingOptions`) and ``grid``, built once per process and
-    shared; raises what loading raises (the cache is left as it was)."""
+    shared; raises what loading raises (the cache is left as it was).
+
+    ``background``: for options that compile, on CUDA, a
+    :class:`~.background.CompilingTabICL` instead (one entry, two served models: the compiled
+    one and the ready one that answers while it compiles), shared like the others so that its
+    record of what has compiled outlives each estimator.
+    """
+    from .background import READY_PRESET, CompilingTabICL
     from .model import TabICLv2
+    from .options import resolve_options
     from .serving import ServedTabICL
 
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
+    background = background and options.compiled and device.type == "cuda"
     key = (
         checkpoint_identity(path),
         str(device),
         json.dumps(options.to_dict(), sort_keys=True),
         None if grid is None else json.dumps(dataclasses.asdict(grid), sort_keys=True),
+        background,
     )
     with _lock:
         if key in _served:
             _served.move_to_end(key)
             return _served[key]
-    served = ServedTabICL(TabICLv2.from_checkpoint(path, device=device), options, grid)
+
+    def build(options):
+        return ServedTabICL(TabICLv2.from_checkpoint(path, device=device), options, grid)
+
+    served = build(options)
+    if background:
+        served = CompilingTabICL(build(resolve_options(READY_PRESET)), served)
     with _lock:
         # Another thread may have built the same one meanwhile: keep the first.
         if key in _served:

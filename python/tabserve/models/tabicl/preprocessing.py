@@ -95,20 +95,23 @@ class TableEncoder:
 
 
 class ConstantFeatureFilter:
-    """Keeps columns with more than one distinct train value (all columns if <= 1 train row)."""
+    """Keeps columns with more than one distinct train value (all columns if <= 1 train row).
+
+    The kept columns are a shape (the members' feature count), so ``fit`` reads their number on
+    the host once; ``transform`` gathers them by index and never waits on the device.
+    """
 
     def fit(self, X: Tensor) -> ConstantFeatureFilter:
         if X.shape[0] <= 1:
             keep = torch.ones(X.shape[1], dtype=torch.bool, device=X.device)
         else:
             keep = (X != X[:1]).any(dim=0)
-            if not keep.any():
-                keep[0] = True
-        self.keep_ = keep
+            keep[0] |= ~keep.any()  # an all-constant table keeps its first column
+        self.keep_ = keep.nonzero().squeeze(1)
         return self
 
     def transform(self, X: Tensor) -> Tensor:
-        return X[:, self.keep_]
+        return X.index_select(1, self.keep_)
 
 
 # ----------------------------------------------------------------------------- per-member maths
@@ -124,10 +127,6 @@ def yeo_johnson(x: Tensor, lambdas: Tensor) -> Tensor:
         (lam - 2).abs() > eps, -torch.expm1(two_minus * log_neg) / two_minus, -log_neg
     )
     return torch.where(positive, pos, neg)
-
-
-def _like(values, like: Tensor) -> Tensor:
-    return torch.as_tensor(np.asarray(values), dtype=like.dtype, device=like.device)
 
 
 # ----------------------------------------------------------------------------- Yeo-Johnson fit
@@ -302,41 +301,35 @@ class MemberPreprocessor:
         self.outlier_threshold = outlier_threshold
 
     def fit(self, X: Tensor) -> MemberPreprocessor:
-        # Scaling statistics are fitted in NumPy on the host (bit-identical to the reference, and
-        # the Yeo-Johnson lambda search is sensitive to the last bit of its input); the lambdas and
-        # every transform are tensor maths on X's device.
-        host = X.cpu().numpy()
-        self.mean_ = _like(np.mean(host, axis=0), X)
-        self.scale_ = _like(np.std(host, axis=0) + _SCALE_EPS, X)
+        # Every statistic is float64 tensor maths on X's device: no host round trip, no wait.
+        # Torch's reductions sum in another order than NumPy's, so the scaled input differs from
+        # the reference's in its last bits; the lambdas then move by about the search's
+        # tolerance (1.5e-8), far inside the exact path's 1e-5 parity on probabilities.
+        self.mean_ = X.mean(dim=0)
+        self.scale_ = X.std(dim=0, correction=0) + _SCALE_EPS
         z = self._scale(X)
         if self.method == "power":
-            # z is bit-identical to the reference's scaled input (the lambda search is sensitive
-            # to its last bit); the lambdas are fitted on z's device, without a host round trip.
             self.lambdas_ = yeo_johnson_lambdas(z)
             self.z_min_, self.z_max_ = z.min(dim=0).values, z.max(dim=0).values
-            y = yeo_johnson(z, self.lambdas_).cpu().numpy()
-            std = np.std(y, axis=0)
-            self.yj_mean_ = _like(np.mean(y, axis=0), X)
-            self.yj_scale_ = _like(np.where(std < 10 * np.finfo(std.dtype).eps, 1.0, std), X)
-            z = (_like(y, X) - self.yj_mean_) / self.yj_scale_
-        self._fit_outliers(z.cpu().numpy())
+            y = yeo_johnson(z, self.lambdas_)
+            std = y.std(dim=0, correction=0)
+            self.yj_mean_ = y.mean(dim=0)
+            self.yj_scale_ = torch.where(std < 10 * torch.finfo(std.dtype).eps, 1.0, std)
+            z = (y - self.yj_mean_) / self.yj_scale_
+        self._fit_outliers(z)
         self.train_ = self._clip_outliers(z)
         return self
 
     def _scale(self, X: Tensor) -> Tensor:
         return ((X - self.mean_) / self.scale_).clamp(-_CLIP, _CLIP)
 
-    def _fit_outliers(self, z: np.ndarray) -> None:
-        ddof = 1 if z.shape[0] > 1 else 0
+    def _fit_outliers(self, z: Tensor) -> None:
         k = self.outlier_threshold
-        mean, std = np.nanmean(z, axis=0), np.maximum(np.nanstd(z, axis=0, ddof=ddof), _SCALE_EPS)
-        inliers = np.where((z < mean - k * std) | (z > mean + k * std), np.nan, z)
-        mean, std = (
-            np.nanmean(inliers, axis=0),
-            np.maximum(np.nanstd(inliers, axis=0, ddof=ddof), _SCALE_EPS),
-        )
-        self.lower_ = torch.as_tensor(mean - k * std, device=self.mean_.device)
-        self.upper_ = torch.as_tensor(mean + k * std, device=self.mean_.device)
+        ddof = 1 if z.shape[0] > 1 else 0
+        mean, std = _nan_mean_std(z, ddof)
+        inliers = torch.where((z < mean - k * std) | (z > mean + k * std), math.nan, z)
+        mean, std = _nan_mean_std(inliers, ddof)
+        self.lower_, self.upper_ = mean - k * std, mean + k * std
 
     def _clip_outliers(self, z: Tensor) -> Tensor:
         z = torch.maximum(self.lower_ - torch.log1p(z.abs()), z)
@@ -346,14 +339,23 @@ class MemberPreprocessor:
         z = self._scale(X)
         if self.method == "power":
             y = yeo_johnson(z, self.lambdas_)
-            if not torch.isfinite(
-                y
-            ).all():  # reference: retry the whole batch clipped to the train range
-                y = yeo_johnson(
-                    torch.minimum(torch.maximum(z, self.z_min_), self.z_max_), self.lambdas_
-                )
+            # The reference transforms the whole batch again, clipped to the train range, when
+            # any value overflows; selecting on the device keeps the host from waiting.
+            clipped = yeo_johnson(torch.minimum(torch.maximum(z, self.z_min_), self.z_max_), self.lambdas_)
+            y = torch.where(torch.isfinite(y).all(), y, clipped)
             z = (y - self.yj_mean_) / self.yj_scale_
         return self._clip_outliers(z)
+
+
+def _nan_mean_std(z: Tensor, ddof: int) -> tuple[Tensor, Tensor]:
+    """Per column: NumPy's ``nanmean`` and ``nanstd(ddof=ddof)`` (floored at 1e-6), NaN where a
+    column has no values (the outlier bounds then leave it as it is)."""
+    valid = ~torch.isnan(z)
+    count = valid.sum(dim=0, dtype=z.dtype)
+    zeroed = torch.where(valid, z, 0.0)
+    mean = zeroed.sum(dim=0) / count
+    var = torch.where(valid, z - mean, 0.0).square().sum(dim=0) / (count - ddof)
+    return mean, torch.clamp(var.sqrt(), min=_SCALE_EPS)
 
 
 # ----------------------------------------------------------------------------- ensemble plan

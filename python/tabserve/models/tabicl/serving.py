@@ -45,7 +45,7 @@ from torch.utils._pytree import tree_map
 
 from tabserve.buckets import Bucket, BucketGrid
 
-from .layers import SKIP_VALUE, AttentionBlock
+from .layers import SKIP_VALUE, AttentionBlock, load_kernels
 from .learning import HIERARCHY_LOG_EPS
 from .model import TabICLv2, TabICLv2Cache, padded_counts
 from .options import ServingOptions, describe, freezing, resolve_options, sdpa_context
@@ -175,6 +175,8 @@ class ServedTabICL:
         # Ahead-of-time bucket packages (load_buckets): kind -> {(bucket, batch): runner}.
         self._aot: dict = {"forward": {}, "build_cache": {}, "forward_cached": {}}
         self.aot_calls = 0
+        if self.options.precision != "fp32":  # only reduced precision runs tabserve's kernels
+            load_kernels()
         for stage, module in STAGES.items():
             use_stage_kernels(getattr(model, module), self.options.stage_kernels(stage))
         self._pin_stage_attention()

@@ -1,0 +1,273 @@
+"""Serving at once, compiling in the background.
+
+A compiled preset's first call of a shape compiles (Dynamo, Inductor, autotuning) and captures
+its CUDA graphs: 25-155 s on the H200 for the fastest presets, a wait no first answer should
+have. :class:`CompilingTabICL` pairs the compiled served model (``target``) with one that
+compiles nothing (``ready``, the :data:`READY_PRESET`): each kind of call (entry point and
+input shapes) is served by ``ready`` until a background thread has run the same call on
+``target``, once, with copies of the inputs; from then on ``target`` serves it. A call whose
+warm-up failed stays on ``ready`` (with a warning): the answer is never lost to a compile.
+
+A KV cache (:class:`TieredCache`) is built by ``ready`` at once and by ``target`` in the
+background (its warm-up keeps what it built); a prediction against it runs on ``target`` once
+``target`` has both its cache and a warm-up of that prediction's shapes, on ``ready`` until then.
+
+One worker thread per process runs the warm-ups in order, on its own CUDA stream.
+:func:`wait_for_compiles` waits until it is idle (benchmarks use it to time the steady state).
+At interpreter exit a warm-up still running is interrupted, so a short script that fitted and
+predicted once exits at once rather than after its compile.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import dataclasses
+import queue
+import threading
+import warnings
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+from torch.utils._pytree import tree_map
+
+from .options import describe
+
+#: What serves while a compiled preset compiles: fp16 on padded buckets replayed from CUDA
+#: graphs, nothing compiled (its captures take milliseconds per bucket).
+READY_PRESET = "medium"
+#: Seconds the interpreter's exit waits for an interrupted warm-up to unwind.
+EXIT_WAIT_S = 5.0
+
+
+class _WarmUpInterrupted(BaseException):
+    """Raised inside the worker at interpreter exit (BaseException: compilers catch Exception)."""
+
+
+class _Worker:
+    """The process's warm-up thread: a queue of jobs, run one at a time, in submission order."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self._pending = 0
+        self._thread: threading.Thread | None = None
+        self._closing = False
+
+    def submit(self, job) -> bool:
+        with self._lock:
+            if self._closing:
+                return False
+            self._pending += 1
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._loop, name="tabserve-compile", daemon=True
+                )
+                self._thread.start()
+        self._jobs.put(job)
+        return True
+
+    def _loop(self) -> None:
+        try:
+            while True:
+                job = self._jobs.get()
+                try:
+                    if not self._closing:
+                        job()
+                finally:
+                    with self._lock:
+                        self._pending -= 1
+                        self._idle.notify_all()
+        except _WarmUpInterrupted:  # interpreter exit (close)
+            return
+
+    def pending(self) -> int:
+        with self._lock:
+            return self._pending
+
+    def wait(self, timeout: float | None) -> bool:
+        with self._lock:
+            return self._idle.wait_for(lambda: self._pending == 0, timeout)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closing = True
+            thread, busy = self._thread, self._pending > 0
+        if thread is None or not busy or not thread.is_alive():
+            return
+        # The exception is raised at the worker's next Python instruction: compiling is mostly
+        # Python, so the warm-up unwinds well before the interpreter stops daemon threads (a
+        # thread stopped there inside native code can abort the process).
+        ctypes.pythonapi.PyThreadState_SetAsyncExc(
+            ctypes.c_ulong(thread.ident), ctypes.py_object(_WarmUpInterrupted)
+        )
+        thread.join(EXIT_WAIT_S)
+
+
+_worker = _Worker()
+atexit.register(_worker.close)
+
+
+def background_compiles() -> int:
+    """Warm-ups queued or running in this process."""
+    return _worker.pending()
+
+
+def wait_for_compiles(timeout: float | None = None) -> bool:
+    """Waits until every queued warm-up has finished; False if ``timeout`` seconds passed first."""
+    return _worker.wait(timeout)
+
+
+@dataclass
+class TieredCache:
+    """The KV caches of one train block: ``ready``'s, and ``target``'s once its background
+    build has finished (None until then). Each is read only by the served model that built it."""
+
+    ready: object
+    target: object | None = None
+
+
+def _describe(value):
+    """``value`` as a compiled graph sees it: tensors by shape and dtype (caches and other
+    dataclasses field by field), everything else by value."""
+    if isinstance(value, Tensor):
+        return tuple(value.shape), value.dtype
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        fields = dataclasses.fields(value)
+        return type(value).__name__, tuple(_describe(getattr(value, f.name)) for f in fields)
+    if isinstance(value, (list, tuple)):
+        return type(value).__name__, tuple(_describe(v) for v in value)
+    if isinstance(value, dict):
+        return tuple((k, _describe(v)) for k, v in sorted(value.items()))
+    return repr(value)
+
+
+def _signature(entry: str, args: tuple, kwargs: dict) -> tuple:
+    """What decides whether a call reuses a compiled graph: the entry point, every tensor's
+    shape and dtype, every other argument's value."""
+    return entry, _describe(args), _describe(kwargs)
+
+
+class CompilingTabICL:
+    """A compiled served model and a ready one (see the module docstring); it has the served
+    models' inference API, so the estimators use it in their place.
+
+    Args:
+        ready: a :class:`~.serving.ServedTabICL` whose options compile nothing.
+        target: the compiled one; both serve the same checkpoint on the same device.
+    """
+
+    def __init__(self, ready, target):
+        if ready.options.compiled:
+            raise ValueError("CompilingTabICL: the ready served model must not compile")
+        self.ready, self.target = ready, target
+        self._lock = threading.Lock()
+        self._state: dict = {}  # signature -> "queued" | "compiled" | "failed"
+
+    # ------------------------------------------------------------------ model API
+    @property
+    def config(self):
+        return self.target.config
+
+    @property
+    def is_regressor(self) -> bool:
+        return self.target.is_regressor
+
+    @property
+    def options(self):
+        return self.target.options
+
+    def __call__(self, *args, **kwargs):
+        return self._serve("forward", args, kwargs)
+
+    def forward(self, *args, **kwargs):
+        return self._serve("forward", args, kwargs)
+
+    def predict_stats(self, *args, **kwargs):
+        return self._serve("predict_stats", args, kwargs)
+
+    def build_cache(self, *args, **kwargs) -> TieredCache:
+        cache = TieredCache(self.ready.build_cache(*args, **kwargs))
+        if self._choose("build_cache", args, kwargs, keep=cache) is self.target:
+            cache.target = self.target.build_cache(*args, **kwargs)
+        return cache
+
+    def forward_with_cache(self, X: Tensor, cache: TieredCache, **kwargs):
+        return self._serve_cached("forward_with_cache", X, cache, (), kwargs)
+
+    def predict_stats_with_cache(self, X: Tensor, cache: TieredCache, *args):
+        return self._serve_cached("predict_stats_with_cache", X, cache, args, {})
+
+    # ------------------------------------------------------------------ tiers
+    def compiled(self, entry: str, *args, **kwargs) -> bool:
+        """Whether ``target`` serves this call already."""
+        with self._lock:
+            return self._state.get(_signature(entry, args, kwargs)) == "compiled"
+
+    def _serve(self, entry: str, args: tuple, kwargs: dict):
+        return getattr(self._choose(entry, args, kwargs), entry)(*args, **kwargs)
+
+    def _serve_cached(self, entry: str, X: Tensor, cache: TieredCache, args: tuple, kwargs):
+        if cache.target is not None:
+            served = self._choose(entry, (X, cache.target, *args), kwargs)
+            if served is self.target:
+                return getattr(served, entry)(X, cache.target, *args, **kwargs)
+        return getattr(self.ready, entry)(X, cache.ready, *args, **kwargs)
+
+    def _choose(self, entry: str, args: tuple, kwargs: dict, keep: TieredCache | None = None):
+        """``target`` where this call has warmed up, else ``ready``, queueing its warm-up the
+        first time (``keep``: the cache whose ``target`` half that warm-up builds)."""
+        key = _signature(entry, args, kwargs)
+        with self._lock:
+            state = self._state.get(key)
+            if state == "compiled":
+                return self.target
+            first = state is None
+            if first:
+                self._state[key] = "queued"
+        if first or (keep is not None and state == "queued"):
+            # a cache build is queued for every cache: each needs its own target half
+            self._queue(key, entry, args, kwargs, keep, mark=first)
+        return self.ready
+
+    def _queue(self, key, entry: str, args: tuple, kwargs: dict, keep=None, mark=True) -> None:
+        # Private copies: the caller may overwrite its tensors before the warm-up runs. On CUDA
+        # the worker's stream waits for the copies.
+        args, kwargs = tree_map(_copy, (args, kwargs))
+        copied = torch.cuda.Event() if self.target.device.type == "cuda" else None
+        if copied is not None:
+            copied.record()
+
+        def warm_up() -> None:
+            try:
+                stream = torch.cuda.Stream(self.target.device) if copied is not None else None
+                if stream is None:
+                    built = getattr(self.target, entry)(*args, **kwargs)
+                else:
+                    with torch.cuda.stream(stream):
+                        stream.wait_event(copied)
+                        built = getattr(self.target, entry)(*args, **kwargs)
+                    stream.synchronize()
+                if keep is not None:
+                    keep.target = built
+                state = "compiled"
+            except Exception as error:  # the call stays on the ready model
+                warnings.warn(
+                    f"compiling {entry} for {describe(self.target.options)} failed; serving it with "
+                    f"{describe(self.ready.options)}: {type(error).__name__}: {error}",
+                    stacklevel=1,
+                )
+                state = "failed"
+            if mark:
+                with self._lock:
+                    self._state[key] = state
+
+        if not _worker.submit(warm_up) and mark:
+            with self._lock:
+                self._state[key] = "failed"
+
+
+def _copy(value):
+    return value.clone() if isinstance(value, Tensor) else value

@@ -1,0 +1,191 @@
+"""Serving while compiling (tabserve.models.tabicl.background): which served model answers each
+call, before and after its background warm-up, and what happens when a warm-up fails or the
+interpreter exits during one."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+from tabicl_helpers import our_model, random_table
+from tabserve.models.tabicl import TabICLv2
+from tabserve.models.tabicl import background
+from tabserve.models.tabicl.background import (
+    CompilingTabICL,
+    TieredCache,
+    background_compiles,
+    wait_for_compiles,
+)
+from tabserve.models.tabicl.options import ServingOptions
+from tabserve.models.tabicl.serving import ServedTabICL
+
+# Dynamo traces, nothing is generated: a compiled served model in seconds on the CPU.
+TRACED = ServingOptions(compile="default", compile_backend="eager")
+
+
+class _HeldWorker:
+    """Holds the background worker on a job of its own until :meth:`release`: what a test
+    checks before the warm-ups run cannot race them."""
+
+    def __init__(self):
+        self._gate = threading.Event()
+        assert background._worker.submit(lambda: self._gate.wait(120))
+
+    def release(self) -> None:
+        self._gate.set()
+
+
+def _model() -> TabICLv2:
+    return TabICLv2.from_checkpoint(_checkpoint())
+
+
+def _checkpoint():
+    from tabicl_helpers import reference_checkpoint
+
+    return reference_checkpoint("clf", "tiny")
+
+
+class _Counting:
+    """Counts the calls of one served model's entry points (wrapped on the instance)."""
+
+    def __init__(self, served, entries=("forward", "build_cache", "forward_with_cache")):
+        self.calls: list[str] = []
+        for entry in entries:
+            method = getattr(served, entry)
+
+            def counted(*args, __entry=entry, __method=method, **kwargs):
+                self.calls.append(__entry)
+                return __method(*args, **kwargs)
+
+            setattr(served, entry, counted)
+
+
+def _pair(target_options=TRACED):
+    ready = ServedTabICL(_model(), "exact")
+    target = ServedTabICL(_model(), target_options)
+    return CompilingTabICL(ready, target), _Counting(ready), _Counting(target)
+
+
+def test_each_call_is_answered_by_the_ready_model_until_its_warm_up_has_run():
+    tiered, ready, target = _pair()
+    X, y = random_table(0, 2, 40, 10, 5, n_classes=3)
+    held = _HeldWorker()
+    first = tiered(X, y)
+    assert ready.calls == ["forward"] and target.calls == []
+    assert not tiered.compiled("forward", X, y) and background_compiles() == 2
+    held.release()
+    assert wait_for_compiles(timeout=120)
+    assert target.calls == ["forward"]  # the warm-up, on copies of the inputs
+    assert tiered.compiled("forward", X, y)
+    second = tiered(X, y)
+    assert ready.calls == ["forward"] and target.calls == ["forward", "forward"]
+    # Both are fp32 eager / traced fp32 of the same weights: the same answers.
+    torch.testing.assert_close(second, first, atol=1e-5, rtol=0)
+    torch.testing.assert_close(first, our_model("clf", "tiny")(X, y), atol=1e-5, rtol=0)
+    # Another shape is a call of its own: the ready model again, and one more warm-up.
+    X2, y2 = random_table(1, 2, 30, 10, 5, n_classes=3)
+    tiered(X2, y2)
+    assert ready.calls == ["forward", "forward"]
+    assert wait_for_compiles(timeout=120) and background_compiles() == 0
+    assert target.calls == ["forward", "forward", "forward"]
+
+
+def test_a_failed_warm_up_leaves_the_call_on_the_ready_model():
+    tiered, ready, target = _pair()
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("compiler crashed")
+
+    tiered.target.forward = broken
+    X, y = random_table(2, 1, 20, 5, 4, n_classes=2)
+    with pytest.warns(UserWarning, match="failed; serving it with exact: RuntimeError: compiler"):
+        expected = tiered(X, y)
+        assert wait_for_compiles(timeout=60)
+    torch.testing.assert_close(tiered(X, y), expected, atol=0, rtol=0)
+    assert ready.calls == ["forward", "forward"]
+    assert not tiered.compiled("forward", X, y)
+
+
+def test_kv_predictions_move_to_the_target_once_its_cache_and_graphs_are_built():
+    tiered, ready, target = _pair()
+    X, y = random_table(3, 2, 40, 12, 5, n_classes=3)
+    train, test = X[:, :40], X[:, 40:]
+    held = _HeldWorker()
+    cache = tiered.build_cache(train, y)
+    assert isinstance(cache, TieredCache) and cache.target is None
+    before = tiered.forward_with_cache(test, cache)
+    assert ready.calls == ["build_cache", "forward_with_cache"] and target.calls == []
+    held.release()
+    assert wait_for_compiles(timeout=120)
+    assert target.calls == ["build_cache"] and cache.target is not None  # built in the background
+    # the prediction's own warm-up, then the target answers
+    tiered.forward_with_cache(test, cache)
+    assert wait_for_compiles(timeout=120)
+    assert target.calls == ["build_cache", "forward_with_cache"]
+    after = tiered.forward_with_cache(test, cache)
+    assert ready.calls == ["build_cache", "forward_with_cache", "forward_with_cache"]
+    assert target.calls == ["build_cache", "forward_with_cache", "forward_with_cache"]
+    torch.testing.assert_close(after, before, atol=1e-5, rtol=0)
+    # a later cache of the same train shapes is built by both at once
+    again = tiered.build_cache(train, y)
+    assert again.target is not None and target.calls[-1] == "build_cache"
+
+
+def test_the_ready_model_must_not_compile():
+    with pytest.raises(ValueError, match="must not compile"):
+        CompilingTabICL(ServedTabICL(_model(), TRACED), ServedTabICL(_model(), TRACED))
+
+
+def test_the_interpreter_exits_without_waiting_for_a_warm_up():
+    """A warm-up still running at exit is interrupted: the process ends at once, cleanly."""
+    code = """
+import time
+from tabserve.models.tabicl import background
+def slow():
+    end = time.monotonic() + 600
+    while time.monotonic() < end:
+        sum(range(1000))
+background._worker.submit(slow)
+time.sleep(0.5)
+print("submitted", background.background_compiles())
+"""
+    started = time.monotonic()
+    child = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert child.returncode == 0, child.stderr[-2000:]
+    assert "submitted 1" in child.stdout
+    assert time.monotonic() - started < 60
+    assert "Traceback" not in child.stderr
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_script_that_predicts_once_exits_cleanly_during_its_compile():
+    """The estimator's default on CUDA: the first answer while the preset compiles in the
+    background, then the interpreter exits mid-compile without an error or abort."""
+    from tabicl_helpers import reference_checkpoint
+
+    code = """
+import sys
+import numpy as np
+from tabserve.models.tabicl import TabICLClassifier
+from tabserve.models.tabicl.background import background_compiles
+rng = np.random.default_rng(0)
+X, y = rng.standard_normal((400, 8)), rng.integers(0, 3, 400)
+clf = TabICLClassifier(model_path=sys.argv[1], device="cuda").fit(X[:300], y[:300])
+proba = clf.predict_proba(X[300:])
+print("answered", proba.shape, type(clf.model_).__name__, background_compiles())
+"""
+    path = reference_checkpoint("clf", "full")
+    child = subprocess.run(
+        [sys.executable, "-c", code, str(path)],
+        capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert child.returncode == 0, child.stderr[-3000:]
+    assert "answered (100, 3)" in child.stdout
+    assert "Traceback" not in child.stderr and "terminate" not in child.stderr
