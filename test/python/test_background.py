@@ -135,6 +135,26 @@ def test_kv_predictions_move_to_the_target_once_its_cache_and_graphs_are_built()
     assert again.target is not None and target.calls[-1] == "build_cache"
 
 
+def test_a_target_given_as_a_function_is_built_by_the_first_warm_up_in_the_background():
+    threads = []
+
+    def build():
+        threads.append(threading.current_thread().name)
+        return ServedTabICL(_model(), TRACED)
+
+    tiered = CompilingTabICL(ServedTabICL(_model(), "exact"), build_target=build, options=TRACED)
+    assert tiered.options == TRACED
+    X, y = random_table(4, 1, 30, 6, 4, n_classes=2)
+    held = _HeldWorker()
+    tiered(X, y)
+    assert threads == []  # the caller's thread neither built nor waited for it
+    held.release()
+    assert wait_for_compiles(timeout=120)
+    assert threads == ["tabserve-compile"] and tiered.compiled("forward", X, y)
+    with pytest.raises(ValueError, match="give target, or build_target and its options"):
+        CompilingTabICL(ServedTabICL(_model(), "exact"), build_target=build)
+
+
 def test_the_ready_model_must_not_compile():
     with pytest.raises(ValueError, match="must not compile"):
         CompilingTabICL(ServedTabICL(_model(), TRACED), ServedTabICL(_model(), TRACED))

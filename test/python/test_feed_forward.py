@@ -470,7 +470,7 @@ def test_block_takes_the_operator_in_one_compiled_graph(monkeypatch):
         return ff.feed_forward_op(*args)
 
     shim = SimpleNamespace(kernel_applies=lambda *a: True, feed_forward=op)
-    monkeypatch.setattr(layers, "fused_ffn", shim)
+    monkeypatch.setattr(layers, "_feed_forward_kernels", lambda: shim)
     b = block(dim=32, hidden=64)
     x = torch.randn(2, 9, 32)
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
@@ -497,7 +497,7 @@ def test_block_folds_its_out_projection_in_one_compiled_graph(monkeypatch):
         return ff.feed_forward_op(*args)
 
     shim = SimpleNamespace(kernel_applies=lambda *a: True, feed_forward=op)
-    monkeypatch.setattr(layers, "fused_ffn", shim)
+    monkeypatch.setattr(layers, "_feed_forward_kernels", lambda: shim)
     b = block(dim=32, hidden=64)
     x, inducing = torch.randn(2, 9, 32), torch.randn(1, 5, 32)
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):

@@ -286,7 +286,7 @@ def test_block_takes_the_operator_in_one_compiled_graph(monkeypatch):
         return nl.norm_linear_op(*args)
 
     shim = SimpleNamespace(kernel_applies=lambda *a: True, norm_linear_op=op)
-    monkeypatch.setattr(layers, "fused_norm_linear", shim)
+    monkeypatch.setattr(layers, "_norm_linear_kernels", lambda: shim)
     b = block(dim=32, hidden=64)
     rope = layers.RotaryEmbedding(4, 1e5)
     x, kv = torch.randn(2, 9, 32), torch.randn(2, 12, 32)
@@ -315,7 +315,7 @@ def test_block_rotates_inside_the_projection_in_one_compiled_graph(monkeypatch):
         return nl.norm_linear_op(*args)
 
     shim = SimpleNamespace(kernel_applies=lambda *a: True, norm_linear_op=op)
-    monkeypatch.setattr(layers, "fused_norm_linear", shim)
+    monkeypatch.setattr(layers, "_norm_linear_kernels", lambda: shim)
     b = block(dim=32, hidden=64)
     rope = layers.RotaryEmbedding(4, 1e5)
     tokens = torch.randn(2, 3, 9, 32)

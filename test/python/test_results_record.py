@@ -5,6 +5,8 @@ the committed records."""
 import json
 from pathlib import Path
 
+import numpy as np
+
 import pytest
 from tabserve.bench import record
 
@@ -133,3 +135,36 @@ def test_the_committed_page_is_rendered_from_the_committed_records():
         "docs/results.md is out of date: python -m tabserve.bench.record "
         "benchmarks/results/*.json -o docs/results.md"
     )
+
+
+def test_an_estimator_suite_record_renders_its_rows_and_speedups(tmp_path):
+    from tabserve.bench import estimator_suite as suite
+
+    def result(engine, warm_ms, preset=None):
+        return {
+            "kind": "small", "engine": engine, "status": "ok", "served_preset": preset,
+            "cold": {"cold_ms": 5000.0, "first_call_ms": 700.0},
+            "warm": {"median_ms": warm_ms, "p20_ms": warm_ms, "p80_ms": warm_ms},
+        }  # fmt: skip
+
+    results = [result("tabicl", 400.0), result("tabicl-fp32", 500.0), result("tabserve-auto", 100.0, "small")]
+    for i, r in enumerate(results):  # the same probabilities from every engine
+        r["outputs"] = str(tmp_path / f"out{i}.npy")
+        np.save(r["outputs"], np.full((3, 2), 0.5))
+    kinds = [suite.Kind("small", 1, 1, 1, 2, (1, 1, 1), "")]
+    suite.add_accuracy_and_speedups(results, kinds)
+    document = {
+        "schema": suite.SCHEMA,
+        "environment": {"gpu": "GPU X", "torch": "2.x"},
+        "settings": {"device": "cuda", "checkpoint_note": "random"},
+        "command": "python -m tabserve.bench.estimator_suite",
+        "results": results,
+        "summary": suite.summarize(results, ["tabserve-auto"]),
+    }
+    path = tmp_path / "suite.json"
+    path.write_text(json.dumps(document))
+    page = record.render_results([path])
+    assert "## Estimators, fit + predict: GPU X" in page
+    row = next(line for line in page.splitlines() if line.startswith("| small | tabserve-auto (small)"))
+    assert "| 4.00x | 5.00x |" in row  # tabicl's 400 ms and fp32's 500 ms over 100 ms
+    assert "| tabserve-auto | 4.00x |" in page

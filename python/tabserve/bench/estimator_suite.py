@@ -785,6 +785,15 @@ SUITE_COLUMNS = (
 )  # fmt: skip
 
 
+SUITE_LEGEND = (
+    "Fit + predict (cold s: a fresh process's first fit + predict from its spawn, imports "
+    "included; restart s: the same in a second process over the first one's compile caches; "
+    "steady s: from the spawn until the background compiles finished; first ms: the first fit "
+    "+ predict alone; warm: median over fresh clones after that; model %: the model's share of "
+    "one warm predict; x: tabicl's warm time over this one's)"
+)
+
+
 def suite_rows(results: list) -> list:
     rows = []
     for r in results:
@@ -836,13 +845,7 @@ def render(document: dict) -> str:
         ),
         f"checkpoints: {settings['checkpoint_note']}",
         "",
-        (
-            "Fit + predict (cold s: a fresh process's first fit + predict from its spawn, imports "
-            "included; restart s: the same in a second process over the first one's compile "
-            "caches; steady s: from the spawn until the background compiles finished; first ms: "
-            "the first fit + predict alone; warm: median over fresh clones after that; "
-            "model %: the model's share of one warm predict; x: tabicl's warm time over this one's)"
-        ),
+        SUITE_LEGEND,
         format_table(SUITE_COLUMNS, suite_rows(document["results"])),
     ]
     many = document.get("predict_many") or []

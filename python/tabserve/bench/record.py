@@ -5,6 +5,8 @@ The records are JSON files of three kinds, told apart by their content:
 * a driver record (``schema`` ``tabserve.bench.tabiclv2/...``): one per device, e.g. ``h200.json``
   and ``cpu.json`` (the driver's JSON, merged with ``python -m tabserve.bench --merge``), with its
   plot ``<name>.png`` beside it when there is one;
+* an estimator-suite record (``schema`` ``tabserve.bench.estimator_suite/...``,
+  ``python -m tabserve.bench.estimator_suite``): the estimators' fit + predict, the headline;
 * the string-lookup sweep (``benchmarks/string_lookup.py``, ``"benchmark": "string_lookup"``);
 * the category-alignment sweep (``benchmarks/align_categories.py``,
   ``"benchmark": "align_categories"``).
@@ -37,6 +39,7 @@ from .timing import MiB, format_mib, format_ms
 ROOT = Path(__file__).resolve().parents[3]
 
 DRIVER_SCHEMA = "tabserve.bench.tabiclv2/"
+SUITE_SCHEMA = "tabserve.bench.estimator_suite/"
 #: The reference cells speed-ups are quoted against: (column label, cell names, speed-up keys).
 REFERENCES = (
     ("ref-fp16", ("ref-fp16", "c1-ref-fp16"), ("ref-fp16", "ref16")),
@@ -87,14 +90,17 @@ def load(paths: Iterable[str | Path]) -> list[tuple[Path, dict]]:
         document = json.loads(path.read_text())
         if kind(document) is not None:
             records.append((path, document))
-    order = {"driver": 0, "string_lookup": 1, "align_categories": 2}
+    order = {"estimator_suite": 0, "driver": 1, "string_lookup": 2, "align_categories": 3}
     return sorted(records, key=lambda item: (order[kind(item[1])], item[0].name))
 
 
 def kind(document: object) -> str | None:
-    """``"driver"``, ``"string_lookup"``, ``"align_categories"`` or None (not a record)."""
+    """``"estimator_suite"``, ``"driver"``, ``"string_lookup"``, ``"align_categories"`` or None
+    (not a record)."""
     if not isinstance(document, dict):
         return None
+    if str(document.get("schema", "")).startswith(SUITE_SCHEMA):
+        return "estimator_suite"
     if str(document.get("schema", "")).startswith(DRIVER_SCHEMA):
         return "driver"
     if document.get("benchmark") in ("string_lookup", "align_categories"):
@@ -288,12 +294,21 @@ def _references(results: list) -> dict:
     return found
 
 
+def _record_header(title: str, path: Path, document: dict) -> list:
+    """A record's title line and where, with what and from which commit it was measured."""
+    env = document.get("environment", {})
+    return [
+        f"## {title}",
+        "",
+        f"- record: `{shown_path(path)}`",
+        f"- versions: {versions(env)}",
+        f"- commit: `{env.get('git_commit') or '-'}`",
+    ]
+
+
 def render_driver(path: Path, document: dict) -> str:
-    env, settings = document.get("environment", {}), document.get("settings", {})
-    lines = [f"## {device_name(document)}", ""]
-    lines.append(f"- record: `{shown_path(path)}`")
-    lines.append(f"- versions: {versions(env)}")
-    lines.append(f"- commit: `{env.get('git_commit') or '-'}`")
+    settings = document.get("settings", {})
+    lines = _record_header(device_name(document), path, document)
     command = settings.get("command")
     if command:
         merged = " (the last run merged into this record)" if settings.get("merged_from") else ""
@@ -429,7 +444,31 @@ def render_align(path: Path, document: dict) -> str:
     return "\n".join(lines)
 
 
+def render_estimator_suite(path: Path, document: dict) -> str:
+    """The suite's own tables (:mod:`.estimator_suite`), as Markdown."""
+    from . import estimator_suite as suite
+
+    settings = document.get("settings", {})
+    lines = _record_header(f"Estimators, fit + predict: {device_name(document)}", path, document)
+    if document.get("command"):
+        lines.append(f"- command: `{document['command']}`")
+    if settings.get("checkpoint_note"):
+        lines.append(f"- checkpoints: {settings['checkpoint_note']}")
+    lines += ["", suite.SUITE_LEGEND, ""]
+    lines.append(markdown_table(suite.SUITE_COLUMNS, suite.suite_rows(document["results"])))
+    summary = document.get("summary") or {}
+    if summary:
+        rows = [
+            [engine, _x(s["warm_vs_tabicl"]), _x(s["cold_vs_tabicl"]), s["warm_vs_tabicl_kinds"]]
+            for engine, s in summary.items()
+        ]
+        columns = ("engine", ">warm x tabicl", ">cold x tabicl", ">kinds")
+        lines += ["", "Geometric means across kinds:", "", markdown_table(columns, rows)]
+    return "\n".join(lines)
+
+
 RENDERERS = {
+    "estimator_suite": render_estimator_suite,
     "driver": render_driver,
     "string_lookup": render_string_lookup,
     "align_categories": render_align,

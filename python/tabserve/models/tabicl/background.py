@@ -157,27 +157,41 @@ class CompilingTabICL:
     Args:
         ready: a :class:`~.serving.ServedTabICL` whose options compile nothing.
         target: the compiled one; both serve the same checkpoint on the same device.
+        build_target: instead of ``target``, a function that builds it, and its ``options``:
+            the first warm-up builds it, in the background (loading the kernels and the
+            weights a second time takes seconds).
     """
 
-    def __init__(self, ready, target):
+    def __init__(self, ready, target=None, *, build_target=None, options=None):
         if ready.options.compiled:
             raise ValueError("CompilingTabICL: the ready served model must not compile")
-        self.ready, self.target = ready, target
+        if (target is None) == (build_target is None) or (build_target and options is None):
+            raise ValueError("CompilingTabICL: give target, or build_target and its options")
+        self.ready = ready
+        self._target, self._build_target = target, build_target
+        #: The compiled served model's options (what the estimator asked for).
+        self.options = target.options if target is not None else options
         self._lock = threading.Lock()
         self._state: dict = {}  # signature -> "queued" | "compiled" | "failed"
+
+    @property
+    def target(self):
+        """The compiled served model (built here if it was given as a function)."""
+        if self._target is None:
+            with self._lock:
+                if self._target is None:
+                    self._target = self._build_target()
+        return self._target
 
     # ------------------------------------------------------------------ model API
     @property
     def config(self):
-        return self.target.config
+        return self.ready.config
 
     @property
     def is_regressor(self) -> bool:
-        return self.target.is_regressor
+        return self.ready.is_regressor
 
-    @property
-    def options(self):
-        return self.target.options
 
     def __call__(self, *args, **kwargs):
         return self._serve("forward", args, kwargs)
@@ -190,7 +204,7 @@ class CompilingTabICL:
 
     def build_cache(self, *args, **kwargs) -> TieredCache:
         cache = TieredCache(self.ready.build_cache(*args, **kwargs))
-        if self._choose("build_cache", args, kwargs, keep=cache) is self.target:
+        if self._choose("build_cache", args, kwargs, keep=cache) is not self.ready:
             cache.target = self.target.build_cache(*args, **kwargs)
         return cache
 
@@ -212,7 +226,7 @@ class CompilingTabICL:
     def _serve_cached(self, entry: str, X: Tensor, cache: TieredCache, args: tuple, kwargs):
         if cache.target is not None:
             served = self._choose(entry, (X, cache.target, *args), kwargs)
-            if served is self.target:
+            if served is not self.ready:
                 return getattr(served, entry)(X, cache.target, *args, **kwargs)
         return getattr(self.ready, entry)(X, cache.ready, *args, **kwargs)
 
@@ -236,13 +250,13 @@ class CompilingTabICL:
         # Private copies: the caller may overwrite its tensors before the warm-up runs. On CUDA
         # the worker's stream waits for the copies.
         args, kwargs = tree_map(_copy, (args, kwargs))
-        copied = torch.cuda.Event() if self.target.device.type == "cuda" else None
+        copied = torch.cuda.Event() if self.ready.device.type == "cuda" else None
         if copied is not None:
             copied.record()
 
         def warm_up() -> None:
             try:
-                stream = torch.cuda.Stream(self.target.device) if copied is not None else None
+                stream = torch.cuda.Stream(self.ready.device) if copied is not None else None
                 if stream is None:
                     built = getattr(self.target, entry)(*args, **kwargs)
                 else:
@@ -255,7 +269,7 @@ class CompilingTabICL:
                 state = "compiled"
             except Exception as error:  # the call stays on the ready model
                 warnings.warn(
-                    f"compiling {entry} for {describe(self.target.options)} failed; serving it with "
+                    f"compiling {entry} for {describe(self.options)} failed; serving it with "
                     f"{describe(self.ready.options)}: {type(error).__name__}: {error}",
                     stacklevel=1,
                 )

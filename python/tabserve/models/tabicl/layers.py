@@ -89,8 +89,11 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, head_dim: int, base: float):
         super().__init__()
-        exponents = torch.arange(0, head_dim, 2)[: head_dim // 2].float() / head_dim
-        self.freqs = nn.Parameter(1.0 / (base**exponents), requires_grad=False)
+        # Computed on the CPU and moved to the default device: arithmetic on ``meta`` (where
+        # checkpoints build the model) runs torch's Python references, which import Dynamo.
+        exponents = torch.arange(0, head_dim, 2, device="cpu")[: head_dim // 2].float() / head_dim
+        freqs = (1.0 / (base**exponents)).to(torch.empty(0).device)
+        self.freqs = nn.Parameter(freqs, requires_grad=False)
 
     def forward(self, x: Tensor) -> Tensor:
         """x: ``(..., L, head_dim)`` with positions along ``L``; returns the rotated tensor.

@@ -30,6 +30,22 @@ def _not_finite(name: str) -> str:
     return f"{name} contains NaN or infinite values; impute / clean the table first"
 
 
+#: The methods that read check verdicts on the host (see :meth:`TabICLv2._check_inputs`).
+HOST_CHECKS = ("_check_inputs", "_settle_checks")
+
+
+def eager_host_checks() -> None:
+    """Marks :data:`HOST_CHECKS` to run eagerly under ``torch.compile``
+    (``torch.compiler.disable``), once per process: whatever compiles the model calls it
+    (:meth:`TabICLv2.compile`, a served model whose options compile)."""
+    for name in HOST_CHECKS:
+        method = getattr(TabICLv2, name)
+        if not getattr(method, "_tabserve_eager", False):
+            eager = torch.compiler.disable(method)
+            eager._tabserve_eager = True
+            setattr(TabICLv2, name, eager)
+
+
 def padded_counts(device: torch.device, n_train: int, n_features: int) -> tuple[Tensor, Tensor]:
     """The real train-row and feature counts of a padded table as 0-d int64 tensors on
     ``device`` (what the padded entry points read instead of shapes)."""
@@ -240,6 +256,11 @@ class TabICLv2(nn.Module):
         if not finite:
             raise ValueError(_not_finite(name))
 
+    def compile(self, *args, **kwargs) -> None:
+        """:meth:`torch.nn.Module.compile`, the host checks run eagerly (:func:`eager_host_checks`)."""
+        eager_host_checks()
+        super().compile(*args, **kwargs)
+
     def _check_table_shape(self, X: Tensor, name: str) -> Tensor:
         """The checks of a table that need no look at its values (no host synchronisation)."""
         if not isinstance(X, Tensor):
@@ -259,8 +280,8 @@ class TabICLv2(nn.Module):
     # at their call) rather than trace the rest of them from the ints the verdict holds. Under
     # ``dynamic=True`` those ints become symbols, and torch 2.11's Inductor emitted a graph for
     # ``K > max_classes`` that names a symbol it never binds (a NameError at the first call of
-    # a dynamic-shape compile on the H200).
-    @torch.compiler.disable
+    # a dynamic-shape compile on the H200). They are marked so by :func:`eager_host_checks`
+    # when something compiles the model, not here: that import is Dynamo's (1.6 s).
     def _check_inputs(self, X: Tensor, y_train: Tensor, name: str = "X") -> tuple[Tensor, int]:
         """Validate a table and its train labels; returns ``(X in the model's dtype, K)`` with
         K the number of classes (0 for regression).
@@ -371,7 +392,6 @@ class TabICLv2(nn.Module):
         labels = torch.nan_to_num(labels, nan=0.0, posinf=0.0, neginf=0.0)
         return labels.clamp(0, self.config.max_classes - 1)
 
-    @torch.compiler.disable  # read on the host, like _check_inputs
     def _settle_checks(self, X: Tensor, y_train: Tensor, verdict: Tensor, name: str = "X") -> int:
         """Reads a queued verdict (:meth:`_queue_checks`; ``X`` and ``y_train`` as the caller
         gave them): K (0 for regression), or the ATen checks' precise error."""

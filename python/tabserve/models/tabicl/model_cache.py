@@ -108,9 +108,12 @@ def served_model(path, device, options, grid=None, background: bool = False):
     def build(options):
         return ServedTabICL(TabICLv2.from_checkpoint(path, device=device), options, grid)
 
-    served = build(options)
-    if background:
-        served = CompilingTabICL(build(resolve_options(READY_PRESET)), served)
+    if background:  # the compiled one is built by its first warm-up, in the background
+        served = CompilingTabICL(
+            build(resolve_options(READY_PRESET)), build_target=lambda: build(options), options=options
+        )
+    else:
+        served = build(options)
     with _lock:
         # Another thread may have built the same one meanwhile: keep the first.
         if key in _served:

@@ -66,7 +66,14 @@ from pathlib import Path
 
 import torch
 
-from .stage_kernels import ATTENTION_BACKENDS, KERNEL_BACKENDS, SDPA_BACKENDS, STAGES, StageKernels
+from .stage_kernels import (
+    ATTENTION_BACKENDS,
+    FLASH_BACKENDS,
+    KERNEL_BACKENDS,
+    SDPA_BACKENDS,
+    STAGES,
+    StageKernels,
+)
 
 PRECISIONS = ("fp32", "tf32", "bf16", "fp16")
 COMPILE_MODES = ("none", "default", "max-autotune-no-cudagraphs", "regional")
@@ -288,6 +295,13 @@ class ServingOptions:
     def graphs(self) -> bool:
         """Whether any call replays CUDA graphs."""
         return self.cuda_graphs or self.kv_graphs or self.shape_graphs
+
+    @property
+    def triton_kernels(self) -> bool:
+        """Whether any call may run one of tabserve's Triton kernels (the fused operators, the
+        flash attention)."""
+        flash = any(backend in FLASH_BACKENDS for backend in self.attention.values())
+        return self.fused_ffn or self.fused_norm_linear or flash
 
     @property
     def uses_fp8(self) -> bool:

@@ -47,7 +47,7 @@ from tabserve.buckets import Bucket, BucketGrid
 
 from .layers import SKIP_VALUE, AttentionBlock, load_kernels
 from .learning import HIERARCHY_LOG_EPS
-from .model import TabICLv2, TabICLv2Cache, padded_counts
+from .model import TabICLv2, TabICLv2Cache, eager_host_checks, padded_counts
 from .options import ServingOptions, describe, freezing, resolve_options, sdpa_context
 from .quantiles import quantile_stats
 from .stage_kernels import STAGES, use_stage_kernels
@@ -175,8 +175,10 @@ class ServedTabICL:
         # Ahead-of-time bucket packages (load_buckets): kind -> {(bucket, batch): runner}.
         self._aot: dict = {"forward": {}, "build_cache": {}, "forward_cached": {}}
         self.aot_calls = 0
-        if self.options.precision != "fp32":  # only reduced precision runs tabserve's kernels
+        if self.options.triton_kernels:
             load_kernels()
+        if self.options.compiled:
+            eager_host_checks()
         for stage, module in STAGES.items():
             use_stage_kernels(getattr(model, module), self.options.stage_kernels(stage))
         self._pin_stage_attention()

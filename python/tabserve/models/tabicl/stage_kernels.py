@@ -35,6 +35,8 @@ _SMALL_HEAD_BACKENDS = ("head16", "head16-short", "head16-flash")
 _SHORT_KEY_BACKENDS = ("head16-short", "head16-flash")
 #: Operand kind of :func:`tabserve.ops.flash_attention` per backend (True: fp8).
 _FLASH_OPERANDS = {"flash-half": False, "flash-fp8": True, "head16-flash": False}
+#: The backends that run tabserve's Triton flash kernel.
+FLASH_BACKENDS = tuple(_FLASH_OPERANDS)
 #: ``prefix_attention`` kernel of padded attention per backend: flash / efficient have varlen
 #: kernels reading n on the device; cuDNN and math run SDPA with a key mask (``masked``).
 _PREFIX_BACKENDS = {"flash": "flash", "efficient": "efficient", "cudnn": "masked", "math": "masked"}
