@@ -521,12 +521,10 @@ def test_model_rotating_in_projections_and_folding_out_projections_changes_nothi
     from tabserve.models.tabicl.serving import ServedTabICL
 
     forced = {"kernel_applies": lambda *a: True}
-    monkeypatch.setattr(
-        layers, "fused_norm_linear", SimpleNamespace(**forced, norm_linear_op=nl.norm_linear_op)
-    )
-    monkeypatch.setattr(
-        layers, "fused_ffn", SimpleNamespace(**forced, feed_forward=ff.feed_forward)
-    )
+    norm_linear = SimpleNamespace(**forced, norm_linear_op=nl.norm_linear_op)
+    feed_forward = SimpleNamespace(**forced, feed_forward=ff.feed_forward)
+    monkeypatch.setattr(layers, "_norm_linear_kernels", lambda: norm_linear)
+    monkeypatch.setattr(layers, "_feed_forward_kernels", lambda: feed_forward)
     fused = ServingOptions(precision="bf16", fused_ffn=True, fused_norm_linear=True)
     moved = fused.replace(rope_in_projection=True, fused_out_projection=True)
     rows = moved.replace(fused_row_tokens=True)
