@@ -523,7 +523,7 @@ REFUSED = [
     C("classifier", "fit: infinite feature", lambda w: w.clf.fit(with_inf(w.X_train), w.y_class), ValueError, "inf"),
     C("classifier", "fit: no features", lambda w: w.clf.fit(w.X_train[:, :0], w.y_class), ValueError, "no features"),
     C("classifier", "fit: regression checkpoint", lambda w: w.clf.set_params(model_path=w.reg_path).fit(w.X_train, w.y_class), ValueError, "is a regression checkpoint"),
-    C("classifier", "fit: no model_path", lambda w: w.clf.set_params(model_path=None).fit(w.X_train, w.y_class), ValueError, "model_path is required"),
+    C("classifier", "fit: missing model_path, no download", lambda w: w.clf.set_params(model_path="absent.ckpt", allow_auto_download=False).fit(w.X_train, w.y_class), FileNotFoundError, "allow_auto_download"),
     C("classifier", "fit: n_estimators 0", lambda w: w.clf.set_params(n_estimators=0).fit(w.X_train, w.y_class), ValueError, "n_estimators must be >= 1"),
     C("classifier", "fit: bad kv_cache", lambda w: w.clf.set_params(kv_cache="yes").fit(w.X_train, w.y_class), ValueError, "kv_cache must be"),
     C("classifier", "predict: feature count mismatch", lambda w: w.clf.predict(w.X_test[:, :3]), ValueError, "X has 3 features, but TabICLClassifier was fitted with 4"),

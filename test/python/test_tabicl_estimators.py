@@ -269,8 +269,8 @@ def test_bad_predict_input_raises(fitted_classifier):
 
 def test_bad_configuration_raises(tmp_path):
     X, y = datasets.load_iris(return_X_y=True)
-    with pytest.raises(ValueError, match="model_path is required"):
-        TabICLClassifier().fit(X, y)
+    with pytest.raises(FileNotFoundError, match="allow_auto_download=True to download"):
+        TabICLClassifier(model_path=tmp_path / "absent.ckpt", allow_auto_download=False).fit(X, y)
     with pytest.raises(ValueError, match="regression checkpoint"):
         TabICLClassifier(model_path=reference_checkpoint("reg", "tiny"), device="cpu").fit(X, y)
     with pytest.raises(ValueError, match="kv_cache is not supported"):

@@ -2,8 +2,15 @@
 
 They reproduce the reference ``tabicl`` 2.2.0 wrappers (same parameter names and defaults where
 they mean the same thing, same preprocessing and ensembling, see :mod:`.preprocessing`) on top of
-our model. Differences: ``model_path`` is required (no download), inference runs the serving
-``recipe`` (no FlashAttention-3), and preprocessing runs as tensor maths on ``device``.
+our model. They take every tabicl 2.2.0 constructor argument (:mod:`.reference_args`):
+``model_path=None`` finds the released checkpoint (``checkpoint_version``) through the Hugging
+Face Hub cache, downloading it where ``allow_auto_download``; ``use_amp=False`` serves ``exact``
+(fp32); ``use_fa3`` is accepted (tabserve's presets bring their own attention kernels);
+``offload_mode`` takes the values that keep the column stage's output on the device; ``n_jobs``
+sets PyTorch's CPU threads for each call; ``verbose`` logs on the ``tabserve`` logger;
+``inference_config`` is refused in favour of ``recipe``. Inference runs the serving ``recipe``
+and preprocessing runs as tensor maths on ``device``. A fitted estimator pickles without the
+network (:meth:`save` / :meth:`load`).
 
 ``recipe``: a serving preset's name (:func:`tabserve.serving_presets`: ``exact``, ``medium``,
 ``small``, ``large``, ``large-fp8``), a :class:`~.options.ServingOptions`, ``"auto"``: the
@@ -24,6 +31,7 @@ compiled (:mod:`.model_cache`). :func:`tabserve.wait_for_compiles` waits for the
 from __future__ import annotations
 
 import functools
+import pickle
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -44,7 +52,8 @@ from .preprocessing import (
     member_tables,
 )
 from .model_cache import read_checkpoint, served_model
-from .options import auto_options, resolve_options
+from .options import auto_options, describe, resolve_options
+from .reference_args import check_reference_args, checkpoint_path, say, torch_threads
 
 DEFAULT_NORM_METHODS = ("none", "power")
 
@@ -68,6 +77,17 @@ def _atomic_fit(fit):
             self.__dict__.clear()
             self.__dict__.update(before)
             raise
+
+    return wrapper
+
+
+def _threads(method):
+    """``n_jobs``: the call runs with that many PyTorch CPU threads (tabicl's meaning)."""
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        with torch_threads(self.n_jobs):
+            return method(self, *args, **kwargs)
 
     return wrapper
 
@@ -115,9 +135,18 @@ class _TabICLBase(BaseEstimator):
             )
 
     def _recipe(self):
-        """The recipe asked for: None means ``"auto"`` on CUDA, ``exact`` elsewhere."""
+        """The recipe asked for: None means ``"auto"`` on CUDA, ``exact`` elsewhere, and
+        ``exact`` wherever ``use_amp=False`` (tabicl's fp32)."""
         if self.recipe is None:
+            if self.use_amp is False:
+                return "exact"
             return "auto" if self.device_.type == "cuda" else "exact"
+        if self.use_amp is False and not (isinstance(self.recipe, str) and self.recipe == "auto"):
+            if resolve_options(self.recipe).precision != "fp32":
+                raise ValueError(
+                    f"use_amp=False asks for fp32, but recipe={self.recipe!r} computes in reduced "
+                    "precision; leave one of them out"
+                )
         return self.recipe
 
     def _load_model(self, n_train: int, n_classes: int | None = None):
@@ -129,15 +158,14 @@ class _TabICLBase(BaseEstimator):
                 f"bucket_grid must be a tabserve.BucketGrid or None, got "
                 f"{type(self.bucket_grid).__name__}"
             )
-        if self.model_path is None:
-            raise ValueError(
-                "model_path is required: the path of a TabICLv2 .ckpt or tabserve .safetensors file"
-            )
-        config, _ = read_checkpoint(Path(self.model_path))  # once per process and file
+        task = "clf" if self._classification else "reg"
+        check_reference_args(self, task)
+        path = checkpoint_path(self.model_path, self.allow_auto_download, self.checkpoint_version)
+        config, _ = read_checkpoint(path)  # once per process and file
         if config.is_regression == self._classification:
             kind = "regression" if config.is_regression else "classification"
             raise ValueError(
-                f"{self.model_path} is a {kind} checkpoint; {type(self).__name__} needs the other kind"
+                f"{path} is a {kind} checkpoint; {type(self).__name__} needs the other kind"
             )
         if isinstance(recipe, str) and recipe == "auto":
             recipe = auto_options(
@@ -145,17 +173,77 @@ class _TabICLBase(BaseEstimator):
                 n_train,
                 self.n_features_in_,
                 bool(self.kv_cache),
-                task="clf" if self._classification else "reg",
+                task=task,
                 n_classes=n_classes,
                 many_classes_above=config.max_classes,
                 allow_fp8=bool(self.allow_fp8),
             )
+        options = resolve_options(recipe)
+        say(self, "fit: %s on %s, %d train rows, %d features", describe(options), self.device_,
+            n_train, self.n_features_in_)  # fmt: skip
+        self.model_path_, self.served_options_ = path, options
+        self.checkpoint_size_ = path.stat().st_size
+        return self._served()
+
+    def _served(self):
         # Shared by every estimator of this checkpoint, device and configuration in the process:
         # loaded, compiled and captured once (model_cache), compiled in the background.
-        options = resolve_options(recipe)
         return served_model(
-            Path(self.model_path), self.device_, options, self.bucket_grid, background=True
+            self.model_path_, self.device_, self.served_options_, self.bucket_grid, background=True
         )
+
+    # ------------------------------------------------------------------ saving
+    def __getstate__(self):
+        """Pickles without the network: a fitted estimator keeps its checkpoint's path and size
+        and finds the served model again when unpickled; the KV cache is left out (rebuilt on
+        load) unless :meth:`save` is asked to keep it."""
+        state = dict(super().__getstate__())  # a copy: object.__getstate__ is the live dict
+        state.pop("model_", None)
+        if "cache_" in state and not state.pop("_keep_kv_cache", False):
+            state["cache_"] = None
+        state.pop("_keep_kv_cache", None)
+        return state
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        if "plan_" not in state:
+            return
+        path = Path(self.model_path_)
+        if not path.is_file() or path.stat().st_size != self.checkpoint_size_:
+            raise FileNotFoundError(
+                f"the checkpoint this estimator was fitted with, {path} "
+                f"({self.checkpoint_size_:,} bytes), is not there (or is another file); put it "
+                "back, or fit again"
+            )
+        self.model_ = self._served()
+        if self.kv_cache and self.cache_ is None:
+            self.cache_ = self._build_caches()
+
+    def save(self, path, save_kv_cache: bool = False) -> None:
+        """Writes the fitted estimator to ``path`` (a pickle, without the network's weights:
+        they are read again from the checkpoint file on :meth:`load`). ``save_kv_cache``: keep
+        the KV cache, so the loaded estimator predicts without rebuilding it.
+
+        Security: loading a pickle runs code; load only files you wrote."""
+        check_is_fitted(self, "plan_")
+        self._keep_kv_cache = bool(save_kv_cache)
+        try:
+            with open(path, "wb") as file:
+                pickle.dump(self, file, protocol=pickle.HIGHEST_PROTOCOL)
+        finally:
+            del self._keep_kv_cache
+
+    @classmethod
+    def load(cls, path):
+        """An estimator written by :meth:`save`, on the device it was fitted on. Raises
+        TypeError when the file holds another kind of estimator.
+
+        Security: this unpickles; load only files you wrote."""
+        with open(path, "rb") as file:
+            estimator = pickle.load(file)
+        if not isinstance(estimator, cls):
+            raise TypeError(f"{path} holds a {type(estimator).__name__}, not a {cls.__name__}")
+        return estimator
 
     def _fit_members(self, X, y: Tensor, n_classes: int) -> None:
         if self.n_estimators < 1:
@@ -242,7 +330,10 @@ class TabICLClassifier(ClassifierMixin, _TabICLBase):
     ``["none", "power"]``), ``feat_shuffle_method="latin"``, ``class_shuffle_method="shift"``,
     ``outlier_threshold=4.0``, ``softmax_temperature=0.9``, ``average_logits=True``,
     ``support_many_classes=True``, ``batch_size=8`` (members per model call), ``kv_cache=False``,
-    ``model_path`` (required), ``device=None`` (CUDA if available), ``random_state=42``;
+    ``model_path=None``, ``allow_auto_download=True``, ``checkpoint_version`` (the released
+    v2 checkpoint), ``device=None`` (CUDA if available), ``use_amp="auto"``, ``use_fa3="auto"``,
+    ``offload_mode="auto"``, ``disk_offload_dir=None``, ``random_state=42``, ``n_jobs=None``,
+    ``verbose=False``, ``inference_config=None`` (module docstring);
     tabserve's own: ``recipe=None`` (``"auto"`` on CUDA, ``exact`` on the CPU), ``allow_fp8=True`` and
     ``bucket_grid=None`` (module docstring).
     """
@@ -262,8 +353,17 @@ class TabICLClassifier(ClassifierMixin, _TabICLBase):
         batch_size: int | None = 8,
         kv_cache: bool | str = False,
         model_path: str | Path | None = None,
+        allow_auto_download: bool = True,
+        checkpoint_version: str = "tabicl-classifier-v2-20260212.ckpt",
         device: str | torch.device | None = None,
+        use_amp: bool | str = "auto",
+        use_fa3: bool | str = "auto",
+        offload_mode: str | bool = "auto",
+        disk_offload_dir: str | None = None,
         random_state: int | None = 42,
+        n_jobs: int | None = None,
+        verbose: bool = False,
+        inference_config=None,
         recipe=None,
         allow_fp8: bool = True,
         bucket_grid=None,
@@ -279,13 +379,23 @@ class TabICLClassifier(ClassifierMixin, _TabICLBase):
         self.batch_size = batch_size
         self.kv_cache = kv_cache
         self.model_path = model_path
+        self.allow_auto_download = allow_auto_download
+        self.checkpoint_version = checkpoint_version
         self.device = device
+        self.use_amp = use_amp
+        self.use_fa3 = use_fa3
+        self.offload_mode = offload_mode
+        self.disk_offload_dir = disk_offload_dir
         self.random_state = random_state
+        self.n_jobs = n_jobs
+        self.verbose = verbose
+        self.inference_config = inference_config
         self.recipe = recipe
         self.allow_fp8 = allow_fp8
         self.bucket_grid = bucket_grid
 
     @_atomic_fit
+    @_threads
     def fit(self, X, y) -> TabICLClassifier:
         """Fit preprocessing and the member plan (and the KV cache if ``kv_cache``).
 
@@ -327,6 +437,7 @@ class TabICLClassifier(ClassifierMixin, _TabICLBase):
         self._fit_members(X, labels, self.n_classes_)
         return self
 
+    @_threads
     def predict_proba(self, X) -> np.ndarray:
         """Class probabilities ``(rows, n_classes)`` float32, columns in ``classes_`` order."""
         X_test = self._test_table(X)
@@ -376,8 +487,17 @@ class TabICLRegressor(RegressorMixin, _TabICLBase):
         batch_size: int | None = 8,
         kv_cache: bool | str = False,
         model_path: str | Path | None = None,
+        allow_auto_download: bool = True,
+        checkpoint_version: str = "tabicl-regressor-v2-20260212.ckpt",
         device: str | torch.device | None = None,
+        use_amp: bool | str = "auto",
+        use_fa3: bool | str = "auto",
+        offload_mode: str | bool = "auto",
+        disk_offload_dir: str | None = None,
         random_state: int | None = 42,
+        n_jobs: int | None = None,
+        verbose: bool = False,
+        inference_config=None,
         recipe=None,
         allow_fp8: bool = True,
         bucket_grid=None,
@@ -389,13 +509,23 @@ class TabICLRegressor(RegressorMixin, _TabICLBase):
         self.batch_size = batch_size
         self.kv_cache = kv_cache
         self.model_path = model_path
+        self.allow_auto_download = allow_auto_download
+        self.checkpoint_version = checkpoint_version
         self.device = device
+        self.use_amp = use_amp
+        self.use_fa3 = use_fa3
+        self.offload_mode = offload_mode
+        self.disk_offload_dir = disk_offload_dir
         self.random_state = random_state
+        self.n_jobs = n_jobs
+        self.verbose = verbose
+        self.inference_config = inference_config
         self.recipe = recipe
         self.allow_fp8 = allow_fp8
         self.bucket_grid = bucket_grid
 
     @_atomic_fit
+    @_threads
     def fit(self, X, y) -> TabICLRegressor:
         """Standardise y, fit preprocessing / members (and the KV cache if ``kv_cache``)."""
         if y is None:
@@ -422,6 +552,7 @@ class TabICLRegressor(RegressorMixin, _TabICLBase):
         self._fit_members(X, torch.as_tensor(y_scaled, dtype=torch.float64, device=self.device_), 0)
         return self
 
+    @_threads
     def predict(
         self,
         X,

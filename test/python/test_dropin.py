@@ -1,0 +1,219 @@
+"""tabserve's estimators as a drop-in for tabicl 2.2.0's: every reference constructor argument,
+the checkpoint found through the Hugging Face Hub cache (offline, a pre-filled cache), and
+pickling / saving without the network."""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from tabicl_helpers import reference_checkpoint
+from tabserve.models.tabicl import TabICLClassifier, TabICLRegressor
+from tabserve.models.tabicl.reference_args import CHECKPOINT_VERSIONS, HF_REPO
+
+tabicl = pytest.importorskip("tabicl")
+
+
+def _table(seed: int = 0, rows: int = 120, features: int = 5, classes: int = 3):
+    rng = np.random.default_rng(seed)
+    X = rng.standard_normal((rows, features))
+    y = rng.integers(0, classes, rows) if classes else X[:, 0] * 2 + rng.standard_normal(rows)
+    return X[:90], y[:90], X[90:]
+
+
+@pytest.mark.parametrize(
+    "ours, theirs",
+    [
+        (TabICLClassifier, tabicl.TabICLClassifier),
+        (TabICLRegressor, tabicl.TabICLRegressor),
+    ],
+)
+def test_every_reference_argument_is_taken_with_the_reference_default(ours, theirs):
+    mine = inspect.signature(ours.__init__).parameters
+    reference = inspect.signature(theirs.__init__).parameters
+    missing = sorted(set(reference) - set(mine))
+    assert not missing
+    for name, parameter in reference.items():
+        assert mine[name].default == parameter.default, name
+    # and tabicl's way of calling them works as it is
+    X, y, X_test = _table(classes=3 if ours is TabICLClassifier else 0)
+    kwargs = {
+        "model_path": reference_checkpoint("clf" if ours is TabICLClassifier else "reg", "tiny"),
+        "n_estimators": 2, "device": "cpu", "use_amp": "auto", "use_fa3": "auto",
+        "offload_mode": "auto", "disk_offload_dir": None, "n_jobs": -1, "verbose": False,
+        "allow_auto_download": False,
+    }  # fmt: skip
+    assert ours(**kwargs).fit(X, y).predict(X_test).shape[0] == len(X_test)
+
+
+@pytest.mark.parametrize(
+    "params, match",
+    [
+        ({"use_amp": "yes"}, "use_amp must be True, False or 'auto'"),
+        ({"use_fa3": 1}, "use_fa3 must be True, False or 'auto'"),
+        ({"offload_mode": "cpu"}, "offload_mode='cpu': tabserve keeps"),
+        ({"offload_mode": "tape"}, "offload_mode must be one of"),
+        ({"inference_config": {"COL_CONFIG": {}}}, "inference_config is tabicl's"),
+        ({"n_jobs": 0}, "n_jobs must be None or a non-zero integer"),
+        ({"n_jobs": 2.5}, "n_jobs must be None or a non-zero integer"),
+        ({"checkpoint_version": "tabicl-classifier-v1-20250208.ckpt"}, "not a TabICLv2"),
+        ({"use_amp": False, "recipe": "large"}, "use_amp=False asks for fp32"),
+    ],
+)
+def test_bad_reference_arguments_name_themselves_and_leave_the_estimator_as_it_was(params, match):
+    X, y, X_test = _table()
+    clf = TabICLClassifier(model_path=reference_checkpoint("clf", "tiny"), n_estimators=2)
+    clf.fit(X, y)
+    before = clf.predict_proba(X_test)
+    clf.set_params(**params)
+    with pytest.raises(ValueError, match=match):
+        clf.fit(X, y)
+    clf.set_params(**{k: TabICLClassifier().get_params()[k] for k in params})
+    np.testing.assert_array_equal(clf.predict_proba(X_test), before)
+
+
+def test_use_amp_false_serves_exact_where_the_default_would_serve_auto():
+    """The rule on a CUDA device (no GPU needed: it only reads the estimator's device)."""
+    clf = TabICLClassifier()
+    clf.device_ = torch.device("cuda")
+    assert clf._recipe() == "auto"
+    assert clf.set_params(use_amp=False)._recipe() == "exact"
+    assert clf.set_params(use_amp=True)._recipe() == "auto"
+    assert clf.set_params(use_amp=False, recipe="exact")._recipe() == "exact"
+
+
+def test_n_jobs_sets_torch_threads_for_the_call_and_restores_them(monkeypatch):
+    X, y, X_test = _table()
+    seen = []
+    real = torch.set_num_threads
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: (seen.append(n), real(n))[1])
+    before = torch.get_num_threads()
+    clf = TabICLClassifier(model_path=reference_checkpoint("clf", "tiny"), n_estimators=2, n_jobs=1)
+    clf.fit(X, y).predict_proba(X_test)
+    assert seen == [1, before, 1, before] and torch.get_num_threads() == before
+    seen.clear()
+    clf.set_params(n_jobs=-1).predict_proba(X_test)
+    assert seen == [max(1, (os.cpu_count() or 1) + 1 - 1), before]
+
+
+def test_verbose_logs_on_the_tabserve_logger(caplog):
+    X, y, _ = _table()
+    with caplog.at_level(logging.INFO, logger="tabserve"):
+        TabICLClassifier(model_path=reference_checkpoint("clf", "tiny"), n_estimators=2).fit(X, y)
+        assert not caplog.records
+        TabICLClassifier(
+            model_path=reference_checkpoint("clf", "tiny"), n_estimators=2, verbose=True
+        ).fit(X, y)
+    assert any("fit: exact on cpu, 90 train rows, 5 features" in r.getMessage() for r in caplog.records)
+
+
+# ------------------------------------------------------------------ the checkpoint's source
+def _prefilled_hub_cache(root, task: str):
+    """A Hugging Face Hub cache holding the (random-weight) checkpoint under the released name."""
+    revision = "0" * 40
+    repo = root / f"models--{HF_REPO.replace('/', '--')}"
+    snapshot = repo / "snapshots" / revision
+    snapshot.mkdir(parents=True)
+    shutil.copy(reference_checkpoint(task, "tiny"), snapshot / CHECKPOINT_VERSIONS[task][0])
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(revision)
+    return root
+
+
+@pytest.mark.parametrize("task", ["clf", "reg"])
+def test_model_path_none_loads_the_released_checkpoint_from_the_hub_cache_offline(tmp_path, task):
+    cache = _prefilled_hub_cache(tmp_path / "hub", task)
+    name = "TabICLClassifier" if task == "clf" else "TabICLRegressor"
+    code = f"""
+import numpy as np
+from tabserve.models.tabicl import {name}
+rng = np.random.default_rng(0)
+X = rng.standard_normal((60, 4)); y = rng.integers(0, 2, 60) if {task == 'clf'} else X[:, 0]
+a = {name}(n_estimators=2).fit(X[:40], y[:40])
+b = {name}(n_estimators=2, model_path={str(reference_checkpoint(task, 'tiny'))!r}).fit(X[:40], y[:40])
+out = (lambda e: e.predict_proba(X[40:]) if {task == 'clf'} else e.predict(X[40:]))
+print("same", float(np.abs(out(a) - out(b)).max()), a.model_path_.name)
+"""
+    env = dict(os.environ, HF_HUB_CACHE=str(cache), HF_HUB_OFFLINE="1")
+    child = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert child.returncode == 0, child.stderr[-2000:]
+    assert f"same 0.0 {CHECKPOINT_VERSIONS[task][0]}" in child.stdout
+
+
+def test_no_checkpoint_and_no_download_is_a_clear_error(tmp_path):
+    code = """
+import numpy as np
+from tabserve.models.tabicl import TabICLClassifier
+X = np.random.default_rng(0).standard_normal((20, 3)); y = np.arange(20) % 2
+for kwargs in ({"allow_auto_download": False}, {"model_path": "missing.ckpt", "allow_auto_download": False}):
+    try:
+        TabICLClassifier(**kwargs).fit(X, y)
+    except FileNotFoundError as error:
+        print("refused:", error)
+"""
+    env = dict(os.environ, HF_HUB_CACHE=str(tmp_path / "empty"), HF_HUB_OFFLINE="1")
+    child = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
+        cwd=tmp_path,
+    )  # fmt: skip
+    assert child.returncode == 0, child.stderr[-2000:]
+    lines = [line for line in child.stdout.splitlines() if line.startswith("refused:")]
+    assert len(lines) == 2 and all("allow_auto_download" in line for line in lines)
+    assert "not in the Hugging Face Hub cache" in lines[0] and "missing.ckpt" in lines[1]
+
+
+# ------------------------------------------------------------------ pickling and saving
+@pytest.mark.parametrize("task", ["clf", "reg"])
+@pytest.mark.parametrize("kv_cache", [False, True])
+def test_a_fitted_estimator_pickles_small_and_predicts_the_same(task, kv_cache):
+    X, y, X_test = _table(classes=3 if task == "clf" else 0)
+    cls = TabICLClassifier if task == "clf" else TabICLRegressor
+    est = cls(model_path=reference_checkpoint(task, "full"), n_estimators=4, kv_cache=kv_cache)
+    est.fit(X, y)
+    predict = (lambda e: e.predict_proba(X_test)) if task == "clf" else (lambda e: e.predict(X_test))
+    expected = predict(est)
+    data = pickle.dumps(est)
+    assert len(data) < 1_000_000  # the weights (about 110 MB) stay in the checkpoint file
+    again = pickle.loads(data)
+    assert (again.cache_ is not None) == kv_cache  # left out, rebuilt on load
+    np.testing.assert_allclose(predict(again), expected, atol=1e-6, rtol=0)
+    np.testing.assert_array_equal(predict(est), expected)  # pickling left the original whole
+
+
+def test_save_keeps_the_kv_cache_on_request_and_load_checks_the_kind(tmp_path):
+    X, y, X_test = _table()
+    est = TabICLClassifier(model_path=reference_checkpoint("clf", "tiny"), n_estimators=2, kv_cache=True)
+    expected = est.fit(X, y).predict_proba(X_test)
+    light, heavy = tmp_path / "light.pkl", tmp_path / "heavy.pkl"
+    est.save(light)
+    est.save(heavy, save_kv_cache=True)
+    assert heavy.stat().st_size > light.stat().st_size
+    assert not hasattr(est, "_keep_kv_cache")
+    for path in (light, heavy):
+        np.testing.assert_allclose(
+            TabICLClassifier.load(path).predict_proba(X_test), expected, atol=1e-6, rtol=0
+        )
+    with pytest.raises(TypeError, match="holds a TabICLClassifier, not a TabICLRegressor"):
+        TabICLRegressor.load(light)
+    with pytest.raises(Exception, match="fitted|plan_"):
+        TabICLClassifier(model_path=reference_checkpoint("clf", "tiny")).save(tmp_path / "x.pkl")
+
+
+def test_unpickling_without_the_checkpoint_says_which_file_is_missing(tmp_path):
+    X, y, _ = _table()
+    path = tmp_path / "model.ckpt"
+    shutil.copy(reference_checkpoint("clf", "tiny"), path)
+    data = pickle.dumps(TabICLClassifier(model_path=path, n_estimators=2).fit(X, y))
+    path.unlink()
+    with pytest.raises(FileNotFoundError, match=r"model\.ckpt .* is not there"):
+        pickle.loads(data)
