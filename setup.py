@@ -40,6 +40,21 @@ from torch.utils.cpp_extension import (  # noqa: E402
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
+def _record_torch_version() -> None:
+    """Writes the torch version the extension is built against into the package: the compiled
+    operators link to that torch's C++ ABI, and ``import tabserve`` refuses another one."""
+    path = os.path.join(HERE, "python", "tabserve", "_build_info.py")
+    text = (
+        '"""Written by setup.py when the extension is built; not edited by hand."""\n\n'
+        f"TORCH_VERSION = {torch.__version__!r}\n"
+    )
+    with open(path, "w") as file:
+        file.write(text)
+
+
+_record_torch_version()
+
+
 def _with_cuda() -> bool:
     if os.environ.get("TABSERVE_CPU_ONLY", "0") == "1":
         return False
@@ -69,7 +84,7 @@ setup(
     package_dir={"": "python"},
     packages=find_packages("python"),
     # The promotions recipe="auto" reads: found in site-packages after a wheel install.
-    package_data={"tabserve.models.tabicl": ["promotions.json"]},
+    package_data={"tabserve": ["py.typed"], "tabserve.models.tabicl": ["promotions.json"]},
     ext_modules=[_extension()],
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
 )

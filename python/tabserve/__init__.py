@@ -6,6 +6,27 @@ Importing the package loads the compiled operator library (`tabserve._C`), which
 
 import torch  # noqa: F401  (loads libtorch before the extension)
 
+__version__ = "0.1.0"
+
+
+def _check_torch_version() -> None:
+    """The compiled operators link to the C++ ABI of the torch they were built against
+    (``_build_info``, written by setup.py): another torch release fails to load them, or worse."""
+    try:
+        from ._build_info import TORCH_VERSION
+    except ImportError:  # a source tree that was never built: _C's import says so
+        return
+    built, running = TORCH_VERSION.split("+")[0], torch.__version__.split("+")[0]
+    if built != running:
+        raise ImportError(
+            f"tabserve's extension was built against torch {TORCH_VERSION}, but this process has "
+            f"torch {torch.__version__}; rebuild it (pip install --no-build-isolation .) or "
+            f"install torch {built}"
+        )
+
+
+_check_torch_version()
+
 from . import _C  # noqa: F401,E402  (registers torch.ops.tabserve.*)
 from . import ops
 from .strings import StringColumn, StringIndex
@@ -13,8 +34,6 @@ from .tables import CategoricalColumn, Table, mark_dynamic
 from .align import AlignCategories, CategoryTypeError
 from .encoding import TabICLEncoder, encode_categoricals
 from .buckets import Bucket, BucketGrid
-
-__version__ = "0.1.0"
 
 # Heavier parts load on first use, so `import tabserve` stays cheap for preprocessing-only users.
 _LAZY = {

@@ -67,6 +67,14 @@ def _fail(like: Tensor, error: str, message: str) -> Tensor:
     return _raise_error(like, error, message)
 
 
+#: What a loaded state sets besides the buffers (extra state and the rebuilt index).
+_FITTED_ATTRIBUTES = ("sort_by", "column_names", "column_kinds", "slot_hash", "slot_row")
+
+
+class _Refused(Exception):
+    """A state ``_load_from_state_dict`` reported in ``error_msgs`` (load_state_dict raises)."""
+
+
 class AlignCategories(nn.Module):
     """Aligns the categorical columns of tables with the categories of a fitted table.
 
@@ -180,27 +188,39 @@ class AlignCategories(nn.Module):
     def _load_from_state_dict(
         self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
     ):
-        # The fitted vocabulary's size differs from the constructed one's: make room first so
-        # the default loader copies instead of reporting a size mismatch.
+        # A state that fails (a bad offset the index build rejects, a column count that does
+        # not match) leaves the module as it was: what loading replaces is put back.
+        saved_buffers = dict(self._buffers)
+        saved_state = {name: getattr(self, name) for name in _FITTED_ATTRIBUTES}
+        # Fresh buffers of the incoming sizes (the fitted vocabulary's size differs from the
+        # constructed one's): the default loader copies into them, and the saved ones keep
+        # their values.
         for name in ("vocabulary_data", "vocabulary_offsets", "vocabulary_segments"):
             incoming = state_dict.get(prefix + name)
-            current = self._buffers[name]
-            if isinstance(incoming, Tensor) and incoming.shape != current.shape:
-                self._buffers[name] = current.new_empty(incoming.shape)
-        missing_before = len(missing_keys)
-        super()._load_from_state_dict(
-            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
-        )
-        if len(missing_keys) != missing_before:  # an incomplete state: load_state_dict reports it
-            return
-        expected = 1 + len(self.column_names or ())
-        if self.vocabulary_segments.shape[0] != expected:
-            error_msgs.append(
-                f"{prefix}vocabulary_segments holds {self.vocabulary_segments.shape[0]} entries "
-                f"but the state names {expected - 1} columns"
-            )
-            return
-        self._build_index()
+            if isinstance(incoming, Tensor):
+                self._buffers[name] = self._buffers[name].new_empty(incoming.shape)
+        missing_before, errors_before = len(missing_keys), len(error_msgs)
+        try:
+            super()._load_from_state_dict(
+                state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                error_msgs,
+            )  # fmt: skip
+            if len(missing_keys) != missing_before or len(error_msgs) != errors_before:
+                raise _Refused()
+            expected = 1 + len(self.column_names or ())
+            if self.vocabulary_segments.shape[0] != expected:
+                error_msgs.append(
+                    f"{prefix}vocabulary_segments holds {self.vocabulary_segments.shape[0]} "
+                    f"entries but the state names {expected - 1} columns"
+                )
+                raise _Refused()
+            self._build_index()
+        except BaseException as error:
+            self._buffers.update(saved_buffers)
+            for name, value in saved_state.items():
+                setattr(self, name, value)
+            if not isinstance(error, _Refused):
+                raise
 
     def categories(self, name: str) -> list:
         """The fitted categories of column ``name`` in code order, as Python values (str, or

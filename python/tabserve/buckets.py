@@ -14,7 +14,7 @@ same grids.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 
@@ -86,6 +86,11 @@ class Chunk:
 
 
 def _check_grid(name: str, grid: Sequence[int]) -> tuple:
+    if isinstance(grid, (str, bytes)) or not isinstance(grid, Iterable):
+        raise TypeError(
+            f"{name} must be a sequence of bucket sizes (e.g. (64, 128)), got "
+            f"{type(grid).__name__} {grid!r}"
+        )
     grid = tuple(grid)
     if not grid:
         raise ValueError(f"{name} must hold at least one bucket size, got an empty grid")

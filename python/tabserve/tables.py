@@ -256,6 +256,11 @@ class Table:
             encoded; ValueError for duplicate column names or an unknown name in
             ``categorical``.
         """
+        if not (hasattr(frame, "columns") and hasattr(frame, "dtypes")):
+            raise TypeError(
+                f"Table.from_pandas: frame must be a pandas DataFrame, got {type(frame).__name__}"
+                " (pd.DataFrame(...) makes one from a dict of columns)"
+            )
         names = [str(name) for name in frame.columns]
         if len(set(names)) != len(names):
             raise ValueError("frame has duplicate column names")

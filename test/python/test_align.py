@@ -373,3 +373,22 @@ def test_compiled_graph_takes_the_codes_matrix_not_a_codes_tensor_per_column():
         assert torch.equal(compiled(batch), align(batch))
     codes_inputs = {name for name in inputs if "codes" in name}
     assert codes_inputs == {"l_table_codes"}, inputs
+
+
+def test_a_state_that_fails_to_load_leaves_the_module_as_it_was():
+    train, test = random_frames(7, columns=3)
+    fitted = AlignCategories().fit(Table.from_pandas(train))
+    table = Table.from_pandas(test)
+    expected = fitted(table)
+    other = AlignCategories().fit(Table.from_pandas(random_frames(8, columns=3)[0])).state_dict()
+    offsets = other["vocabulary_offsets"].clone()
+    offsets[1] = offsets[-1] + 5  # past the data: the index build refuses it
+    too_many = dict(other, vocabulary_segments=torch.zeros(9, dtype=torch.int64))
+    for bad, error, match in (
+        (dict(other, vocabulary_offsets=offsets), RuntimeError, "offsets"),
+        (too_many, RuntimeError, "names 3 columns"),
+    ):
+        with pytest.raises(error, match=match):
+            fitted.load_state_dict(bad)
+        assert torch.equal(fitted(table), expected)
+        assert fitted.column_names == tuple(train.columns)

@@ -217,3 +217,58 @@ def test_unpickling_without_the_checkpoint_says_which_file_is_missing(tmp_path):
     path.unlink()
     with pytest.raises(FileNotFoundError, match=r"model\.ckpt .* is not there"):
         pickle.loads(data)
+
+
+# ------------------------------------------------------------------ scikit-learn conformance
+#: The checks a random-weight checkpoint cannot pass: they ask for high train accuracy.
+ACCURACY_CHECKS = {"check_classifiers_train", "check_regressors_train"}
+
+
+def _check_results(estimator) -> dict:
+    import warnings
+
+    from sklearn.utils.estimator_checks import check_estimator
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        results = check_estimator(estimator, on_fail=None)
+    return {
+        status: sorted(r["check_name"] for r in results if r["status"] == status)
+        for status in ("passed", "failed")
+    }
+
+
+@pytest.mark.parametrize("task", ["clf", "reg"])
+def test_check_estimator_passes_what_tabicl_passes_with_the_same_weights(task):
+    path = str(reference_checkpoint(task, "tiny"))
+    ours = (TabICLClassifier if task == "clf" else TabICLRegressor)(model_path=path, n_estimators=2)
+    theirs = (tabicl.TabICLClassifier if task == "clf" else tabicl.TabICLRegressor)(
+        model_path=path, n_estimators=2, device="cpu", allow_auto_download=False
+    )
+    mine, reference = _check_results(ours), _check_results(theirs)
+    assert set(mine["failed"]) <= ACCURACY_CHECKS, mine["failed"]
+    assert len(mine["passed"]) >= len(reference["passed"])
+
+
+def test_scikit_learn_model_selection_and_pipelines():
+    from sklearn.model_selection import GridSearchCV, cross_val_score
+    from sklearn.pipeline import make_pipeline
+    from sklearn.preprocessing import StandardScaler
+
+    rng = np.random.default_rng(3)
+    X = rng.standard_normal((90, 4))
+    y = (X[:, 0] + 0.3 * rng.standard_normal(90) > 0).astype(int)
+    clf = TabICLClassifier(model_path=reference_checkpoint("clf", "tiny"), n_estimators=2)
+    scores = cross_val_score(clf, X, y, cv=3)
+    assert scores.shape == (3,) and np.all((0 <= scores) & (scores <= 1))
+    search = GridSearchCV(clf, {"softmax_temperature": [0.5, 0.9]}, cv=2).fit(X, y)
+    assert search.best_params_["softmax_temperature"] in (0.5, 0.9)
+    pipe = make_pipeline(StandardScaler(), clf).fit(X, y)
+    np.testing.assert_allclose(
+        pipe.predict_proba(X[:5]),
+        TabICLClassifier(model_path=reference_checkpoint("clf", "tiny"), n_estimators=2)
+        .fit(StandardScaler().fit(X).transform(X), y)
+        .predict_proba(StandardScaler().fit(X).transform(X[:5])),
+        atol=1e-6,
+        rtol=0,
+    )

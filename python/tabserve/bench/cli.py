@@ -14,6 +14,7 @@ import time
 from contextlib import nullcontext
 from pathlib import Path
 
+import tabserve
 import torch
 
 from . import report
@@ -44,6 +45,7 @@ SKIPPABLE_PHASES = ("kv", "end_to_end")
 
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="python -m tabserve.bench", description=__doc__.split("\n")[0])
+    p.add_argument("--version", action="version", version=f"tabserve {tabserve.__version__}")
     p.add_argument(
         "--cells", nargs="+", metavar="CELL", help="cell names or patterns (ref-*, large*)"
     )

@@ -31,6 +31,7 @@ compiled (:mod:`.model_cache`). :func:`tabserve.wait_for_compiles` waits for the
 from __future__ import annotations
 
 import functools
+import numbers
 import pickle
 from collections.abc import Sequence
 from pathlib import Path
@@ -38,7 +39,13 @@ from pathlib import Path
 import numpy as np
 import torch
 from sklearn.base import BaseEstimator, ClassifierMixin, RegressorMixin
-from sklearn.utils.validation import check_is_fitted
+from sklearn.utils.multiclass import check_classification_targets
+from sklearn.utils.validation import (
+    check_consistent_length,
+    check_is_fitted,
+    column_or_1d,
+    validate_data,
+)
 from torch import Tensor
 
 from tabserve.buckets import BucketGrid
@@ -92,47 +99,45 @@ def _threads(method):
     return wrapper
 
 
-def _num_rows(X) -> int:
-    shape = getattr(X, "shape", None)
-    if shape is None:
-        X = np.asarray(X, dtype=object)
-        shape = X.shape
-    if len(shape) != 2:
-        raise ValueError(f"X must be 2-D (rows, features), got shape {tuple(shape)}")
-    return int(shape[0])
-
-
 class _TabICLBase(BaseEstimator):
     """Shared fit / member plumbing; subclasses define the task."""
 
     _classification = True
 
     # ------------------------------------------------------------------ fit
-    def _check_X(self, X, reset: bool) -> None:
-        rows = _num_rows(X)
-        n_features = int(X.shape[1]) if hasattr(X, "shape") else len(np.asarray(X, dtype=object)[0])
-        names = list(map(str, X.columns)) if hasattr(X, "columns") else None
-        if reset:
-            if rows == 0:
-                raise ValueError("X has zero rows; fit needs at least one train row")
-            if n_features == 0:
-                raise ValueError("X has no features")
-            self.n_features_in_ = n_features
-            if names is not None:
-                self.feature_names_in_ = np.asarray(names, dtype=object)
-            elif hasattr(self, "feature_names_in_"):
-                del self.feature_names_in_
-            return
-        if n_features != self.n_features_in_:
-            raise ValueError(
-                f"X has {n_features} features, but {type(self).__name__} was fitted with "
-                f"{self.n_features_in_}"
-            )
-        fitted = getattr(self, "feature_names_in_", None)
-        if fitted is not None and names is not None and list(fitted) != names:
-            raise ValueError(
-                f"X columns {names} differ from the columns seen at fit {list(fitted)}"
-            )
+    def _validate_X(self, X, reset: bool):
+        """``X`` checked with scikit-learn's helpers (``n_features_in_`` and
+        ``feature_names_in_`` recorded at fit, compared at predict). DataFrames stay as they
+        are: their column kinds decide the encoding. Anything else becomes a 2-D numeric array,
+        NaN allowed; sparse, complex, 1-D, empty and infinite data raise."""
+        if hasattr(X, "columns") and hasattr(X, "dtypes"):
+            X = validate_data(self, X, reset=reset, skip_check_array=True)
+            rows, columns = X.shape
+            if rows < 1:
+                raise ValueError(
+                    f"Found array with 0 sample(s) (shape={X.shape}) while a minimum of 1 is "
+                    "required."
+                )
+            if columns < 1:
+                raise ValueError(
+                    f"Found array with 0 feature(s) (shape={X.shape}) while a minimum of 1 is "
+                    "required."
+                )
+            return X
+        return validate_data(
+            self, X, reset=reset, dtype="numeric", ensure_all_finite="allow-nan",
+            accept_sparse=False,
+        )  # fmt: skip
+
+    @staticmethod
+    def _target(X, y, estimator: str):
+        """``y`` as a 1-D array of one entry per row of ``X`` (a column vector warns, as
+        scikit-learn's estimators do)."""
+        if y is None:
+            raise ValueError(f"{estimator} requires y to be passed, but the target y is None.")
+        y = column_or_1d(y, warn=True)
+        check_consistent_length(X, y)
+        return y
 
     def _recipe(self):
         """The recipe asked for: None means ``"auto"`` on CUDA, ``exact`` elsewhere, and
@@ -246,8 +251,9 @@ class _TabICLBase(BaseEstimator):
         return estimator
 
     def _fit_members(self, X, y: Tensor, n_classes: int) -> None:
-        if self.n_estimators < 1:
-            raise ValueError(f"n_estimators must be >= 1, got {self.n_estimators}")
+        n = self.n_estimators
+        if not isinstance(n, numbers.Integral) or isinstance(n, bool) or n < 1:
+            raise ValueError(f"n_estimators must be an integer >= 1, got {n!r}")
         norm_methods = self.norm_methods or DEFAULT_NORM_METHODS
         norm_methods = [norm_methods] if isinstance(norm_methods, str) else list(norm_methods)
         self.encoder_ = TableEncoder(self.device_).fit(X)
@@ -296,9 +302,7 @@ class _TabICLBase(BaseEstimator):
 
     def _test_table(self, X) -> Tensor:
         check_is_fitted(self, "plan_")
-        if isinstance(X, np.ndarray) and X.ndim == 1:
-            raise ValueError("X is one-dimensional; reshape it to (rows, features)")
-        self._check_X(X, reset=False)
+        X = self._validate_X(X, reset=False)
         return self.filter_.transform(self.encoder_.transform(X))
 
     def _member_outputs(self, X_test: Tensor, run, run_cached) -> list:
@@ -403,26 +407,21 @@ class TabICLClassifier(ClassifierMixin, _TabICLBase):
             ValueError: zero rows, a single class, NaN labels, length mismatch, infinite features,
             too many classes for the requested mode, bad checkpoint.
         """
-        if y is None:
-            raise ValueError("TabICLClassifier.fit needs y")
-        self._check_X(X, reset=True)
-        y = np.asarray(y)
-        if y.ndim == 2 and y.shape[1] == 1:
-            y = y.ravel()
-        if y.ndim != 1 or len(y) != _num_rows(X):
-            raise ValueError(
-                f"y must be 1-D with one label per row of X ({_num_rows(X)}), got shape {y.shape}"
-            )
+        X = self._validate_X(X, reset=True)
+        y = self._target(X, y, type(self).__name__)
         if y.dtype.kind == "f" and np.isnan(y).any():
             raise ValueError("y contains NaN labels")
+        if y.dtype == object and any(label is None for label in y):
+            raise ValueError("y contains None among its labels")
+        check_classification_targets(y)
         self.classes_, codes = np.unique(y, return_inverse=True)
         if len(self.classes_) < 2:
             raise ValueError(
-                f"classification needs at least 2 classes, y has only {list(self.classes_)}"
+                f"classification needs at least 2 classes; y has 1 class ({self.classes_[0]!r})"
             )
         self.n_classes_ = len(self.classes_)
         self.device_ = _resolve_device(self.device)
-        self.model_ = self._load_model(_num_rows(X), self.n_classes_)
+        self.model_ = self._load_model(X.shape[0], self.n_classes_)
         max_classes = self.model_.config.max_classes
         if self.n_classes_ > max_classes and self.kv_cache:
             raise ValueError(
@@ -528,26 +527,19 @@ class TabICLRegressor(RegressorMixin, _TabICLBase):
     @_threads
     def fit(self, X, y) -> TabICLRegressor:
         """Standardise y, fit preprocessing / members (and the KV cache if ``kv_cache``)."""
-        if y is None:
-            raise ValueError("TabICLRegressor.fit needs y")
-        self._check_X(X, reset=True)
+        X = self._validate_X(X, reset=True)
+        y = self._target(X, y, type(self).__name__)
         try:
             y = np.asarray(y, dtype=np.float32)
         except (TypeError, ValueError) as e:
             raise ValueError(f"regression targets must be numeric: {e}") from None
-        if y.ndim == 2 and y.shape[1] == 1:
-            y = y.ravel()
-        if y.ndim != 1 or len(y) != _num_rows(X):
-            raise ValueError(
-                f"y must be 1-D with one target per row of X ({_num_rows(X)}), got shape {y.shape}"
-            )
         if not np.isfinite(y).all():
             raise ValueError("y contains NaN or infinite targets")
         self.y_mean_ = float(np.mean(y, dtype=np.float64))
         std = float(np.std(y, dtype=np.float64))
         self.y_scale_ = std if std >= 10 * np.finfo(np.float64).eps else 1.0
         self.device_ = _resolve_device(self.device)
-        self.model_ = self._load_model(_num_rows(X))
+        self.model_ = self._load_model(X.shape[0])
         y_scaled = ((y - np.float32(self.y_mean_)) / np.float32(self.y_scale_)).astype(np.float32)
         self._fit_members(X, torch.as_tensor(y_scaled, dtype=torch.float64, device=self.device_), 0)
         return self
