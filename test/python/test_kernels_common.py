@@ -24,8 +24,8 @@ pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("triton") is None, reason="Triton is not installed"
 )
 
-#: Every module of the package, each walked for its jit functions (``_resident`` has none).
-KERNEL_MODULES = ("feed_forward", "norm_linear", "flash_attention", "_common", "_resident")
+#: Every module of the package, each walked for its jit functions (``_resident`` and ``layout`` have none).
+KERNEL_MODULES = ("feed_forward", "norm_linear", "flash_attention", "_common", "_resident", "layout")
 #: The jit helpers each operator's kernel reaches (Inductor's copy must define them).
 KERNEL_HELPERS = {
     "feed_forward._feed_forward_kernel": {"round_to", "layer_norm_rows"},
