@@ -272,3 +272,44 @@ def test_scikit_learn_model_selection_and_pipelines():
         atol=1e-6,
         rtol=0,
     )
+
+
+# ------------------------------------------------------------------ many test rows
+@pytest.mark.parametrize("task", ["clf", "reg"])
+@pytest.mark.parametrize("kv_cache", [False, True])
+def test_test_rows_in_chunks_give_one_calls_answers(task, kv_cache):
+    rng = np.random.default_rng(5)
+    X = rng.standard_normal((200, 6))
+    y = rng.integers(0, 3, 200) if task == "clf" else X[:, 0] + 0.1 * rng.standard_normal(200)
+    cls = TabICLClassifier if task == "clf" else TabICLRegressor
+    params = {"model_path": reference_checkpoint(task, "tiny"), "n_estimators": 4, "kv_cache": kv_cache}
+    whole = cls(**params).fit(X[:120], y[:120])
+    chunked = cls(**params, test_chunk_rows=7).fit(X[:120], y[:120])
+    if task == "clf":
+        np.testing.assert_allclose(
+            chunked.predict_proba(X[120:]), whole.predict_proba(X[120:]), atol=1e-6, rtol=0
+        )
+    else:
+        kinds = ["mean", "quantiles"]
+        a = chunked.predict(X[120:], output_type=kinds, alphas=[0.1, 0.9])
+        b = whole.predict(X[120:], output_type=kinds, alphas=[0.1, 0.9])
+        for kind in kinds:
+            np.testing.assert_allclose(a[kind], b[kind], atol=1e-5, rtol=0)
+    calls = []
+    model = chunked.model_
+    chunked.model_ = type("Counting", (), {
+        "__getattr__": lambda self, name: getattr(model, name),
+        "__call__": lambda self, *a, **k: (calls.append(a[0].shape), model(*a, **k))[1],
+    })()  # fmt: skip
+    if not kv_cache and task == "clf":
+        chunked.predict_proba(X[120:])
+        # 80 test rows in chunks of 7: 12 chunks, one call per normalisation per chunk
+        assert len(calls) == 2 * 12 and max(shape[1] - 120 for shape in calls) == 7
+
+
+def test_test_chunk_rows_must_be_a_positive_integer():
+    X, y, X_test = _table()
+    clf = TabICLClassifier(model_path=reference_checkpoint("clf", "tiny"), n_estimators=2).fit(X, y)
+    for bad in (0, 2.5, True):
+        with pytest.raises(ValueError, match="test_chunk_rows must be None or an integer >= 1"):
+            clf.set_params(test_chunk_rows=bad).predict_proba(X_test)

@@ -320,6 +320,22 @@ class _TabICLBase(BaseEstimator):
                 outputs.append(run_cached(X_members[start : start + step], cache))
         return outputs
 
+    def _by_test_chunks(self, X_test: Tensor, predict_rows):
+        """``predict_rows(rows)`` on ``test_chunk_rows`` test rows at a time, concatenated along
+        the rows: a test row's answer depends on the train rows alone, so the numbers are one
+        call's, and the memory a call holds is bounded by the chunk's."""
+        step = self.test_chunk_rows
+        if step is not None and (
+            not isinstance(step, numbers.Integral) or isinstance(step, bool) or step < 1
+        ):
+            raise ValueError(f"test_chunk_rows must be None or an integer >= 1, got {step!r}")
+        if step is None or X_test.shape[0] <= step:
+            return predict_rows(X_test)
+        parts = [predict_rows(X_test[i : i + step]) for i in range(0, X_test.shape[0], step)]
+        if isinstance(parts[0], dict):
+            return {kind: torch.cat([p[kind] for p in parts]) for kind in parts[0]}
+        return torch.cat(parts)
+
     def __sklearn_tags__(self):
         tags = super().__sklearn_tags__()
         tags.input_tags.allow_nan = True
@@ -338,8 +354,9 @@ class TabICLClassifier(ClassifierMixin, _TabICLBase):
     v2 checkpoint), ``device=None`` (CUDA if available), ``use_amp="auto"``, ``use_fa3="auto"``,
     ``offload_mode="auto"``, ``disk_offload_dir=None``, ``random_state=42``, ``n_jobs=None``,
     ``verbose=False``, ``inference_config=None`` (module docstring);
-    tabserve's own: ``recipe=None`` (``"auto"`` on CUDA, ``exact`` on the CPU), ``allow_fp8=True`` and
-    ``bucket_grid=None`` (module docstring).
+    tabserve's own: ``recipe=None`` (``"auto"`` on CUDA, ``exact`` on the CPU), ``allow_fp8=True``,
+    ``bucket_grid=None`` (module docstring) and ``test_chunk_rows=None``: predict that many test
+    rows per model call at most (bounded memory for very many test rows, the same answers).
     """
 
     _classification = True
@@ -371,6 +388,7 @@ class TabICLClassifier(ClassifierMixin, _TabICLBase):
         recipe=None,
         allow_fp8: bool = True,
         bucket_grid=None,
+        test_chunk_rows: int | None = None,
     ):
         self.n_estimators = n_estimators
         self.norm_methods = norm_methods
@@ -397,6 +415,7 @@ class TabICLClassifier(ClassifierMixin, _TabICLBase):
         self.recipe = recipe
         self.allow_fp8 = allow_fp8
         self.bucket_grid = bucket_grid
+        self.test_chunk_rows = test_chunk_rows
 
     @_atomic_fit
     @_threads
@@ -444,22 +463,26 @@ class TabICLClassifier(ClassifierMixin, _TabICLBase):
             "return_logits": bool(self.average_logits),
             "softmax_temperature": self.softmax_temperature,
         }
-        outputs = torch.cat(
-            self._member_outputs(
-                X_test,
-                lambda X_m, y_m: self.model_(X_m, y_m, **kwargs),
-                lambda X_m, cache: self.model_.forward_with_cache(X_m, cache, **kwargs),
-            )
-        )
         patterns = torch.tensor(
-            [p for members in self.plan_.values() for _, p in members], device=outputs.device
+            [p for members in self.plan_.values() for _, p in members], device=self.device_
         )
-        # Member i saw original class c as label pattern_i[c]: read its column back.
-        aligned = outputs.gather(2, patterns[:, None, :].expand(-1, outputs.shape[1], -1))
-        avg = aligned.mean(dim=0)
-        if self.average_logits:
-            avg = torch.softmax(avg / self.softmax_temperature, dim=-1)
-        return (avg / avg.sum(dim=1, keepdim=True)).cpu().numpy()
+
+        def probabilities(rows: Tensor) -> Tensor:
+            outputs = torch.cat(
+                self._member_outputs(
+                    rows,
+                    lambda X_m, y_m: self.model_(X_m, y_m, **kwargs),
+                    lambda X_m, cache: self.model_.forward_with_cache(X_m, cache, **kwargs),
+                )
+            )
+            # Member i saw original class c as label pattern_i[c]: read its column back.
+            aligned = outputs.gather(2, patterns[:, None, :].expand(-1, outputs.shape[1], -1))
+            avg = aligned.mean(dim=0)
+            if self.average_logits:
+                avg = torch.softmax(avg / self.softmax_temperature, dim=-1)
+            return avg / avg.sum(dim=1, keepdim=True)
+
+        return self._by_test_chunks(X_test, probabilities).cpu().numpy()
 
     def predict(self, X) -> np.ndarray:
         """Most probable class label of each row."""
@@ -500,6 +523,7 @@ class TabICLRegressor(RegressorMixin, _TabICLBase):
         recipe=None,
         allow_fp8: bool = True,
         bucket_grid=None,
+        test_chunk_rows: int | None = None,
     ):
         self.n_estimators = n_estimators
         self.norm_methods = norm_methods
@@ -522,6 +546,7 @@ class TabICLRegressor(RegressorMixin, _TabICLBase):
         self.recipe = recipe
         self.allow_fp8 = allow_fp8
         self.bucket_grid = bucket_grid
+        self.test_chunk_rows = test_chunk_rows
 
     @_atomic_fit
     @_threads
@@ -555,14 +580,19 @@ class TabICLRegressor(RegressorMixin, _TabICLBase):
         ``(rows, len(alphas))``; ``raw_quantiles``: ``(rows, 999)``; a list gives a dict."""
         X_test = self._test_table(X)
         kinds = [output_type] if isinstance(output_type, str) else list(output_type)
-        outputs = self._member_outputs(
-            X_test,
-            lambda X_m, y_m: self.model_.predict_stats(X_m, y_m, kinds, alphas),
-            lambda X_m, cache: self.model_.predict_stats_with_cache(X_m, cache, kinds, alphas),
-        )
-        outputs = [o if isinstance(o, dict) else {kinds[0]: o} for o in outputs]
-        results = {}
-        for kind in kinds:
-            stats = torch.cat([o[kind] for o in outputs]).double() * self.y_scale_ + self.y_mean_
-            results[kind] = stats.mean(dim=0).cpu().numpy()
+
+        def statistics(rows: Tensor) -> dict:
+            outputs = self._member_outputs(
+                rows,
+                lambda X_m, y_m: self.model_.predict_stats(X_m, y_m, kinds, alphas),
+                lambda X_m, cache: self.model_.predict_stats_with_cache(X_m, cache, kinds, alphas),
+            )
+            outputs = [o if isinstance(o, dict) else {kinds[0]: o} for o in outputs]
+            return {
+                kind: (torch.cat([o[kind] for o in outputs]).double() * self.y_scale_ + self.y_mean_)
+                .mean(dim=0)
+                for kind in kinds
+            }
+
+        results = {k: v.cpu().numpy() for k, v in self._by_test_chunks(X_test, statistics).items()}
         return results[kinds[0]] if isinstance(output_type, str) else results
