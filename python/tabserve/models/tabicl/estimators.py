@@ -270,7 +270,8 @@ class _TabICLBase(BaseEstimator):
             self.random_state,
         )
         self.preprocessors_ = {
-            m: MemberPreprocessor(m, self.outlier_threshold).fit(table) for m in self.plan_
+            m: MemberPreprocessor(m, self.outlier_threshold, self.random_state).fit(table)
+            for m in self.plan_
         }
         self.y_train_ = y
         self.cache_ = None

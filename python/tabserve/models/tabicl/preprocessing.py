@@ -34,7 +34,7 @@ from torch import Tensor
 #: Above this many features Latin squares are replaced by random permutations (reference rule).
 MAX_FEATURES_FOR_LATIN = 4000
 SHUFFLE_METHODS = ("none", "shift", "random", "latin")
-NORM_METHODS = ("none", "power")
+NORM_METHODS = ("none", "power", "quantile", "quantile_rtdl", "robust")
 
 _SCALE_EPS = 1e-6
 _CLIP = 100.0
@@ -289,16 +289,139 @@ def yeo_johnson_lambdas(z: Tensor, evaluations: int = YJ_EVALUATIONS) -> Tensor:
     return torch.where(identity, torch.ones_like(xf), xf)
 
 
-class MemberPreprocessor:
-    """Standard scaling, optional Yeo-Johnson, soft outlier clipping; fitted on train rows."""
+# ----------------------------------------------------------------------------- quantile / robust
+#: scikit-learn's BOUNDS_THRESHOLD: inputs this close to the outer quantiles map onto them.
+_BOUNDS = 1e-7
+#: The reference's quantile transforms: QuantileTransformer's defaults, and the RTDL variant's
+#: noise, quantile count rule and sample cap (tabicl's RTDLQuantileTransformer).
+QUANTILES, QUANTILE_SUBSAMPLE = 1000, 10_000
+RTDL_NOISE, RTDL_ROWS_PER_QUANTILE, RTDL_MIN_QUANTILES, RTDL_SUBSAMPLE = 1e-3, 30, 10, 1_000_000_000
 
-    def __init__(self, method: str = "none", outlier_threshold: float = 4.0):
+
+def _interp(x: Tensor, xp: Tensor, fp: Tensor) -> Tensor:
+    """``numpy.interp`` of every column: ``x (rows, cols)`` on the points ``xp (n, cols)``
+    (ascending per column, repeats allowed) with values ``fp (n,)``; the same segment choice
+    (the last point at or below x), slope formula and end values as NumPy's."""
+    if xp.shape[0] == 1:
+        return fp[0].expand_as(x).clone()
+    xs, points = x.T.contiguous(), xp.T.contiguous()
+    j = (torch.searchsorted(points, xs, right=True) - 1).clamp(0, xp.shape[0] - 2)
+    x0, x1 = points.gather(1, j), points.gather(1, j + 1)
+    y0, y1 = fp[j], fp[j + 1]
+    slope = (y1 - y0) / (x1 - x0)
+    out = slope * (xs - x0) + y0
+    # NumPy's fall-backs where that is NaN: from the right end, then the flat segment's value
+    right = slope * (xs - x1) + y1
+    out = torch.where(torch.isnan(out), torch.where(torch.isnan(right) & (y0 == y1), y0, right), out)
+    out = torch.where(xs >= points[:, -1:], fp[-1], out)
+    out = torch.where(xs < points[:, :1], fp[0], out)
+    return out.T
+
+
+def _ppf_bounds(dtype, device) -> tuple[float, float]:
+    """scikit-learn's clip of the normal output: ppf(BOUNDS - spacing(1)) and its mirror."""
+    inner = torch.tensor(
+        [_BOUNDS - np.spacing(1), 1 - (_BOUNDS - np.spacing(1))], dtype=dtype, device=device
+    )
+    low, high = torch.special.ndtri(inner).tolist()
+    return low, high
+
+
+class QuantileNormal:
+    """scikit-learn's ``QuantileTransformer(output_distribution="normal")`` on the device:
+    linear percentiles of the train rows (a seeded subsample past ``subsample`` rows, drawn as
+    scikit-learn draws it), both-way interpolation, the normal quantile function, its clip."""
+
+    def __init__(self, n_quantiles: int, subsample: int | None, random_state):
+        self.n_quantiles, self.subsample, self.random_state = n_quantiles, subsample, random_state
+
+    def fit(self, z: Tensor) -> QuantileNormal:
+        from sklearn.utils import check_random_state, resample
+
+        rows = z.shape[0]
+        count = max(1, min(self.n_quantiles, rows))
+        references = np.linspace(0, 1, count, endpoint=True)
+        if self.subsample is not None and self.subsample < rows:
+            chosen = resample(
+                np.arange(rows), replace=False, n_samples=self.subsample,
+                random_state=check_random_state(self.random_state),
+            )  # fmt: skip
+            z = z[torch.as_tensor(chosen, device=z.device)]
+        # NumPy's percentiles take q / 100 of q = references * 100: the same rounding here
+        q = torch.as_tensor(references * 100 / 100, dtype=z.dtype, device=z.device)
+        self.quantiles_ = torch.quantile(z, q, dim=0)
+        self.references_ = torch.as_tensor(references, dtype=z.dtype, device=z.device)
+        self.clip_ = _ppf_bounds(z.dtype, z.device)
+        return self
+
+    def transform(self, x: Tensor) -> Tensor:
+        q, ref = self.quantiles_, self.references_
+        lower, upper = x - _BOUNDS < q[0], x + _BOUNDS > q[-1]
+        # both ways and averaged, as scikit-learn does for repeated quantiles
+        u = 0.5 * (_interp(x, q, ref) - _interp(-x, -q.flip(0), -ref.flip(0)))
+        u = torch.where(lower, 0.0, torch.where(upper, 1.0, u))
+        return torch.special.ndtri(u).clamp(*self.clip_)
+
+
+class QuantileRTDL:
+    """tabicl's ``quantile_rtdl``: QuantileNormal fitted on the train rows plus seeded noise
+    (NumPy's generator, so the same draws), with n // 30 quantiles (10 to 1,000), then
+    scikit-learn's StandardScaler."""
+
+    def __init__(self, random_state):
+        self.random_state = random_state
+
+    def fit(self, z: Tensor) -> QuantileRTDL:
+        count = max(min(z.shape[0] // RTDL_ROWS_PER_QUANTILE, QUANTILES), RTDL_MIN_QUANTILES)
+        std = z.std(dim=0, correction=0, keepdim=True)
+        noise = np.random.default_rng(self.random_state).standard_normal(tuple(z.shape))
+        noisy = z + RTDL_NOISE / torch.clamp(std, min=RTDL_NOISE) * torch.as_tensor(
+            noise, dtype=z.dtype, device=z.device
+        )
+        self.quantile_ = QuantileNormal(count, RTDL_SUBSAMPLE, self.random_state).fit(noisy)
+        u = self.quantile_.transform(z)
+        rows = u.shape[0]
+        self.mean_ = u.mean(dim=0)
+        var = u.var(dim=0, correction=0)
+        eps = torch.finfo(u.dtype).eps
+        constant = var <= rows * eps * var + (rows * self.mean_ * eps) ** 2
+        self.scale_ = torch.where(constant, 1.0, var.sqrt())
+        return self
+
+    def transform(self, x: Tensor) -> Tensor:
+        return (self.quantile_.transform(x) - self.mean_) / self.scale_
+
+
+class RobustUnitVariance:
+    """scikit-learn's ``RobustScaler(unit_variance=True)``: the median removed, scaled by the
+    interquartile range over the standard normal's (a range below 10 eps counts as 1)."""
+
+    def fit(self, z: Tensor) -> RobustUnitVariance:
+        q = torch.quantile(z, torch.tensor([0.25, 0.5, 0.75], dtype=z.dtype, device=z.device), dim=0)
+        self.center_ = q[1]
+        spread = q[2] - q[0]
+        spread = torch.where(spread < 10 * torch.finfo(z.dtype).eps, 1.0, spread)
+        normal = torch.special.ndtri(torch.tensor([0.75, 0.25], dtype=z.dtype, device=z.device))
+        self.scale_ = spread / (normal[0] - normal[1])
+        return self
+
+    def transform(self, x: Tensor) -> Tensor:
+        return (x - self.center_) / self.scale_
+
+
+class MemberPreprocessor:
+    """Standard scaling, one normalisation (:data:`NORM_METHODS`: Yeo-Johnson, the quantile
+    transforms, robust scaling, or none), soft outlier clipping; fitted on train rows.
+    ``random_state`` seeds the quantile transforms' sampling and noise, as the reference's."""
+
+    def __init__(self, method: str = "none", outlier_threshold: float = 4.0, random_state=None):
         if method not in NORM_METHODS:
             raise ValueError(
                 f"unsupported normalisation method {method!r}; expected one of {NORM_METHODS}"
             )
         self.method = method
         self.outlier_threshold = outlier_threshold
+        self.random_state = random_state
 
     def fit(self, X: Tensor) -> MemberPreprocessor:
         # Every statistic is float64 tensor maths on X's device: no host round trip, no wait.
@@ -316,6 +439,9 @@ class MemberPreprocessor:
             self.yj_mean_ = y.mean(dim=0)
             self.yj_scale_ = torch.where(std < 10 * torch.finfo(std.dtype).eps, 1.0, std)
             z = (y - self.yj_mean_) / self.yj_scale_
+        elif self.method != "none":
+            self.normalizer_ = self._normalizer().fit(z)
+            z = self.normalizer_.transform(z)
         self._fit_outliers(z)
         self.train_ = self._clip_outliers(z)
         return self
@@ -344,7 +470,16 @@ class MemberPreprocessor:
             clipped = yeo_johnson(torch.minimum(torch.maximum(z, self.z_min_), self.z_max_), self.lambdas_)
             y = torch.where(torch.isfinite(y).all(), y, clipped)
             z = (y - self.yj_mean_) / self.yj_scale_
+        elif self.method != "none":
+            z = self.normalizer_.transform(z)
         return self._clip_outliers(z)
+
+    def _normalizer(self):
+        if self.method == "quantile":
+            return QuantileNormal(QUANTILES, QUANTILE_SUBSAMPLE, self.random_state)
+        if self.method == "quantile_rtdl":
+            return QuantileRTDL(self.random_state)
+        return RobustUnitVariance()
 
 
 def _nan_mean_std(z: Tensor, ddof: int) -> tuple[Tensor, Tensor]:
