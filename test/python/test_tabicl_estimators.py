@@ -176,10 +176,11 @@ def test_regressor_dataframe_matches_reference():
     _assert_same_regressor("tiny", frame, y, rows=150, n_estimators=4)
 
 
-def test_kv_cache_matches_uncached_and_reference():
+@pytest.mark.parametrize("mode", [True, "repr"])
+def test_kv_cache_matches_uncached_and_reference(mode):
     X, y = datasets.load_breast_cancer(return_X_y=True)
     X_train, y_train, X_test = _split(X, y, 120)
-    ref, ours = _classifiers("tiny", kv_cache=True)
+    ref, ours = _classifiers("tiny", kv_cache=mode)
     plain = (
         TabICLClassifier(model_path=ours.model_path, device="cpu")
         .fit(X_train, y_train)
@@ -194,12 +195,16 @@ def test_kv_cache_matches_uncached_and_reference():
     X_train, y_train, X_test = _split(X, y, 120)
     path = reference_checkpoint("reg", "tiny")
     cached = (
-        TabICLRegressor(model_path=path, kv_cache=True, device="cpu")
+        TabICLRegressor(model_path=path, kv_cache=mode, device="cpu")
         .fit(X_train, y_train)
         .predict(X_test)
     )
     plain = TabICLRegressor(model_path=path, device="cpu").fit(X_train, y_train).predict(X_test)
     np.testing.assert_allclose(cached, plain, atol=ATOL * np.std(y_train), rtol=0)
+    reference = tabicl.TabICLRegressor(model_path=str(path), kv_cache=mode, **REFERENCE_OPTIONS)
+    np.testing.assert_allclose(
+        cached, reference.fit(X_train, y_train).predict(X_test), atol=ATOL * np.std(y_train), rtol=0
+    )
 
 
 def test_sklearn_conventions():

@@ -132,20 +132,27 @@ CACHE_CASES = [
 ]
 
 
+def _reference_cached(size: str, k: int, X, y, mode: str):
+    """The reference's prediction of X's test rows from its cache (``cache_mode``) of the train rows."""
+    ref = reference_model(_task(k), size)
+    config = fp32_inference_config()
+    n = y.shape[1]
+    with torch.no_grad():
+        ref.forward_with_cache(
+            X_train=X[:, :n], y_train=y, store_cache=True, cache_mode=mode, inference_config=config
+        )
+        cached = ref.forward_with_cache(
+            X_test=X[:, n:], use_cache=True, store_cache=False, inference_config=config
+        )
+        ref.clear_cache()
+    return cached
+
+
 @pytest.mark.parametrize("case", CACHE_CASES, ids=_case_id)
 def test_kv_cache_matches_uncached_and_reference_cache(case):
     size, b, n, m, h, k = case
     X, y = random_table(11, b, n, m, h, k)
-    ref = reference_model(_task(k), size)
-    config = fp32_inference_config()
-    with torch.no_grad():
-        ref.forward_with_cache(
-            X_train=X[:, :n], y_train=y, store_cache=True, inference_config=config
-        )
-        ref_cached = ref.forward_with_cache(
-            X_test=X[:, n:], use_cache=True, store_cache=False, inference_config=config
-        )
-        ref.clear_cache()
+    ref_cached = _reference_cached(size, k, X, y, "kv")
     ours = our_model(_task(k), size)
     cache = ours.build_cache(X[:, :n], y)
     cached = ours.forward_with_cache(X[:, n:], cache)
@@ -159,6 +166,23 @@ def test_kv_cache_matches_uncached_and_reference_cache(case):
         stats = ours.predict_stats_with_cache(X[:, n:], cache, output_type=["mean", "median"])
         direct = ours.predict_stats(X, y, output_type=["mean", "median"])
         torch.testing.assert_close(stats["mean"], direct["mean"], atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("case", CACHE_CASES, ids=_case_id)
+def test_repr_cache_matches_uncached_and_the_reference_repr_cache(case):
+    """``mode="repr"``: the column stage's K/V and the train representations, against the
+    reference's ``cache_mode="repr"`` and the uncached model."""
+    size, b, n, m, h, k = case
+    X, y = random_table(12, b, n, m, h, k)
+    ref_cached = _reference_cached(size, k, X, y, "repr")
+    ours = our_model(_task(k), size)
+    cache = ours.build_cache(X[:, :n], y, mode="repr")
+    assert cache.train_repr.shape[:2] == (b, n)
+    cached = ours.forward_with_cache(X[:, n:], cache)
+    torch.testing.assert_close(cached, ours(X, y), atol=ATOL, rtol=0)
+    torch.testing.assert_close(cached, ref_cached, atol=ATOL, rtol=0)
+    with pytest.raises(ValueError, match="mode must be one of"):
+        ours.build_cache(X[:, :n], y, mode="keys")
 
 
 @pytest.mark.parametrize(

@@ -202,7 +202,9 @@ class CompilingTabICL:
     def predict_stats(self, *args, **kwargs):
         return self._serve("predict_stats", args, kwargs)
 
-    def build_cache(self, *args, **kwargs) -> TieredCache:
+    def build_cache(self, *args, mode: str = "kv", **kwargs):
+        if mode != "kv":  # representation caches: unpadded and uncompiled on either model
+            return self.ready.build_cache(*args, mode=mode, **kwargs)
         cache = TieredCache(self.ready.build_cache(*args, **kwargs))
         if self._choose("build_cache", args, kwargs, keep=cache) is not self.ready:
             cache.target = self.target.build_cache(*args, **kwargs)
@@ -223,7 +225,9 @@ class CompilingTabICL:
     def _serve(self, entry: str, args: tuple, kwargs: dict):
         return getattr(self._choose(entry, args, kwargs), entry)(*args, **kwargs)
 
-    def _serve_cached(self, entry: str, X: Tensor, cache: TieredCache, args: tuple, kwargs):
+    def _serve_cached(self, entry: str, X: Tensor, cache, args: tuple, kwargs):
+        if not isinstance(cache, TieredCache):  # a representation cache: the ready model's
+            return getattr(self.ready, entry)(X, cache, *args, **kwargs)
         if cache.target is not None:
             served = self._choose(entry, (X, cache.target, *args), kwargs)
             if served is not self.ready:

@@ -254,6 +254,9 @@ class _TabICLBase(BaseEstimator):
         n = self.n_estimators
         if not isinstance(n, numbers.Integral) or isinstance(n, bool) or n < 1:
             raise ValueError(f"n_estimators must be an integer >= 1, got {n!r}")
+        kv = self.kv_cache
+        if not (kv is True or kv is False or (isinstance(kv, str) and kv in ("kv", "repr"))):
+            raise ValueError(f"kv_cache must be False, True, 'kv' or 'repr', got {kv!r}")
         norm_methods = self.norm_methods or DEFAULT_NORM_METHODS
         norm_methods = [norm_methods] if isinstance(norm_methods, str) else list(norm_methods)
         self.encoder_ = TableEncoder(self.device_).fit(X)
@@ -276,14 +279,17 @@ class _TabICLBase(BaseEstimator):
         self.y_train_ = y
         self.cache_ = None
         if self.kv_cache:
-            if self.kv_cache not in (True, "kv"):
-                raise ValueError(f"kv_cache must be False, True or 'kv', got {self.kv_cache!r}")
             self.cache_ = self._build_caches()
 
     def _build_caches(self) -> dict:
-        """``method -> [KV cache of each chunk of batch_size members]``."""
+        """``method -> [KV cache of each chunk of batch_size members]`` (``kv_cache="repr"``:
+        representation caches)."""
+        mode = "repr" if self.kv_cache == "repr" else "kv"
         return {
-            method: [self.model_.build_cache(X_m, y_m) for X_m, y_m in self._chunks(method, None)]
+            method: [
+                self.model_.build_cache(X_m, y_m, mode=mode)
+                for X_m, y_m in self._chunks(method, None)
+            ]
             for method in self.plan_
         }
 

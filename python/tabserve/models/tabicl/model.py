@@ -104,6 +104,29 @@ class TabICLv2Cache:
         return sum(t.numel() * t.element_size() for kv in self.col + self.icl for t in kv)
 
 
+@dataclass
+class TabICLv2ReprCache:
+    """Train-side state of a batch of tables for ``kv_cache="repr"`` (the reference's other
+    cache mode): the column stage's induced K/V and the train rows' representations after the
+    row stage, ``(B, N, E)``, with their labels. Smaller than :class:`TabICLv2Cache` (no K/V
+    per ICL block); a prediction runs the ICL stage over train and test rows again."""
+
+    col: list[KeyValue]
+    train_repr: Tensor
+    y_train: Tensor
+    n_train: int
+    n_features: int
+    num_classes: int  # 0 for regression
+
+    @property
+    def batch_size(self) -> int:
+        return self.train_repr.shape[0]
+
+
+#: The KV-cache modes (the reference's ``kv_cache``): ICL K/V, or row representations.
+CACHE_MODES = ("kv", "repr")
+
+
 class TabICLv2(nn.Module):
     """TabICLv2 inference module. Build with :meth:`from_checkpoint`.
 
@@ -573,13 +596,18 @@ class TabICLv2(nn.Module):
 
     # ------------------------------------------------------------------ KV cache
     @torch.no_grad()
-    def build_cache(self, X_train: Tensor, y_train: Tensor) -> TabICLv2Cache:
-        """Run the train rows once and keep the column-stage and ICL K/V.
+    def build_cache(self, X_train: Tensor, y_train: Tensor, mode: str = "kv"):
+        """Run the train rows once and keep the column-stage and ICL K/V (``mode="kv"``, a
+        :class:`TabICLv2Cache`), or the column-stage K/V and the train rows' representations
+        (``mode="repr"``, a :class:`TabICLv2ReprCache`).
 
         Raises:
             ValueError: as :meth:`forward`; also for more than ``max_classes`` classes (the
-            mixed-radix / hierarchical path runs several passes and cannot be cached).
+            mixed-radix / hierarchical path runs several passes and cannot be cached), and for
+            another ``mode``.
         """
+        if mode not in CACHE_MODES:
+            raise ValueError(f"mode must be one of {CACHE_MODES}, got {mode!r}")
         X_train, num_classes = self._check_inputs(X_train, y_train, "X_train")
         if y_train.shape[1] != X_train.shape[1]:
             raise ValueError(
@@ -593,6 +621,8 @@ class TabICLv2(nn.Module):
         prefix = self.row_interactor.column_prefix()
         embeddings, col = self.col_embedder.build_cache(X_train, y_train, row_prefix=prefix)
         R = self.row_interactor(embeddings, prefixed=prefix is not None)
+        if mode == "repr":
+            return TabICLv2ReprCache(col, R, y_train, y_train.shape[1], X_train.shape[2], num_classes)
         icl = self.icl_predictor.build_cache(R, y_train)
         return TabICLv2Cache(col, icl, y_train.shape[1], X_train.shape[2], num_classes)
 
@@ -615,7 +645,10 @@ class TabICLv2(nn.Module):
         if X_test.shape[1] == 0:
             out = self._no_predictions(X_test, cache.num_classes)
         else:
-            raw = self.forward_cached_raw(X_test, cache.col, cache.icl)
+            if isinstance(cache, TabICLv2ReprCache):
+                raw = self.forward_repr_cached_raw(X_test, cache)
+            else:
+                raw = self.forward_cached_raw(X_test, cache.col, cache.icl)
             out = (
                 raw
                 if self.is_regressor
@@ -641,6 +674,16 @@ class TabICLv2(nn.Module):
         embeddings = self.col_embedder.forward_cached(X_test, col, row_prefix=prefix)
         R = self.row_interactor(embeddings, prefixed=prefix is not None)
         return self.icl_predictor.forward_cached(R, icl)
+
+    def forward_repr_cached_raw(self, X_test: Tensor, cache: TabICLv2ReprCache) -> Tensor:
+        """The raw output for test rows from a representation cache: the column stage from its
+        induced K/V and the row stage for the test rows, then the ICL stage over the cached
+        train representations followed by the test rows'."""
+        prefix = self.row_interactor.column_prefix()
+        embeddings = self.col_embedder.forward_cached(X_test, cache.col, row_prefix=prefix)
+        R_test = self.row_interactor(embeddings, prefixed=prefix is not None)
+        R = torch.cat([cache.train_repr, R_test.to(cache.train_repr.dtype)], dim=1)
+        return self.icl_predictor(R, cache.y_train)
 
     @torch.no_grad()
     def predict_stats_with_cache(

@@ -47,7 +47,7 @@ from tabserve.buckets import Bucket, BucketGrid
 
 from .layers import SKIP_VALUE, AttentionBlock, load_kernels
 from .learning import HIERARCHY_LOG_EPS
-from .model import TabICLv2, TabICLv2Cache, eager_host_checks, padded_counts
+from .model import TabICLv2, TabICLv2Cache, TabICLv2ReprCache, eager_host_checks, padded_counts
 from .options import ServingOptions, describe, freezing, resolve_options, sdpa_context
 from .quantiles import quantile_stats
 from .stage_kernels import STAGES, use_stage_kernels
@@ -444,10 +444,15 @@ class ServedTabICL:
 
     # ------------------------------------------------------------------ KV cache
     @torch.no_grad()
-    def build_cache(self, X_train: Tensor, y_train: Tensor) -> TabICLv2Cache:
+    def build_cache(self, X_train: Tensor, y_train: Tensor, mode: str = "kv"):
         """As :meth:`TabICLv2.build_cache`; bucketed options return a :class:`PaddedCache` on the
-        train-row and feature buckets (a plain cache past the grid)."""
+        train-row and feature buckets (a plain cache past the grid). ``mode="repr"``: the
+        model's representation cache, built and read under the options' precision (unpadded,
+        no graphs)."""
         model = self.model
+        if mode != "kv" or not self.options.buckets:
+            with self.options.context(self.device):
+                return model.build_cache(X_train, y_train, mode)
         if not self.options.buckets:
             with self.options.context(self.device):
                 return model.build_cache(X_train, y_train)
@@ -476,8 +481,12 @@ class ServedTabICL:
         return_logits: bool = True,
         softmax_temperature: float = 0.9,
     ) -> Tensor:
-        """As :meth:`TabICLv2.forward_with_cache`, for plain and padded caches."""
+        """As :meth:`TabICLv2.forward_with_cache`, for plain, padded and representation
+        caches."""
         model = self.model
+        if isinstance(cache, TabICLv2ReprCache):
+            with self.options.context(self.device):
+                return model.forward_with_cache(X_test, cache, return_logits, softmax_temperature)
         if not isinstance(cache, PaddedCache):
             if self.options.kv_graphs:
                 return self._graphed_forward_cached(
