@@ -9,9 +9,16 @@ the verdict compares the last window with the first one after warm-up.
 Then a concurrency check: two host threads predicting the same tables (on CUDA each on its own
 stream) must give exactly the single-threaded results.
 
+``--estimators``: each prediction is a fresh ``TabICLClassifier`` fitted and predicting on the
+table's host arrays instead, through the process-wide model cache (the way cross-validation and
+one-estimator-per-request servers use it), its bucket grid cycling through more grids than the
+cache keeps, so models are evicted and rebuilt all along; the cache's bound is checked after
+every call.
+
     python benchmarks/soak.py --quick                    # CPU: about a minute on 2 cores
     python benchmarks/soak.py --device cuda --size full  # H200: 10,000 full-size predictions
     python benchmarks/soak.py --device cuda --size full --preset medium
+    python benchmarks/soak.py --estimators --quick       # the estimator path, CPU
 
 Without ``--checkpoint`` a safetensors checkpoint of a classifier with seeded random weights is written
 to a temporary folder (``--size tiny`` by default on CPU, the released architecture with ``full``):
@@ -81,6 +88,41 @@ def random_table(generator: torch.Generator, shape, device) -> tuple:
     X = torch.randn(1, n_train + n_test, features, generator=generator)
     y = (torch.randperm(n_train, generator=generator) % classes).float()[None]
     return X.to(device), y.to(device)
+
+
+class EstimatorCalls:
+    """``model(X, y)`` as a fresh classifier's fit + predict_proba on host arrays. Its bucket
+    grid moves to the next of :data:`ESTIMATOR_GRIDS` every :data:`CALLS_PER_GRID` calls: more
+    grids than the model cache keeps, so served models are built and evicted all along, while
+    most calls find theirs cached. Records the most served models held."""
+
+    def __init__(self, path: Path, device: torch.device, recipe: str | None):
+        self.path, self.device, self.recipe = path, device, recipe
+        self.calls, self.most_served = 0, 0
+
+    def __call__(self, X, y):
+        from tabserve.buckets import BucketGrid
+        from tabserve.models.tabicl import TabICLClassifier
+        from tabserve.models.tabicl.model_cache import cache_info
+
+        n_train = y.shape[1]
+        grids = ESTIMATOR_GRIDS
+        grid = BucketGrid(train_rows=grids[self.calls // CALLS_PER_GRID % len(grids)])
+        self.calls += 1
+        clf = TabICLClassifier(
+            model_path=self.path, device=self.device, n_estimators=2, recipe=self.recipe,
+            bucket_grid=grid,
+        )  # fmt: skip
+        table = X[0].cpu().numpy()
+        clf.fit(table[:n_train], y[0].cpu().numpy().astype(int))
+        proba = torch.from_numpy(clf.predict_proba(table[n_train:]))[None]
+        self.most_served = max(self.most_served, cache_info()["served_models"])
+        return proba
+
+
+#: Bucket grids the estimator stream cycles through (train-row grids; the other axes default).
+ESTIMATOR_GRIDS = [tuple(64 * 2**i * k for i in range(8)) for k in (1, 3, 5, 7, 9, 11)]
+CALLS_PER_GRID = 25
 
 
 def memory_now(device: torch.device) -> dict:
@@ -213,6 +255,11 @@ def main(argv=None) -> int:
         help="serve through ServedTabICL with this serving preset (e.g. medium: one CUDA graph "
         "per bucket; its own precision applies, leave --precision at fp32)",
     )
+    parser.add_argument(
+        "--estimators", action="store_true",
+        help="fresh TabICLClassifier fit + predict per table through the model cache (--preset: "
+        "its recipe)",
+    )  # fmt: skip
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     if args.preset and args.precision != "fp32":
@@ -222,10 +269,12 @@ def main(argv=None) -> int:
     predictions = 300 if args.quick else args.predictions
     window = max(1, predictions // args.windows)
 
-    with tempfile.TemporaryDirectory() as folder:
-        path = args.checkpoint or write_checkpoint(size, Path(folder))
-        model = TabICLv2.from_checkpoint(path, device=device)
-    if args.preset:
+    folder = tempfile.TemporaryDirectory()
+    path = args.checkpoint or write_checkpoint(size, Path(folder.name))
+    model = TabICLv2.from_checkpoint(path, device=device)
+    if args.estimators:
+        model = EstimatorCalls(path, device, args.preset)
+    elif args.preset:
         from tabserve.models.tabicl.serving import ServedTabICL
 
         model = ServedTabICL(model, args.preset)
@@ -265,6 +314,17 @@ def main(argv=None) -> int:
         )
     )
     print(f"verdict: {result['summary']}")
+    bounded = True
+    if args.estimators:
+        from tabserve.models.tabicl.model_cache import MAX_SERVED_MODELS
+
+        bounded = model.most_served <= MAX_SERVED_MODELS
+        result["estimator_calls"] = model.calls
+        result["most_served_models"] = model.most_served
+        print(
+            f"model cache: at most {model.most_served} served models held over {model.calls} "
+            f"fresh estimators (bound {MAX_SERVED_MODELS})"
+        )
     print(
         f"concurrency ({concurrency['mode']}, {concurrency['tables']} tables): "
         + ("identical to one thread" if concurrency["identical"] else "DIFFERS")
@@ -279,6 +339,7 @@ def main(argv=None) -> int:
             "device": str(device),
             "precision": args.precision,
             "preset": args.preset,
+            "estimators": args.estimators,
             "predictions": predictions,
             "served": served,
             "stopped_early": served < predictions,
@@ -290,7 +351,9 @@ def main(argv=None) -> int:
         },
     )
     print(f"wrote {out}")
-    return 0 if result["ok"] and concurrency["identical"] and served == predictions else 1
+    folder.cleanup()
+    ok = result["ok"] and concurrency["identical"] and served == predictions and bounded
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":
