@@ -70,7 +70,7 @@ def test_every_reference_argument_is_taken_with_the_reference_default(ours, thei
 )
 def test_bad_reference_arguments_name_themselves_and_leave_the_estimator_as_it_was(params, match):
     X, y, X_test = _table()
-    clf = TabICLClassifier(model_path=reference_checkpoint("clf", "tiny"), n_estimators=2)
+    clf = TabICLClassifier(model_path=reference_checkpoint("clf", "tiny"), device="cpu", n_estimators=2)
     clf.fit(X, y)
     before = clf.predict_proba(X_test)
     clf.set_params(**params)
@@ -96,7 +96,7 @@ def test_n_jobs_sets_torch_threads_for_the_call_and_restores_them(monkeypatch):
     real = torch.set_num_threads
     monkeypatch.setattr(torch, "set_num_threads", lambda n: (seen.append(n), real(n))[1])
     before = torch.get_num_threads()
-    clf = TabICLClassifier(model_path=reference_checkpoint("clf", "tiny"), n_estimators=2, n_jobs=1)
+    clf = TabICLClassifier(model_path=reference_checkpoint("clf", "tiny"), device="cpu", n_estimators=2, n_jobs=1)
     clf.fit(X, y).predict_proba(X_test)
     assert seen == [1, before, 1, before] and torch.get_num_threads() == before
     seen.clear()
@@ -107,10 +107,11 @@ def test_n_jobs_sets_torch_threads_for_the_call_and_restores_them(monkeypatch):
 def test_verbose_logs_on_the_tabserve_logger(caplog):
     X, y, _ = _table()
     with caplog.at_level(logging.INFO, logger="tabserve"):
-        TabICLClassifier(model_path=reference_checkpoint("clf", "tiny"), n_estimators=2).fit(X, y)
+        TabICLClassifier(model_path=reference_checkpoint("clf", "tiny"), device="cpu", n_estimators=2).fit(X, y)
         assert not caplog.records
         TabICLClassifier(
-            model_path=reference_checkpoint("clf", "tiny"), n_estimators=2, verbose=True
+            model_path=reference_checkpoint("clf", "tiny"), device="cpu", n_estimators=2,
+            verbose=True,
         ).fit(X, y)
     assert any("fit: exact on cpu, 90 train rows, 5 features" in r.getMessage() for r in caplog.records)
 
@@ -178,7 +179,10 @@ for kwargs in ({"allow_auto_download": False}, {"model_path": "missing.ckpt", "a
 def test_a_fitted_estimator_pickles_small_and_predicts_the_same(task, kv_cache):
     X, y, X_test = _table(classes=3 if task == "clf" else 0)
     cls = TabICLClassifier if task == "clf" else TabICLRegressor
-    est = cls(model_path=reference_checkpoint(task, "full"), n_estimators=4, kv_cache=kv_cache)
+    est = cls(
+        model_path=reference_checkpoint(task, "full"), device="cpu", n_estimators=4,
+        kv_cache=kv_cache,
+    )  # fmt: skip
     est.fit(X, y)
     predict = (lambda e: e.predict_proba(X_test)) if task == "clf" else (lambda e: e.predict(X_test))
     expected = predict(est)
@@ -192,7 +196,7 @@ def test_a_fitted_estimator_pickles_small_and_predicts_the_same(task, kv_cache):
 
 def test_save_keeps_the_kv_cache_on_request_and_load_checks_the_kind(tmp_path):
     X, y, X_test = _table()
-    est = TabICLClassifier(model_path=reference_checkpoint("clf", "tiny"), n_estimators=2, kv_cache=True)
+    est = TabICLClassifier(model_path=reference_checkpoint("clf", "tiny"), device="cpu", n_estimators=2, kv_cache=True)
     expected = est.fit(X, y).predict_proba(X_test)
     light, heavy = tmp_path / "light.pkl", tmp_path / "heavy.pkl"
     est.save(light)
@@ -206,14 +210,14 @@ def test_save_keeps_the_kv_cache_on_request_and_load_checks_the_kind(tmp_path):
     with pytest.raises(TypeError, match="holds a TabICLClassifier, not a TabICLRegressor"):
         TabICLRegressor.load(light)
     with pytest.raises(Exception, match="fitted|plan_"):
-        TabICLClassifier(model_path=reference_checkpoint("clf", "tiny")).save(tmp_path / "x.pkl")
+        TabICLClassifier(model_path=reference_checkpoint("clf", "tiny"), device="cpu").save(tmp_path / "x.pkl")
 
 
 def test_unpickling_without_the_checkpoint_says_which_file_is_missing(tmp_path):
     X, y, _ = _table()
     path = tmp_path / "model.ckpt"
     shutil.copy(reference_checkpoint("clf", "tiny"), path)
-    data = pickle.dumps(TabICLClassifier(model_path=path, n_estimators=2).fit(X, y))
+    data = pickle.dumps(TabICLClassifier(model_path=path, device="cpu", n_estimators=2).fit(X, y))
     path.unlink()
     with pytest.raises(FileNotFoundError, match=r"model\.ckpt .* is not there"):
         pickle.loads(data)
@@ -241,7 +245,9 @@ def _check_results(estimator) -> dict:
 @pytest.mark.parametrize("task", ["clf", "reg"])
 def test_check_estimator_passes_what_tabicl_passes_with_the_same_weights(task):
     path = str(reference_checkpoint(task, "tiny"))
-    ours = (TabICLClassifier if task == "clf" else TabICLRegressor)(model_path=path, n_estimators=2)
+    ours = (TabICLClassifier if task == "clf" else TabICLRegressor)(
+        model_path=path, device="cpu", n_estimators=2
+    )
     theirs = (tabicl.TabICLClassifier if task == "clf" else tabicl.TabICLRegressor)(
         model_path=path, n_estimators=2, device="cpu", allow_auto_download=False
     )
@@ -258,7 +264,7 @@ def test_scikit_learn_model_selection_and_pipelines():
     rng = np.random.default_rng(3)
     X = rng.standard_normal((90, 4))
     y = (X[:, 0] + 0.3 * rng.standard_normal(90) > 0).astype(int)
-    clf = TabICLClassifier(model_path=reference_checkpoint("clf", "tiny"), n_estimators=2)
+    clf = TabICLClassifier(model_path=reference_checkpoint("clf", "tiny"), device="cpu", n_estimators=2)
     scores = cross_val_score(clf, X, y, cv=3)
     assert scores.shape == (3,) and np.all((0 <= scores) & (scores <= 1))
     search = GridSearchCV(clf, {"softmax_temperature": [0.5, 0.9]}, cv=2).fit(X, y)
@@ -266,7 +272,7 @@ def test_scikit_learn_model_selection_and_pipelines():
     pipe = make_pipeline(StandardScaler(), clf).fit(X, y)
     np.testing.assert_allclose(
         pipe.predict_proba(X[:5]),
-        TabICLClassifier(model_path=reference_checkpoint("clf", "tiny"), n_estimators=2)
+        TabICLClassifier(model_path=reference_checkpoint("clf", "tiny"), device="cpu", n_estimators=2)
         .fit(StandardScaler().fit(X).transform(X), y)
         .predict_proba(StandardScaler().fit(X).transform(X[:5])),
         atol=1e-6,
@@ -282,7 +288,10 @@ def test_test_rows_in_chunks_give_one_calls_answers(task, kv_cache):
     X = rng.standard_normal((200, 6))
     y = rng.integers(0, 3, 200) if task == "clf" else X[:, 0] + 0.1 * rng.standard_normal(200)
     cls = TabICLClassifier if task == "clf" else TabICLRegressor
-    params = {"model_path": reference_checkpoint(task, "tiny"), "n_estimators": 4, "kv_cache": kv_cache}
+    params = {
+        "model_path": reference_checkpoint(task, "tiny"), "device": "cpu", "n_estimators": 4,
+        "kv_cache": kv_cache,
+    }  # fmt: skip
     whole = cls(**params).fit(X[:120], y[:120])
     chunked = cls(**params, test_chunk_rows=7).fit(X[:120], y[:120])
     if task == "clf":
@@ -309,7 +318,7 @@ def test_test_rows_in_chunks_give_one_calls_answers(task, kv_cache):
 
 def test_test_chunk_rows_must_be_a_positive_integer():
     X, y, X_test = _table()
-    clf = TabICLClassifier(model_path=reference_checkpoint("clf", "tiny"), n_estimators=2).fit(X, y)
+    clf = TabICLClassifier(model_path=reference_checkpoint("clf", "tiny"), device="cpu", n_estimators=2).fit(X, y)
     for bad in (0, 2.5, True):
         with pytest.raises(ValueError, match="test_chunk_rows must be None or an integer >= 1"):
             clf.set_params(test_chunk_rows=bad).predict_proba(X_test)

@@ -74,11 +74,11 @@ def test_estimators_match_tabicl_with_every_normalisation(norm_methods):
     path = reference_checkpoint("clf", "tiny")
     params = {"norm_methods": norm_methods, "n_estimators": 4}
     ref = tabicl.TabICLClassifier(model_path=str(path), **REFERENCE, **params).fit(X[:130], y[:130])
-    ours = TabICLClassifier(model_path=path, **params).fit(X[:130], y[:130])
+    ours = TabICLClassifier(model_path=path, device="cpu", **params).fit(X[:130], y[:130])
     np.testing.assert_allclose(ours.predict_proba(X[130:]), ref.predict_proba(X[130:]), atol=1e-5, rtol=0)
     X, y = datasets.load_diabetes(return_X_y=True)
     path = reference_checkpoint("reg", "tiny")
     params = {"norm_methods": norm_methods, "n_estimators": 4}
     ref = tabicl.TabICLRegressor(model_path=str(path), **REFERENCE, **params).fit(X[:300], y[:300])
-    ours = TabICLRegressor(model_path=path, **params).fit(X[:300], y[:300])
+    ours = TabICLRegressor(model_path=path, device="cpu", **params).fit(X[:300], y[:300])
     np.testing.assert_allclose(ours.predict(X[300:]), ref.predict(X[300:]), atol=1e-5 * np.std(y), rtol=0)
