@@ -15,7 +15,7 @@ import sys
 import numpy as np
 import pytest
 import torch
-from tabicl_helpers import reference_checkpoint
+from tabicl_helpers import device_params, reference_checkpoint
 from tabserve.models.tabicl import TabICLClassifier, TabICLRegressor
 from tabserve.models.tabicl.reference_args import CHECKPOINT_VERSIONS, HF_REPO
 
@@ -281,16 +281,17 @@ def test_scikit_learn_model_selection_and_pipelines():
 
 
 # ------------------------------------------------------------------ many test rows
+@pytest.mark.parametrize("device", device_params())
 @pytest.mark.parametrize("task", ["clf", "reg"])
-@pytest.mark.parametrize("kv_cache", [False, True])
-def test_test_rows_in_chunks_give_one_calls_answers(task, kv_cache):
+@pytest.mark.parametrize("kv_cache", [False, True, "repr"])
+def test_test_rows_in_chunks_give_one_calls_answers(task, kv_cache, device):
     rng = np.random.default_rng(5)
     X = rng.standard_normal((200, 6))
     y = rng.integers(0, 3, 200) if task == "clf" else X[:, 0] + 0.1 * rng.standard_normal(200)
     cls = TabICLClassifier if task == "clf" else TabICLRegressor
     params = {
-        "model_path": reference_checkpoint(task, "tiny"), "device": "cpu", "n_estimators": 4,
-        "kv_cache": kv_cache,
+        "model_path": reference_checkpoint(task, "tiny"), "device": device, "n_estimators": 4,
+        "kv_cache": kv_cache, "recipe": "exact",
     }  # fmt: skip
     whole = cls(**params).fit(X[:120], y[:120])
     chunked = cls(**params, test_chunk_rows=7).fit(X[:120], y[:120])
