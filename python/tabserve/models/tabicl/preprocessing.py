@@ -318,11 +318,10 @@ def _interp(x: Tensor, xp: Tensor, fp: Tensor) -> Tensor:
     return out.T
 
 
-def _ppf_bounds(dtype, device) -> tuple[float, float]:
-    """scikit-learn's clip of the normal output: ppf(BOUNDS - spacing(1)) and its mirror."""
-    inner = torch.tensor(
-        [_BOUNDS - np.spacing(1), 1 - (_BOUNDS - np.spacing(1))], dtype=dtype, device=device
-    )
+def _ppf_bounds(dtype) -> tuple[float, float]:
+    """scikit-learn's clip of the normal output: ppf(BOUNDS - spacing(1)) and its mirror,
+    evaluated on the host (two constants: no wait on the estimator's device)."""
+    inner = torch.tensor([_BOUNDS - np.spacing(1), 1 - (_BOUNDS - np.spacing(1))], dtype=dtype)
     low, high = torch.special.ndtri(inner).tolist()
     return low, high
 
@@ -351,7 +350,7 @@ class QuantileNormal:
         q = torch.as_tensor(references * 100 / 100, dtype=z.dtype, device=z.device)
         self.quantiles_ = torch.quantile(z, q, dim=0)
         self.references_ = torch.as_tensor(references, dtype=z.dtype, device=z.device)
-        self.clip_ = _ppf_bounds(z.dtype, z.device)
+        self.clip_ = _ppf_bounds(z.dtype)
         return self
 
     def transform(self, x: Tensor) -> Tensor:
