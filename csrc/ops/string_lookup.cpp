@@ -11,6 +11,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <vector>
 
 #include "../core/string_table.h"
@@ -33,6 +34,13 @@ core::StringsView strings_view(const at::Tensor& data, const at::Tensor& offsets
 
 std::optional<at::Tensor> contiguous(const std::optional<at::Tensor>& t) {
   return t.has_value() ? std::optional<at::Tensor>(t->contiguous()) : std::nullopt;
+}
+
+// Query rows per parallel chunk: about 256 KiB of label bytes, so that 1,000 labels of 4,096
+// bytes are shared between threads while 100,000 short labels still go in chunks of 4,096 rows.
+int64_t lookup_grain(const core::StringsView& query) {
+  const int64_t mean = query.rows > 0 ? query.data_size / query.rows : 0;
+  return std::clamp<int64_t>((int64_t{256} << 10) / std::max<int64_t>(mean, 1), 16, 4096);
 }
 
 }  // namespace
@@ -232,7 +240,7 @@ at::Tensor lookup_columns_cpu(const at::Tensor& vocabulary_data,
     const core::StringsView query = strings_view(q_data, q_offsets, q_valid);
     const int64_t column = first_column + static_cast<int64_t>(i);
     int64_t* out = codes.data_ptr<int64_t>() + written;
-    at::parallel_for(0, query.rows, 4096, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, query.rows, lookup_grain(query), [&](int64_t begin, int64_t end) {
       core::lookup_rows(vocabulary, segments.data_ptr<int64_t>(), hashes.data_ptr<int64_t>(),
                         rows.data_ptr<int64_t>(), rows.numel(), query, column, hash_bits, begin,
                         end, out);

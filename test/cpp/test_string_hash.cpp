@@ -2,6 +2,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <cstdint>
 #include <random>
 #include <string>
@@ -72,6 +73,30 @@ TEST(StringHash, SeparatesLengthPositionAndColumn) {
   std::string middle(4096, 'x'), other = middle;
   other[2048] = 'y';
   EXPECT_NE(hash_of(middle), hash_of(other));
+}
+
+// Labels whose words differ by small multiples of each other: a hash linear in the words
+// (sum of w_k * key_k with key_k = K * (2k + 1)) gives "3.......5......." and "6.......4......."
+// one value, and so every pair of two fixed-width numeric fields (a + 3, b - 1) and (a, b).
+TEST(StringHash, WordsDoNotCancelAcrossPositions) {
+  std::string a(16, '0'), b(16, '0');
+  a[0] = '3';
+  a[8] = '5';
+  b[0] = '6';
+  b[8] = '4';
+  EXPECT_NE(hash_of(a), hash_of(b));
+  std::vector<uint64_t> hashes;
+  char label[24];
+  for (int x = 0; x < 300; ++x) {
+    for (int y = 0; y < 300; ++y) {
+      std::snprintf(label, sizeof label, "%08d%08d", x, y);
+      hashes.push_back(hash_of(label));
+      std::snprintf(label, sizeof label, "%08d%08d%08d", x, y, x + y);
+      hashes.push_back(hash_of(label));
+    }
+  }
+  std::sort(hashes.begin(), hashes.end());
+  EXPECT_EQ(std::unique(hashes.begin(), hashes.end()), hashes.end());
 }
 
 TEST(StringHash, HashBitsKeepsTheLowBits) {

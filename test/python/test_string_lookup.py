@@ -476,6 +476,77 @@ def test_cuda_and_cpu_agree_on_large_random_case():
     assert cpu.tolist() == dict_codes(vocabulary, query)
 
 
+def labels_of_mean_length(rng, count, mean, distinct=None):
+    """``count`` byte labels of random lengths around ``mean`` (odd lengths included, so that
+    labels start at every alignment), drawn from ``distinct`` different labels."""
+    pool = [
+        bytes(rng.integers(0, 256, int(rng.integers(max(0, mean // 2), mean * 3 // 2 + 2)),
+                           dtype=np.uint8))
+        for _ in range(distinct or count)
+    ]
+    return [pool[int(i)] for i in rng.integers(0, len(pool), count)]
+
+
+# Mean label lengths that select each CUDA tile shape (lanes per label, words held in registers),
+# and labels longer than the largest shape holds.
+TILE_MEANS = [5, 40, 700, 3000, 6000]
+
+
+@cuda
+@pytest.mark.parametrize("mean", TILE_MEANS)
+@pytest.mark.parametrize("hash_bits", [64, 4])
+def test_cuda_lookup_matches_dict_for_every_tile_shape(mean, hash_bits):
+    rng = np.random.default_rng(mean + hash_bits)
+    vocabulary = labels_of_mean_length(rng, 300, mean)
+    vocabulary[5] = None
+    vocabulary[7] = vocabulary[3]  # a duplicate: the last position wins
+    # one-byte edits at the first, middle and last byte of fitted labels: unknown queries that
+    # share all but one word with a fitted label
+    edits = []
+    for label in vocabulary[:30]:
+        if label:
+            for at in (0, len(label) // 2, len(label) - 1):
+                edits.append(label[:at] + bytes([label[at] ^ 1]) + label[at + 1:])
+    query = [vocabulary[int(i)] for i in rng.integers(0, len(vocabulary), 400)] + edits + [None, b""]
+    index = StringIndex(StringColumn.from_pylist(vocabulary, device="cuda"), _hash_bits=hash_bits)
+    codes = index.lookup(StringColumn.from_pylist(query, device="cuda"))
+    assert codes.tolist() == dict_codes(vocabulary, query)
+
+
+@cuda
+@pytest.mark.parametrize("start", range(8))
+@pytest.mark.parametrize("mean", [6, 100, 2000])
+def test_cuda_lookup_of_labels_at_the_edges_of_misaligned_tensors(start, mean):
+    # Query tensors that are views starting at every byte of an 8-byte word and ending inside
+    # one: the first and last labels sit where whole-word loads would leave the tensor.
+    rng = np.random.default_rng(start * 10 + mean)
+    vocabulary = labels_of_mean_length(rng, 50, mean)
+    query = vocabulary[::-1] + labels_of_mean_length(rng, 10, mean)
+    dense = StringColumn.from_pylist(query)
+    padded = torch.cat([torch.zeros(start, dtype=torch.uint8), dense.data,
+                        torch.zeros(3, dtype=torch.uint8)]).cuda()
+    data = padded[start:start + dense.data.numel()]
+    column = StringColumn(data, dense.offsets.cuda(), dense.valid.cuda())
+    index = StringIndex(StringColumn.from_pylist(vocabulary, device="cuda"))
+    assert index.lookup(column).tolist() == dict_codes(vocabulary, query)
+
+
+@cuda
+def test_cuda_and_cpu_agree_on_labels_with_fixed_width_numeric_fields():
+    # Two 8-digit fields: labels whose words differ by small multiples of each other, where a
+    # hash linear in the words gives many labels one value.
+    vocabulary = [f"{a:08d}{b:08d}" for a in range(60) for b in range(60)]
+    query = vocabulary[::7] + [f"{a:08d}{b:08d}" for a in range(60, 70) for b in range(5)]
+    cpu = StringIndex(StringColumn.from_pylist(vocabulary))
+    gpu = StringIndex(StringColumn.from_pylist(vocabulary, device="cuda"))
+    # the same hash of every label on both devices (the tables may place them differently)
+    held = lambda index: sorted(index.slot_hash[index.slot_row >= 0].tolist())  # noqa: E731
+    assert held(cpu) == held(gpu.to("cpu"))
+    expected = dict_codes(vocabulary, query)
+    assert cpu.lookup(StringColumn.from_pylist(query)).tolist() == expected
+    assert gpu.lookup(StringColumn.from_pylist(query, device="cuda")).tolist() == expected
+
+
 # -- bad input to the raw operators ---------------------------------------------------------------
 
 
