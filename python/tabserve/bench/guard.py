@@ -17,9 +17,12 @@ and ``large-fp8`` presets), and the estimator suite's ``mixed`` kind
 and writes its usual JSON under ``--out``.
 
 A figure (a median time, ms) regresses when ``new / recorded > 1 + tolerance``. The tolerance
-is the larger of the benchmark's floor (``Headline.floor``, set from two runs of one tree on the
-H200) and the two measurements' own spreads, ``(p80 - p20) / median`` of the record plus that of
-the new run, so that a noisy figure needs a larger change to fail. A figure the record lacks is
+is the larger of the benchmark's floor (``Headline.floor``: 10 %, 15 % for AlignCategories) and
+the two measurements' own spreads, ``(p80 - p20) / median`` of the record plus that of the new
+run, so that a noisy figure needs a larger change to fail. The floors sit above the spreads of
+the H200 records' headline figures (under 1 % for the string lookup's eager cases, 2-6 % for
+AlignCategories and the presets) and above the 4.5 % between two harnesses timing one lookup
+kernel there (0.720 and 0.752 ms). A figure the record lacks is
 reported and not judged; a benchmark that fails, or a headline figure the new run lacks, fails
 the guard. The exit status is 1 on any failure, and every failing figure is printed with ``!!!``.
 """
