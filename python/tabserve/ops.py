@@ -918,3 +918,35 @@ def all_equal(x: Tensor, value: float, dims: int = 1) -> Tensor:
         floating point.
     """
     return torch.ops.tabserve.all_equal(x, value, dims)
+
+
+# ---------------------------------------------------------------------------------------------
+# Yeo-Johnson lambdas (csrc/ops/yeo_johnson.cpp, csrc/ops/cuda/yeo_johnson.cu)
+
+
+@torch.library.register_fake("tabserve::yeo_johnson_lambdas")
+def _yeo_johnson_lambdas_fake(z):
+    torch._check(z.dtype == torch.float64, lambda: f"z must be float64, got {z.dtype}")
+    torch._check(z.dim() == 2, lambda: f"z must be 2-D (rows, columns), got {z.dim()} dimensions")
+    return z.new_empty(z.shape[1])
+
+
+def yeo_johnson_lambdas(z: Tensor) -> Tensor:
+    """Yeo-Johnson lambdas of every column of ``z``, as scikit-learn's
+    ``PowerTransformer(method="yeo-johnson").fit(z).lambdas_`` computes them: each column's own
+    bounded Brent search (SciPy's ``fminbound``, its stopping rule and its 500-evaluation cap) of
+    the transform's negative log-likelihood over its non-missing values, in one kernel (a thread
+    per column on the CPU, a block per column on the GPU).
+
+    Args:
+        z: [rows, columns] float64, any strides; NaN marks a missing value.
+
+    Returns:
+        float64 [columns] on z's device: 1 (the identity) for a constant, all-zero or all-missing
+        column, as scikit-learn. The lambdas agree with scikit-learn's to the search's tolerance
+        (sums run in another order). No host synchronisation.
+
+    Raises:
+        RuntimeError naming the argument: z not float64 or not 2-D.
+    """
+    return torch.ops.tabserve.yeo_johnson_lambdas(z)

@@ -571,6 +571,8 @@ REFUSED = [
     C("attention", "small_head_attention: CPU rotary tables with CUDA q", lambda w: small_heads(w, q=w.q16.cuda().half(), k=w.q16.cuda().half(), v=w.q16.cuda().half(), rotary=(torch.ones(5, 16), torch.ones(5, 16))), RuntimeError, "rotary_cos is on cpu", cuda=True),
     C("padding", "qassmax_scale: CPU weights with CUDA q", lambda w: ops.qassmax_scale(w.q.cuda().half(), torch.tensor(3, device="cuda"), w.base_mlp, w.query_mlp), RuntimeError, "base_weight1 is on cpu", cuda=True),
     C("attention", "small_head_attention: CPU n_keys with CUDA q", lambda w: small_heads(w, q=w.q16.cuda().half(), k=w.q16.cuda().half(), v=w.q16.cuda().half(), n=torch.tensor(3)), RuntimeError, "n_keys", cuda=True),
+    C("classifier", "yeo_johnson_lambdas: float32 z", lambda w: ops.yeo_johnson_lambdas(torch.ones(4, 2)), RuntimeError, "z must be float64"),
+    C("classifier", "yeo_johnson_lambdas: 1-D z", lambda w: ops.yeo_johnson_lambdas(torch.ones(4, dtype=torch.float64)), RuntimeError, "z must be 2-D"),
     C("model", "X on CUDA, model on CPU", lambda w: w.model(w.X.cuda(), w.y.cuda()), ValueError, "X is on cuda:0 but the model is on cpu", cuda=True),
 ]
 # fmt: on

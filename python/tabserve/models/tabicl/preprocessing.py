@@ -8,9 +8,9 @@ Per table (``fit`` on train rows, ``transform`` on any rows), in the reference's
    the device: one string-lookup call for all categorical columns).
 2. :class:`ConstantFeatureFilter`: drop columns with a single distinct train value.
 3. Per normalisation method (:class:`MemberPreprocessor`): standard scaling (population std
-   + 1e-6, clipped to +-100), optional Yeo-Johnson ("power": lambdas from a batched replica of
-   scikit-learn's search, :func:`yeo_johnson_lambdas`) followed by standardisation, then a soft
-   outlier clip at 4 sigma.
+   + 1e-6, clipped to +-100), optional Yeo-Johnson ("power": each column's lambda from
+   scikit-learn's search, run on the device by one kernel, :func:`yeo_johnson_lambdas`)
+   followed by standardisation, then a soft outlier clip at 4 sigma.
 4. :func:`ensemble_plan`: members = (feature permutation, class pattern, normalisation method),
    drawn with Python's ``random.Random(random_state)`` exactly as the reference draws them
    (Latin squares, cyclic class shifts).
@@ -30,6 +30,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 from torch import Tensor
+
+from tabserve import ops
 
 #: Above this many features Latin squares are replaced by random permutations (reference rule).
 MAX_FEATURES_FOR_LATIN = 4000
@@ -130,163 +132,10 @@ def yeo_johnson(x: Tensor, lambdas: Tensor) -> Tensor:
 
 
 # ----------------------------------------------------------------------------- Yeo-Johnson fit
-# What scikit-learn's PowerTransformer(method="yeo-johnson").fit computes per column, with the
-# installed scikit-learn / SciPy: lambda = 1 for a column whose variance is within the two-pass
-# rounding bound of zero (sklearn's _is_constant_feature, NaN counted as in np.var) or whose
-# non-NaN values are all 0; otherwise scipy.stats.yeojohnson_normmax on the non-NaN values, which
-# is optimize.fminbound (Brent's bounded method, xtol 1.48e-8, at most 500 evaluations) of the
-# negative log-likelihood n/2*log(var(y)) - (lambda-1)*sum(sign(x)*log1p(|x|)) (+inf when var(y)
-# is below the smallest normal), between bounds that keep the transform of 20*max|x| finite.
-# The search is not confined to (-2, 2): the bounds are about +-110 for max|x| = 1 and widen as
-# max|x| shrinks (+-1e11 at 1e-10), and the optimum may lie anywhere inside them.
-_GOLDEN = 0.5 * (3.0 - math.sqrt(5.0))
-_SQRT_EPS = math.sqrt(2.2e-16)  # SciPy's constant, not finfo(float64).eps
-_XTOL = 1.48e-08
-_MAX_FUN = 500
-_LOG_EPS = float(np.log(np.finfo(np.float64).eps))
-_LOG_TINY = (float(np.log(np.finfo(np.float64).tiny)) - _LOG_EPS) / 2
-_LOG_MAX = (float(np.log(np.finfo(np.float64).max)) + _LOG_EPS) / 2
-#: Objective evaluations per column (fminbound's count, its first evaluation included). On
-#: thousands of seeded columns of many shapes, sizes and scales scipy stopped after a median of 17
-#: and at most 67 (the slowest: two to five rows at scales ~1e-10, bounds ~ +-1e11); a column
-#: still running at this count keeps its best point so far.
-YJ_EVALUATIONS = 80
-
-
-def yeo_johnson_lambdas(z: Tensor, evaluations: int = YJ_EVALUATIONS) -> Tensor:
-    """Yeo-Johnson lambdas of every column of ``z`` (float64, NaN = missing), fitted on its device.
-
-    A batched replica of scikit-learn's fit (see above): every column's fminbound state is a
-    tensor entry, each of ``evaluations - 1`` steps takes every still-running column's next
-    parabolic or golden point and evaluates all columns in one pass; columns whose search has
-    stopped keep their state (masked updates), so the result is each column's own fminbound
-    answer whenever it stops within ``evaluations``. No host synchronisation: the step count is
-    fixed and no Python branch reads a tensor value. An all-NaN column gets 1 (identity).
-    """
-    if z.dtype != torch.float64:
-        raise TypeError(f"Yeo-Johnson lambdas are fitted in float64, got {z.dtype}")
-    n_rows = z.shape[0]
-    x = z.T.contiguous()  # (columns, rows): each column's reductions run along contiguous memory
-    valid = ~torch.isnan(x)
-    count = valid.sum(dim=1, dtype=torch.float64)
-    xv = torch.where(valid, x, torch.zeros((), dtype=x.dtype, device=x.device))
-    negative = xv < 0
-    side = negative.long()  # per entry: 0 -> transform with lambda, 1 -> with 2 - lambda
-    log_abs = torch.log1p(xv.abs())  # log1p(x) for x >= 0, log1p(-x) for x < 0
-    sign = torch.where(negative, -1.0, 1.0).to(x.dtype)
-    signed_log = sign * log_abs
-    sum_log = signed_log.sum(dim=1)  # scipy's sum(sign(x)*log1p(|x|)); sign(0) * 0 = 0 alike
-    valid_f = valid.to(x.dtype)
-    smallest_normal = torch.finfo(torch.float64).tiny
-    eps = torch.finfo(torch.float64).eps
-    inf = torch.tensor(math.inf, dtype=x.dtype, device=x.device)
-    # (columns, rows) work buffers reused by every evaluation (in place: no per-step allocation)
-    power, y, degenerate = torch.empty_like(x), torch.empty_like(x), torch.empty_like(valid)
-
-    def neg_llf(lam: Tensor) -> Tensor:
-        # scipy's transform: expm1(lam*log1p(x))/lam for x >= 0 (log1p(x) where |lam| < eps),
-        # -expm1((2-lam)*log1p(-x))/(2-lam) for x < 0 (-log1p(-x) where |2-lam| <= eps). The
-        # degenerate powers are set to 0, which makes y = 0/0 = NaN exactly there (and nowhere
-        # else: log_abs is finite); missing entries have log_abs = 0, so y = 0 there.
-        two_minus = 2 - lam
-        powers = torch.stack(
-            [
-                torch.where(lam.abs() < eps, 0.0, lam),
-                torch.where(two_minus.abs() <= eps, 0.0, two_minus),
-            ],
-            dim=1,
-        )
-        torch.gather(powers, 1, side, out=power)
-        torch.mul(power, log_abs, out=y)
-        torch.expm1(y, out=y)
-        y.div_(power.mul_(sign))
-        torch.ne(y, y, out=degenerate)
-        torch.where(degenerate, signed_log, y, out=y)
-        mean = y.sum(dim=1, keepdim=True) / count[:, None]
-        var = y.sub_(mean).mul_(valid_f).square_().sum(dim=1) / count
-        log_var = torch.where(var >= smallest_normal, torch.log(var), -inf)
-        llf = -count / 2 * log_var + (lam - 1) * sum_log
-        return torch.where(torch.isinf(llf), inf, -llf)
-
-    # fminbound's bounds (scipy.stats.yeojohnson_normmax)
-    log1p_max = torch.log1p(20 * xv.abs().amax(dim=1))
-    lb, ub = _LOG_TINY / log1p_max, _LOG_MAX / log1p_max
-    any_neg, all_neg = negative.any(dim=1), (negative | ~valid).all(dim=1)
-    lb, ub = (
-        torch.where(all_neg, 2 - ub, torch.where(any_neg, torch.maximum(2 - ub, lb), lb)),
-        torch.where(all_neg, 2 - lb, torch.where(any_neg, torch.minimum(2 - lb, ub), ub)),
-    )
-
-    # fminbound (scipy.optimize._optimize._minimize_scalar_bounded), one column per entry
-    a, b = lb, ub
-    xf = a + _GOLDEN * (b - a)
-    fx = neg_llf(xf)
-    nfc, fnfc, fulc, ffulc = xf, fx, xf, fx
-    rat = e = torch.zeros_like(xf)
-    num = torch.ones_like(xf)
-    running = torch.ones_like(xf, dtype=torch.bool)
-    for _ in range(evaluations - 1):
-        xm = 0.5 * (a + b)
-        tol1 = _SQRT_EPS * xf.abs() + _XTOL / 3.0
-        tol2 = 2.0 * tol1
-        running = running & ((xf - xm).abs() > (tol2 - 0.5 * (b - a))) & (num < _MAX_FUN)
-        # parabolic step where |e| > tol1 and the parabola is acceptable, else golden section
-        try_parabola = e.abs() > tol1
-        r = (xf - nfc) * (fx - ffulc)
-        q = (xf - fulc) * (fx - fnfc)
-        p = (xf - fulc) * q - (xf - nfc) * r
-        q = 2.0 * (q - r)
-        p = torch.where(q > 0.0, -p, p)
-        q = q.abs()
-        parabolic = (
-            try_parabola
-            & (p.abs() < (0.5 * q * e).abs())
-            & (p > q * (a - xf))
-            & (p < q * (b - xf))
-        )
-        rat_p = (p + 0.0) / q
-        x_p = xf + rat_p
-        to_mid = torch.sign(xm - xf) + ((xm - xf) == 0).to(xf.dtype)
-        rat_p = torch.where(((x_p - a) < tol2) | ((b - x_p) < tol2), tol1 * to_mid, rat_p)
-        e_g = torch.where(xf >= xm, a - xf, b - xf)
-        new_e = torch.where(parabolic, rat, e_g)
-        rat_new = torch.where(parabolic, rat_p, _GOLDEN * e_g)
-        step = (torch.sign(rat_new) + (rat_new == 0).to(xf.dtype)) * torch.maximum(
-            rat_new.abs(), tol1
-        )
-        u = torch.where(running, xf + step, xf)
-        fu = neg_llf(u)
-        # bracket and best-three-points bookkeeping, applied to running columns only
-        better = fu <= fx
-        right = u >= xf
-        replace_second = (fu <= fnfc) | (nfc == xf)
-        replace_third = ~replace_second & ((fu <= ffulc) | (fulc == xf) | (fulc == nfc))
-        n_a = torch.where(better, torch.where(right, xf, a), torch.where(right, a, u))
-        n_b = torch.where(better, torch.where(right, b, xf), torch.where(right, u, b))
-        n_fulc = torch.where(better | replace_second, nfc, torch.where(replace_third, u, fulc))
-        n_ffulc = torch.where(better | replace_second, fnfc, torch.where(replace_third, fu, ffulc))
-        n_nfc = torch.where(better, xf, torch.where(replace_second, u, nfc))
-        n_fnfc = torch.where(better, fx, torch.where(replace_second, fu, fnfc))
-        n_xf, n_fx = torch.where(better, u, xf), torch.where(better, fu, fx)
-
-        def keep(new: Tensor, old: Tensor) -> Tensor:
-            return torch.where(running, new, old)
-
-        a, b = keep(n_a, a), keep(n_b, b)
-        fulc, ffulc = keep(n_fulc, fulc), keep(n_ffulc, ffulc)
-        nfc, fnfc = keep(n_nfc, nfc), keep(n_fnfc, fnfc)
-        xf, fx = keep(n_xf, xf), keep(n_fx, fx)
-        e = keep(new_e, e)
-        rat = keep(rat_new, rat)
-        num = num + running.to(num.dtype)
-
-    # scikit-learn's identity cases
-    mean = z.sum(dim=0) / n_rows
-    var = ((z - mean) ** 2).sum(dim=0) / n_rows
-    constant = var <= n_rows * eps * var + (n_rows * mean * eps) ** 2
-    all_zero = ((xv == 0) | ~valid).all(dim=1)
-    identity = constant | all_zero | (count == 0)
-    return torch.where(identity, torch.ones_like(xf), xf)
+def yeo_johnson_lambdas(z: Tensor) -> Tensor:
+    """Yeo-Johnson lambdas of every column of ``z`` (float64, NaN = missing), fitted on its device
+    as scikit-learn's ``PowerTransformer`` fits them: :func:`tabserve.ops.yeo_johnson_lambdas`."""
+    return ops.yeo_johnson_lambdas(z)
 
 
 # ----------------------------------------------------------------------------- quantile / robust
