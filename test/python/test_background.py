@@ -155,6 +155,26 @@ def test_a_target_given_as_a_function_is_built_by_the_first_warm_up_in_the_backg
         CompilingTabICL(ServedTabICL(_model(), "exact"), build_target=build)
 
 
+def test_a_warm_up_waits_until_the_estimator_calls_pause():
+    started = threading.Event()
+    with background.foreground():
+        assert background._worker.submit(started.set)
+        assert not started.wait(4 * background.QUIET_S)  # a call is in progress
+    ended = time.monotonic()
+    assert started.wait(30)
+    assert time.monotonic() - ended >= 0.5 * background.QUIET_S
+    assert wait_for_compiles(30)
+
+
+def test_calls_that_never_pause_delay_a_warm_up_by_a_bounded_time(monkeypatch):
+    monkeypatch.setattr(background, "MAX_DEFER_S", 0.5)
+    started = threading.Event()
+    with background.foreground():
+        assert background._worker.submit(started.set)
+        assert started.wait(30)  # ran while the call was still in progress
+    assert wait_for_compiles(30)
+
+
 def test_the_ready_model_must_not_compile():
     with pytest.raises(ValueError, match="must not compile"):
         CompilingTabICL(ServedTabICL(_model(), TRACED), ServedTabICL(_model(), TRACED))

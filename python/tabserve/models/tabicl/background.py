@@ -12,8 +12,12 @@ A KV cache (:class:`TieredCache`) is built by ``ready`` at once and by ``target`
 background (its warm-up keeps what it built); a prediction against it runs on ``target`` once
 ``target`` has both its cache and a warm-up of that prediction's shapes, on ``ready`` until then.
 
-One worker thread per process runs the warm-ups in order, on its own CUDA stream.
-:func:`wait_for_compiles` waits until it is idle (benchmarks use it to time the steady state).
+One worker thread per process runs the warm-ups in order, on its own CUDA stream. Compiling is
+mostly Python, which shares the interpreter lock with the caller's thread, so a warm-up starts
+only once no estimator call (:func:`foreground`) has run for :data:`QUIET_S`, or
+:data:`MAX_DEFER_S` after the worker reached it if calls never pause: a one-shot script's first
+answer is not slowed by the compile it queued. :func:`wait_for_compiles` waits until the worker
+is idle (benchmarks use it to time the steady state).
 At interpreter exit a warm-up still running is interrupted, so a short script that fitted and
 predicted once exits at once rather than after its compile.
 """
@@ -23,8 +27,10 @@ from __future__ import annotations
 import atexit
 import ctypes
 import dataclasses
+import contextlib
 import queue
 import threading
+import time
 import warnings
 from dataclasses import dataclass
 
@@ -39,10 +45,64 @@ from .options import describe
 READY_PRESET = "medium"
 #: Seconds the interpreter's exit waits for an interrupted warm-up to unwind.
 EXIT_WAIT_S = 5.0
+#: A warm-up starts once no estimator call has run for this many seconds ...
+QUIET_S = 0.25
+#: ... or this many seconds after the worker reached it, whichever comes first.
+MAX_DEFER_S = 10.0
 
 
 class _WarmUpInterrupted(BaseException):
     """Raised inside the worker at interpreter exit (BaseException: compilers catch Exception)."""
+
+
+class _Foreground:
+    """The estimator calls in progress and when the last one ended."""
+
+    def __init__(self) -> None:
+        self._changed = threading.Condition(threading.Lock())
+        self._active = 0
+        self._last_end = time.monotonic()
+        self._closing = False
+
+    @contextlib.contextmanager
+    def call(self):
+        with self._changed:
+            self._active += 1
+        try:
+            yield
+        finally:
+            with self._changed:
+                self._active -= 1
+                self._last_end = time.monotonic()
+                self._changed.notify_all()
+
+    def wait_until_quiet(self, limit: float) -> None:
+        """Returns once no call has run for :data:`QUIET_S`, after ``limit`` seconds, or at
+        interpreter exit."""
+        deadline = time.monotonic() + limit
+        with self._changed:
+            while not self._closing:
+                now = time.monotonic()
+                if now >= deadline:
+                    return
+                quiet_for = now - self._last_end
+                if self._active == 0 and quiet_for >= QUIET_S:
+                    return
+                wait = deadline - now if self._active else QUIET_S - quiet_for
+                self._changed.wait(min(wait, deadline - now))
+
+    def close(self) -> None:
+        with self._changed:
+            self._closing = True
+            self._changed.notify_all()
+
+
+_foreground = _Foreground()
+
+
+def foreground():
+    """``with foreground():`` marks an estimator call: background warm-ups wait for a pause."""
+    return _foreground.call()
 
 
 class _Worker:
@@ -74,6 +134,7 @@ class _Worker:
             while True:
                 job = self._jobs.get()
                 try:
+                    _foreground.wait_until_quiet(MAX_DEFER_S)
                     if not self._closing:
                         job()
                 finally:
@@ -95,6 +156,7 @@ class _Worker:
         with self._lock:
             self._closing = True
             thread, busy = self._thread, self._pending > 0
+        _foreground.close()  # a worker waiting for a pause goes on (to skip its jobs) at once
         if thread is None or not busy or not thread.is_alive():
             return
         # The exception is raised at the worker's next Python instruction: compiling is mostly

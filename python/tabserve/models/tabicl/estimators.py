@@ -50,6 +50,7 @@ from torch import Tensor
 
 from tabserve.buckets import BucketGrid
 
+from .background import foreground
 from .preprocessing import (
     ConstantFeatureFilter,
     MemberPreprocessor,
@@ -88,12 +89,13 @@ def _atomic_fit(fit):
     return wrapper
 
 
-def _threads(method):
-    """``n_jobs``: the call runs with that many PyTorch CPU threads (tabicl's meaning)."""
+def _estimator_call(method):
+    """A public fit / predict: it runs with ``n_jobs`` PyTorch CPU threads (tabicl's meaning),
+    and background compiles wait until it has returned (:func:`background.foreground`)."""
 
     @functools.wraps(method)
     def wrapper(self, *args, **kwargs):
-        with torch_threads(self.n_jobs):
+        with torch_threads(self.n_jobs), foreground():
             return method(self, *args, **kwargs)
 
     return wrapper
@@ -425,7 +427,7 @@ class TabICLClassifier(ClassifierMixin, _TabICLBase):
         self.test_chunk_rows = test_chunk_rows
 
     @_atomic_fit
-    @_threads
+    @_estimator_call
     def fit(self, X, y) -> TabICLClassifier:
         """Fit preprocessing and the member plan (and the KV cache if ``kv_cache``).
 
@@ -462,7 +464,7 @@ class TabICLClassifier(ClassifierMixin, _TabICLBase):
         self._fit_members(X, labels, self.n_classes_)
         return self
 
-    @_threads
+    @_estimator_call
     def predict_proba(self, X) -> np.ndarray:
         """Class probabilities ``(rows, n_classes)`` float32, columns in ``classes_`` order."""
         X_test = self._test_table(X)
@@ -556,7 +558,7 @@ class TabICLRegressor(RegressorMixin, _TabICLBase):
         self.test_chunk_rows = test_chunk_rows
 
     @_atomic_fit
-    @_threads
+    @_estimator_call
     def fit(self, X, y) -> TabICLRegressor:
         """Standardise y, fit preprocessing / members (and the KV cache if ``kv_cache``)."""
         X = self._validate_X(X, reset=True)
@@ -576,7 +578,7 @@ class TabICLRegressor(RegressorMixin, _TabICLBase):
         self._fit_members(X, torch.as_tensor(y_scaled, dtype=torch.float64, device=self.device_), 0)
         return self
 
-    @_threads
+    @_estimator_call
     def predict(
         self,
         X,
