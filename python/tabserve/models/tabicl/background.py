@@ -25,9 +25,9 @@ predicted once exits at once rather than after its compile.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ctypes
 import dataclasses
-import contextlib
 import queue
 import threading
 import time

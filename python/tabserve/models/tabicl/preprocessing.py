@@ -31,7 +31,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from tabserve import ops
+from tabserve.ops import yeo_johnson_lambdas
 
 #: Above this many features Latin squares are replaced by random permutations (reference rule).
 MAX_FEATURES_FOR_LATIN = 4000
@@ -129,13 +129,6 @@ def yeo_johnson(x: Tensor, lambdas: Tensor) -> Tensor:
         (lam - 2).abs() > eps, -torch.expm1(two_minus * log_neg) / two_minus, -log_neg
     )
     return torch.where(positive, pos, neg)
-
-
-# ----------------------------------------------------------------------------- Yeo-Johnson fit
-def yeo_johnson_lambdas(z: Tensor) -> Tensor:
-    """Yeo-Johnson lambdas of every column of ``z`` (float64, NaN = missing), fitted on its device
-    as scikit-learn's ``PowerTransformer`` fits them: :func:`tabserve.ops.yeo_johnson_lambdas`."""
-    return ops.yeo_johnson_lambdas(z)
 
 
 # ----------------------------------------------------------------------------- quantile / robust
