@@ -5,7 +5,10 @@ on a numeric and a regression kind (shared by the tests that read its document),
 checkpoint does not exist (every job an error row), and unit tests of the tables and figures.
 """
 
+import copy
 import json
+import re
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -205,3 +208,105 @@ def test_engine_specs():
     assert mine["params"]["kv_cache"] is True
     with pytest.raises(ValueError):
         suite.estimator_spec("other", "clf", "m.ckpt", "cpu")
+
+
+RECORD = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "estimator_suite_cpu.json"
+
+
+def _write(path, document) -> Path:
+    path.write_text(json.dumps(document))
+    return path
+
+
+def _split(document, kinds, predict_many: bool, command: str) -> dict:
+    """The part of a record about ``kinds``, as a run with ``--kinds`` would have written it."""
+    part = copy.deepcopy(document)
+    part["kinds"] = [k for k in part["kinds"] if k["name"] in kinds]
+    part["results"] = [r for r in part["results"] if r["kind"] in kinds]
+    part["command"] = command
+    if not predict_many:
+        part["predict_many"], part["settings"]["predict_sizes"] = [], []
+    part["summary"] = suite.summarize(part["results"], part["settings"]["engines"])
+    return part
+
+
+def test_merging_a_record_split_by_kind_gives_back_its_results_and_summary(tmp_path):
+    original = json.loads(RECORD.read_text())
+    first = ["small", "wide-rows", "many-class", "categories"]  # interleaved with the second
+    a = _write(tmp_path / "a.json", _split(original, first, True, "run a"))
+    rest = [k["name"] for k in original["kinds"] if k["name"] not in first]
+    b = _write(tmp_path / "b.json", _split(original, rest, False, "run b"))
+    out = tmp_path / "merged"
+    # the file without the predict-many part first: it comes from whichever file has it
+    assert suite.main(["--merge", str(b), str(a), "--out", str(out), "--quiet"]) == 0
+    merged = _document(out)
+    assert merged["schema"] == suite.SCHEMA
+    assert merged["results"] == original["results"]  # in the order of KINDS
+    assert merged["kinds"] == original["kinds"]
+    assert merged["summary"] == original["summary"]
+    assert merged["predict_many"] == original["predict_many"]
+    assert merged["settings"]["predict_sizes"] == original["settings"]["predict_sizes"]
+    assert merged["command"] == "run b ; then run a"
+    assert merged["environment"] == original["environment"]
+    assert merged["settings"]["merged_from"] == [str(b), str(a)]
+    assert (out / "estimator_suite_cpu-quick.txt").read_text().strip() == suite.render(merged)
+    assert "Fit once (kv_cache=True), predict many" in suite.render(merged)
+
+
+def test_merge_a_later_file_replaces_a_kind_and_engine_and_the_summary_follows(tmp_path):
+    original = json.loads(RECORD.read_text())
+    later = _split(original, ["small"], True, "run again")
+    (mine,) = [r for r in later["results"] if r["engine"] == "tabserve-exact"]
+    old = mine["speedup"]["warm"]["tabicl"]
+    mine["speedup"]["warm"]["tabicl"] = 100.0
+    mine["warm"]["median_ms"] = 0.5
+    for row in later["predict_many"]:
+        row["fit_ms"] = 1.0
+    later["settings"]["recipes"], later["settings"]["engines"] = ["auto"], ["tabserve-auto"]
+    a = _write(tmp_path / "a.json", original)
+    b = _write(tmp_path / "b.json", later)
+    merged = suite.merge([a, b])
+    assert [(r["kind"], r["engine"]) for r in merged["results"]] == [
+        (r["kind"], r["engine"]) for r in original["results"]
+    ]
+    assert _result(merged, "small", "tabserve-exact")["warm"]["median_ms"] == 0.5
+    assert _result(merged, "small", "tabicl") == _result(original, "small", "tabicl")
+    assert _result(merged, "wide", "tabserve-exact") == _result(original, "wide", "tabserve-exact")
+    assert [r["fit_ms"] for r in merged["predict_many"]] == [1.0] * 3
+    before = original["summary"]["tabserve-exact"]
+    # one kind's factor of the geometric mean replaced
+    expected = before["warm_vs_tabicl"] * (100.0 / old) ** (1 / before["warm_vs_tabicl_kinds"])
+    assert merged["summary"]["tabserve-exact"]["warm_vs_tabicl"] == pytest.approx(expected)
+    assert merged["settings"]["recipes"] == ["exact", "auto"]
+    assert list(merged["summary"]) == ["tabicl", "tabicl-fp32", "tabserve-exact", "tabserve-auto"]
+    assert merged["summary"]["tabserve-auto"]["warm_vs_tabicl_kinds"] == 0
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda d: d["settings"].update(device="cuda"), "device 'cuda' differs"),
+        (lambda d: d["settings"].update(quick=False), "quick mode False differs"),
+        (lambda d: d["environment"].update(torch="2.11.0+cu130"), "torch version '2.11.0"),
+        (lambda d: d.update(schema="tabserve.bench/1"), "not an estimator-suite record"),
+    ],
+)
+def test_merge_refuses_records_of_another_device_mode_torch_or_schema(tmp_path, change, message):
+    original = json.loads(RECORD.read_text())
+    other = copy.deepcopy(original)
+    change(other)
+    a = _write(tmp_path / "a.json", original)
+    b = _write(tmp_path / "b.json", other)
+    with pytest.raises(SystemExit, match=re.escape(f"{b}: {message}")):
+        suite.main(["--merge", str(a), str(b), "--out", str(tmp_path / "out"), "--quiet"])
+    assert not (tmp_path / "out").exists()
+
+
+def test_merge_refuses_a_file_that_is_not_a_record(tmp_path):
+    a = _write(tmp_path / "a.json", json.loads(RECORD.read_text()))
+    driver = RECORD.with_name("cpu.json")  # the raw-model driver's record
+    broken = tmp_path / "broken.json"
+    broken.write_text("{not json")
+    for path in (driver, broken):
+        with pytest.raises(ValueError, match=re.escape(f"{path}: not an estimator-suite record")):
+            suite.merge([a, path])

@@ -2,7 +2,8 @@
 
 ``python -m tabserve.bench.estimator_suite [--device cpu|cuda|auto] [--quick] [--kinds ...]
 [--recipes exact auto ...] [--out DIR] [--checkpoint CLF --regressor-checkpoint REG]
-[--model-size full|tiny] [--repeats N] [--timeout S]``
+[--model-size full|tiny] [--repeats N] [--timeout S]``, or
+``python -m tabserve.bench.estimator_suite --merge A.json B.json [...] [--out DIR]``
 
 Where the driver (``python -m tabserve.bench``) times the raw model on device tensors, this suite
 times the scikit-learn estimators on host tables (NumPy arrays and pandas DataFrames) of a few
@@ -38,8 +39,9 @@ per size, for every engine.
 Output (``--out``): ``estimator_suite_<device>[-quick].json`` (environment, settings, command,
 kinds, results, predict_many, speed-ups) and the printed table as ``.txt``. Speed-ups are the
 tabicl engines' warm (or cold) time over the engine's, per kind, and their geometric mean across
-kinds. A pair that fails (bad input, bad checkpoint, out of memory, timeout) is a result with its
-error, never the end of the suite.
+kinds. ``--merge`` writes one such record from the records of several runs of the same device,
+mode and torch (each run a subset of ``--kinds``: :func:`merge`). A pair that fails (bad input,
+bad checkpoint, out of memory, timeout) is a result with its error, never the end of the suite.
 """
 
 from __future__ import annotations
@@ -941,6 +943,10 @@ def parse_args(argv):
     )  # fmt: skip
     p.add_argument("--compile-timeout", type=float, help="seconds a job waits for compiles")
     p.add_argument("--work-dir", type=Path, help="keep job folders here (default: temporary)")
+    p.add_argument(
+        "--merge", nargs="+", type=Path, metavar="JSON",
+        help="write one record from several runs' records (later files win) instead of running",
+    )  # fmt: skip
     p.add_argument("--quiet", action="store_true")
     return p.parse_args(argv)
 
@@ -964,13 +970,101 @@ def _checkpoints(args, tasks, run_dir: Path) -> tuple:
     return paths, "; ".join(notes)
 
 
+def _load_record(path: Path) -> dict:
+    try:
+        document = json.loads(Path(path).read_text())
+    except ValueError:
+        document = None
+    if not isinstance(document, dict) or document.get("schema") != SCHEMA:
+        raise ValueError(f"{path}: not an estimator-suite record (schema {SCHEMA!r})")
+    return document
+
+
+#: What the records of one ``--merge`` must share: (what, how to read it from a record).
+MERGE_MUST_AGREE = (
+    ("device", lambda d: d["settings"]["device"]),
+    ("quick mode", lambda d: d["settings"]["quick"]),
+    ("torch version", lambda d: d["environment"]["torch"]),
+)
+
+
+def merge(paths: list) -> dict:
+    """One record from the records of several runs (``--merge``).
+
+    ``results``: the union, a later file's (kind, engine) replacing an earlier one's, ordered
+    like :data:`KINDS`; ``kinds`` likewise; ``predict_many`` (and its ``predict_sizes``) from the
+    last file that has it; ``command`` the runs' commands joined by ``" ; then "``; ``settings``
+    (engines and recipes: the union) and ``environment`` from the first file; ``summary``
+    recomputed. Each result keeps its accuracy and speed-ups, measured against its own run's
+    tabicl rows of the same kind (every run has them: :func:`engine_names`).
+
+    Raises ValueError naming the file that is not an estimator-suite record or whose device,
+    quick mode or torch version differs from the first file's.
+    """
+    documents = [_load_record(path) for path in paths]
+    first = documents[0]
+    for path, document in zip(paths[1:], documents[1:]):
+        for what, read in MERGE_MUST_AGREE:
+            if read(document) != read(first):
+                raise ValueError(
+                    f"{path}: {what} {read(document)!r} differs from {paths[0]}'s {read(first)!r}"
+                )
+    rank = {k.name: i for i, k in enumerate(KINDS)}.get
+    results = {(r["kind"], r["engine"]): r for d in documents for r in d["results"]}
+    kinds = {k["name"]: k for d in documents for k in d["kinds"]}
+    engines = list(dict.fromkeys(e for d in documents for e in d["settings"]["engines"]))
+    recipes = list(dict.fromkeys(r for d in documents for r in d["settings"]["recipes"]))
+    many = next((d for d in reversed(documents) if d.get("predict_many")), None)
+    merged = sorted(results.values(), key=lambda r: rank(r["kind"], len(KINDS)))
+    settings = dict(
+        first["settings"],
+        engines=engines,
+        recipes=recipes,
+        predict_sizes=many["settings"]["predict_sizes"] if many else [],
+        merged_from=[str(path) for path in paths],
+    )
+    return {
+        "schema": SCHEMA,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "environment": first["environment"],
+        "settings": settings,
+        "command": " ; then ".join(d["command"] for d in documents),
+        "kinds": sorted(kinds.values(), key=lambda k: rank(k["name"], len(KINDS))),
+        "results": merged,
+        "predict_many": many["predict_many"] if many else [],
+        "summary": summarize(merged, engines),
+    }
+
+
+def _publish(document: dict, out: Path, say) -> int:
+    """Writes ``estimator_suite_<device>[-quick].json`` and its table (``.txt``) to ``out``."""
+    from . import report
+
+    settings = document["settings"]
+    stem = f"estimator_suite_{settings['device']}{'-quick' if settings['quick'] else ''}"
+    text = render(document)
+    path = report.write_json(out / f"{stem}.json", document)
+    (out / f"{stem}.txt").write_text(text + "\n")
+    say("")
+    say(text)
+    say(f"\nwritten: {path} and {path.with_suffix('.txt')}")
+    return 0
+
+
 def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    say = (lambda *a: None) if args.quiet else (lambda *a: print(*a, flush=True))
+    if args.merge:
+        try:
+            document = merge(args.merge)
+        except ValueError as error:
+            raise SystemExit(f"estimator_suite --merge: {error}") from None
+        return _publish(document, args.out, say)
     import torch
 
     from . import report
 
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args = parse_args(argv)
     device = args.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -998,7 +1092,6 @@ def main(argv=None) -> int:
         "predict_sizes": sizes if predict_many else [],
         "work_dir": str(run_dir),
     }
-    say = (lambda *a: None) if args.quiet else (lambda *a: print(*a, flush=True))
     say(f"[estimator-suite] {device}{' (quick)' if quick else ''}; checkpoints: {note}")
     base = {
         "device": device,
@@ -1046,14 +1139,7 @@ def main(argv=None) -> int:
         "predict_many": many,
         "summary": summarize(results, engines),
     }
-    text = render(document)
-    stem = f"estimator_suite_{device}{'-quick' if quick else ''}"
-    path = report.write_json(args.out / f"{stem}.json", document)
-    (args.out / f"{stem}.txt").write_text(text + "\n")
-    say("")
-    say(text)
-    say(f"\nwritten: {path} and {path.with_suffix('.txt')}")
-    return 0
+    return _publish(document, args.out, say)
 
 
 if __name__ == "__main__":
