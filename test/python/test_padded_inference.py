@@ -539,6 +539,29 @@ def test_graph_replay_plumbing_on_cpu(monkeypatch, compiled):
     assert served.captures == 3 + 3 + 4
 
 
+def test_many_classes_replay_their_column_and_row_stages_on_cpu(monkeypatch):
+    """More classes than max_classes with CUDA graphs (CPU stand-in): the padded column and row
+    stages replay from one graph per (bucket, tables, classes) and the hierarchy runs after
+    them; answers equal the unpadded model's, later replays leave earlier answers as they were,
+    and the graphs are not the buckets' own."""
+    from tabserve.models.tabicl import serving
+
+    monkeypatch.setattr(serving, "_BucketGraph", _ReplayOnCPU)
+    model = our_model("clf", "tiny")
+    served = ServedTabICL(copy.deepcopy(model), ServingOptions(buckets=True), GRID)
+    served.options = served.options.replace(cuda_graphs=True)
+    answers = []
+    # 25 classes twice on one bucket (a replay), other rows of it, then 13 classes: 2 graphs
+    for seed, (n_train, n_test, classes) in enumerate([(60, 3, 25), (60, 3, 25), (50, 4, 25), (40, 6, 13)]):
+        X, y = random_table(seed, 2, n_train, n_test, 5, classes)
+        got = served(X, y, return_logits=False)
+        _assert_same(model(X, y, return_logits=False), got, True)
+        answers.append((got.clone(), got))
+    for before, returned in answers:
+        assert torch.equal(before, returned)
+    assert served.captures == 2 and len(served._hierarchy_graphs) == 2 and not served._graphs
+
+
 @pytest.mark.parametrize("kv_cache", [False, True], ids=["one-shot", "kv-cache"])
 def test_warmed_grid_serves_a_stream_without_new_captures_on_cpu(monkeypatch, kv_cache):
     """The serving promise with the CUDA-graph recipe's logic (CPU stand-in for the graph):

@@ -180,26 +180,56 @@ class InContextLearner(nn.Module):
             out[:, :, classes] = self._node_probs(R_train, local, counts, R_test, len(classes))
             return out
         groups = class_groups(len(classes), self.max_classes).to(y.device)
+        num_groups = int(groups[-1]) + 1
         node_labels = groups[local]
-        group_probs = self._node_probs(R_train, node_labels, counts, R_test, int(groups[-1]) + 1)
+        group_probs = self._node_probs(R_train, node_labels, counts, R_test, num_groups)
         real = torch.ones_like(y, dtype=torch.bool)
         if counts is not None:
             real = torch.arange(rows, device=y.device)[None] < counts[:, None]
-        for g in range(int(groups[-1]) + 1):
-            member = (node_labels == g) & real
-            child_counts = member.sum(1)
-            width = int(child_counts.max())
-            # Each table's rows of the group, in their order, first; then other rows (padding).
-            order = torch.argsort((~member).to(torch.int8), dim=1, stable=True)[:, :width]
+        # (G, B, N): each group's rows of each table
+        member = (node_labels[None] == torch.arange(num_groups, device=y.device)[:, None, None]) & real
+        child_counts = member.sum(2)
+        width = int(child_counts.max())  # the one host read of this node
+        # Each table's rows of the group, in their order, first; then other rows (padding).
+        order = torch.argsort((~member).to(torch.int8), dim=2, stable=True)[:, :, :width]
+        padded = torch.arange(width, device=y.device) >= child_counts[:, :, None]
+        sizes = torch.bincount(groups, minlength=num_groups).tolist()
+        if max(sizes) <= self.max_classes and num_groups * (width + R_test.shape[1]) <= 2 * (
+            rows + R_test.shape[1]
+        ):
+            # Every child is a leaf: one ICL pass for all of them, the groups' tables stacked
+            # along the batch (padded rows are never keys, so each answer is the one its
+            # node's own pass gives), at most twice the rows of this node's pass.
+            first = torch.cumsum(torch.tensor([0, *sizes[:-1]]), 0).to(y.device)
+            child_local = torch.gather(local[None].expand(num_groups, -1, -1), 2, order)
+            child_local = (child_local - first[:, None, None]).masked_fill(padded, 0)
+            child_R = torch.gather(
+                R_train[None].expand(num_groups, -1, -1, -1),
+                2,
+                order[..., None].expand(-1, -1, -1, R_train.shape[-1]),
+            )
+            probs = self._node_probs(
+                child_R.flatten(0, 1),
+                child_local.flatten(0, 1),
+                child_counts.flatten(),
+                R_test.repeat(num_groups, 1, 1),
+                self.max_classes,
+                sizes=sizes,
+            ).unflatten(0, (num_groups, tables))
+            for g, size in enumerate(sizes):
+                start = sum(sizes[:g])
+                child_classes = classes[start : start + size]
+                out[:, :, child_classes] = probs[g, :, :, :size] * group_probs[:, :, g : g + 1]
+            return out
+        for g in range(num_groups):
             child_classes = classes[groups == g]
-            padded = torch.arange(width, device=y.device)[None] >= child_counts[:, None]
-            child_y = torch.gather(y, 1, order).masked_fill(padded, int(child_classes[0]))
-            child_R = torch.gather(R_train, 1, order[..., None].expand(-1, -1, R_train.shape[-1]))
-            uniform = bool((child_counts == width).all())
+            child_y = torch.gather(y, 1, order[g]).masked_fill(padded[g], int(child_classes[0]))
+            child_R = torch.gather(R_train, 1, order[g][..., None].expand(-1, -1, R_train.shape[-1]))
+            uniform = bool((child_counts[g] == width).all())
             child = self._hierarchy(
                 child_R,
                 child_y,
-                None if uniform else child_counts,
+                None if uniform else child_counts[g],
                 R_test,
                 child_classes,
                 num_classes,
@@ -214,6 +244,13 @@ class InContextLearner(nn.Module):
         counts: Tensor | None,
         R_test: Tensor,
         num_labels: int,
+        sizes: Sequence[int] | None = None,
     ) -> Tensor:
+        """Softmax over each table's first ``num_labels`` logits; ``sizes``: the tables come in
+        ``len(sizes)`` equal runs, run ``g`` over its first ``sizes[g]`` logits (0 past them)."""
         logits = self(torch.cat([R_train, R_test], dim=1), labels, counts)[:, :, :num_labels]
-        return torch.softmax(logits / HIERARCHY_TEMPERATURE, dim=-1)
+        if sizes is None:
+            return torch.softmax(logits / HIERARCHY_TEMPERATURE, dim=-1)
+        limit = torch.tensor(sizes, device=logits.device).repeat_interleave(len(logits) // len(sizes))
+        beyond = torch.arange(num_labels, device=logits.device) >= limit[:, None, None]
+        return torch.softmax((logits / HIERARCHY_TEMPERATURE).masked_fill(beyond, -torch.inf), dim=-1)

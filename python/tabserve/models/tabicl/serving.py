@@ -21,8 +21,9 @@ smallest bucket of a :class:`~tabserve.buckets.BucketGrid` that holds it:
 So one compiled graph (or CUDA graph) per bucket serves every table that fits it, and the
 predictions equal the unpadded ones (fp32 CPU: within 1e-6, ``test_padded_inference.py``).
 Tables past the grid run unpadded; test rows past the largest test bucket are split. More than
-``max_classes`` classes: the column and row stages run padded (eager), the class hierarchy runs
-eagerly on the real rows (its tree is data-dependent).
+``max_classes`` classes: the column and row stages run padded (replayed from their own CUDA graphs
+with ``cuda_graphs``), the class hierarchy runs eagerly on the real rows (its tree's row counts
+are data).
 
 Threads: a served model may be shared by host threads, each on its own CUDA stream. CUDA-graph
 replays share their input and output buffers, so they are serialised (a lock on the host, an
@@ -171,6 +172,7 @@ class ServedTabICL:
         self._graphs: dict = {}
         self._cached_graphs = _RecentGraphs(MAX_CACHED_GRAPHS)
         self._shape_graphs = _RecentGraphs(MAX_SHAPE_GRAPHS)
+        self._hierarchy_graphs = _RecentGraphs(MAX_SHAPE_GRAPHS)
         self._pool = torch.cuda.graph_pool_handle() if self.options.graphs else None
         # Ahead-of-time bucket packages (load_buckets): kind -> {(bucket, batch): runner}.
         self._aot: dict = {"forward": {}, "build_cache": {}, "forward_cached": {}}
@@ -428,10 +430,15 @@ class ServedTabICL:
         return padded.contiguous(), ops.pad_labels(y_train, bucket.train_rows).contiguous()
 
     def _many_classes(self, X, y_train, counts, bucket, num_classes, return_logits, temperature):
-        """Padded column and row stages, then the class hierarchy on the real rows (eager)."""
+        """Padded column and row stages (a CUDA graph with ``cuda_graphs``), then the class
+        hierarchy on the real rows (eager: its tree's row counts are data)."""
         n_train, n_test = y_train.shape[1], X.shape[1] - y_train.shape[1]
         padded, labels = self._pad(X, y_train, bucket)
-        R = self.model.padded_representations(padded, labels, *counts, num_classes=num_classes)
+        # Eager, the column and row stages are most of a many-class call's kernel launches:
+        # replayed from a graph per (bucket, tables, classes), as the buckets' own.
+        represent = functools.partial(self.model.padded_representations, num_classes=num_classes)
+        key = (bucket, padded.shape[0], num_classes)
+        R = self._run(key, represent, (padded, labels, *counts), store=self._hierarchy_graphs)
         R = torch.cat([R[:, :n_train], R[:, bucket.train_rows : bucket.train_rows + n_test]], dim=1)
         probs = self.model.icl_predictor.hierarchical_probs(R, y_train)
         return temperature * torch.log(probs + HIERARCHY_LOG_EPS) if return_logits else probs
