@@ -71,54 +71,6 @@ def _fail(like: Tensor, error: str, message: str) -> Tensor:
 _FITTED_ATTRIBUTES = ("sort_by", "column_names", "column_kinds", "slot_hash", "slot_row")
 
 
-def _unbacked_alias(tensor: Tensor) -> Tensor:
-    """A new tensor object over ``tensor``'s storage whose dimension 0 Dynamo traces unbacked."""
-    alias = tensor.detach()
-    torch._dynamo.decorators.mark_unbacked(alias, 0)
-    return alias
-
-
-def _unbacked_categories(categories):
-    if isinstance(categories, StringColumn):
-        valid = None if categories.valid is None else _unbacked_alias(categories.valid)
-        data, offsets = _unbacked_alias(categories.data), _unbacked_alias(categories.offsets)
-        return StringColumn._trusted(data, offsets, valid)
-    return _unbacked_alias(categories)
-
-
-@torch.compiler.disable
-def _sizes_dynamic(module: "AlignCategories", args: tuple) -> Optional[tuple]:
-    """Forward pre-hook: once Dynamo has traced ``forward``, the table's sizes (rows,
-    vocabulary entries, label bytes) reach it unbacked. So ``torch.compile(align)`` compiles a
-    static graph at its first call and, at the first batch of other sizes, one graph that every
-    later batch reuses, sizes 0 and 1 included. Unmarked, Dynamo makes dynamic at its first
-    recompile only the sizes that changed then, and compiles again for each size that changes
-    later or is 0 or 1.
-
-    It runs eagerly, before Dynamo traces ``forward`` (marks count only when set before). It
-    marks aliases of the caller's tensors (same storage, new tensor objects), so the caller's
-    tensors carry no marks into other compiled functions. Eager-only use never traces
-    ``forward``, so the hook returns at once. Column codes are left alone: ``forward`` reads the
-    table's codes matrix instead."""
-    if not module._traced or len(args) != 1 or not isinstance(args[0], Table):
-        return None
-    table = args[0]
-    columns = [
-        CategoricalColumn._trusted(c.codes, _unbacked_categories(c.categories))
-        for c in table.columns
-    ]
-    numerical, codes = _unbacked_alias(table.numerical), _unbacked_alias(table.codes)
-    names = (table.numerical_names, table.categorical_names)
-    return (Table._trusted(numerical, columns, *names, codes=codes),)
-
-
-@torch.compiler.substitute_in_graph(_sizes_dynamic)
-def _(module, args):
-    # Inlined into a larger compiled function (TabICLEncoder's forward), the hook does nothing:
-    # that function's inputs were traced before it ran, and a disabled call would break the graph.
-    return None
-
-
 class _Refused(Exception):
     """A state ``_load_from_state_dict`` reported in ``error_msgs`` (load_state_dict raises)."""
 
@@ -140,10 +92,9 @@ class AlignCategories(nn.Module):
     1.0 == True; NaN never matches). String categories never align with numeric ones: that raises
     :class:`CategoryTypeError`, the same exception and message in eager and compiled mode.
 
-    Under ``torch.compile(fullgraph=True)``: no graph break, and at most one recompile: a
-    static graph at the first call, then at the first batch of other sizes one dynamic graph
-    that batches of any row count, vocabulary size and label bytes (0 and 1 included) reuse,
-    without ``mark_dynamic`` or ``dynamic=True`` (the module marks its input's sizes itself).
+    Under ``torch.compile(fullgraph=True)``: one graph, no graph break; batches whose row counts
+    and vocabulary sizes differ reuse it after the first dynamic recompile (sizes 0 and 1 are
+    specialised by Dynamo like any size, see docs/guide/tables.md).
 
     Raises:
         NotFittedError before fit; ValueError for a missing column; CategoryTypeError as above.
@@ -160,8 +111,6 @@ class AlignCategories(nn.Module):
         self.register_buffer("vocabulary_segments", torch.zeros(1, dtype=torch.int64))
         self.register_buffer("slot_hash", torch.empty(0, dtype=torch.int64), persistent=False)
         self.register_buffer("slot_row", torch.empty(0, dtype=torch.int64), persistent=False)
-        self._traced = False  # set by forward while Dynamo traces it: see _sizes_dynamic
-        self.register_forward_pre_hook(_sizes_dynamic)
 
     # -- fitting ---------------------------------------------------------------------------
 
@@ -289,8 +238,6 @@ class AlignCategories(nn.Module):
 
     def forward(self, table: Table) -> Tensor:
         """Aligned codes int64 [rows, n_fitted_columns]; see the class docstring."""
-        if torch.compiler.is_compiling():
-            self._traced = True
         like = table.numerical
         if self.column_names is None:
             return _fail(like, "NotFittedError", "AlignCategories is not fitted: call fit first")
