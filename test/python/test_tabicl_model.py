@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import copy
 import math
+import subprocess
+import sys
 import zlib
 
 import pytest
@@ -16,9 +18,11 @@ from tabicl_helpers import (
     fp32_inference_config,
     our_model,
     random_table,
+    reference_checkpoint,
     reference_model,
     requires_cuda,
 )
+from tabserve.models.tabicl.layers import broadcast_batch
 
 ATOL = 1e-5
 #: On CUDA, cuBLAS picks kernels by shape; quantiles of magnitude ~5 then differ by ~1e-5 abs.
@@ -605,3 +609,38 @@ def test_labels_of_any_real_dtype_equal_float_labels(dtype):
     grid = BucketGrid(train_rows=(16,), test_rows=(8,), features=(4,))
     padded = ServedTabICL(copy.deepcopy(model), ServingOptions(buckets=True), grid)
     assert (padded(X, y.to(dtype)) - want).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize(
+    "a, b",
+    [((), ()), ((3,), ()), ((), (2, 1)), ((2, 1), (1, 4)), ((1,), (5,)), ((2, 3, 1), (3, 4)),
+     ((0,), (1,)), ((1, 0), (3, 1))],
+)  # fmt: skip
+def test_broadcast_batch_is_torchs_broadcast(a, b):
+    assert broadcast_batch(torch.Size(a), torch.Size(b)) == tuple(torch.broadcast_shapes(a, b))
+
+
+def test_broadcast_batch_refuses_what_torch_refuses():
+    with pytest.raises(RuntimeError):
+        torch.broadcast_shapes((2, 3), (4, 3))
+    with pytest.raises(RuntimeError, match=r"batch shapes \(2, 3\) and \(4, 3\) do not broadcast"):
+        broadcast_batch(torch.Size((2, 3)), torch.Size((4, 3)))
+
+
+def test_a_fresh_process_predicts_without_building_symbolic_shapes():
+    """An eager fit + predict never loads torch's symbolic-shape machinery (building it was
+    most of a fresh process's first predict)."""
+    code = f"""
+import sys, torch
+from tabserve import TabICLClassifier
+g = torch.Generator().manual_seed(0)
+X, y = torch.randn(40, 4, generator=g).numpy(), (torch.arange(40) % 3).numpy()
+TabICLClassifier(n_estimators=2, model_path={str(reference_checkpoint("clf", "tiny"))!r},
+                 device="cpu").fit(X[:30], y[:30]).predict_proba(X[30:])
+print("symbolic shapes loaded:", "torch.fx.experimental.symbolic_shapes" in sys.modules)
+"""
+    child = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False
+    )
+    assert child.returncode == 0, child.stderr[-2000:]
+    assert "symbolic shapes loaded: False" in child.stdout
