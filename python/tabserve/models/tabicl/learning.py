@@ -179,8 +179,10 @@ class InContextLearner(nn.Module):
         if len(classes) <= self.max_classes:
             out[:, :, classes] = self._node_probs(R_train, local, counts, R_test, len(classes))
             return out
-        groups = class_groups(len(classes), self.max_classes).to(y.device)
-        num_groups = int(groups[-1]) + 1
+        on_host = class_groups(len(classes), self.max_classes)  # sizes read without a sync
+        sizes = torch.bincount(on_host).tolist()
+        num_groups = len(sizes)
+        groups = on_host.to(y.device)
         node_labels = groups[local]
         group_probs = self._node_probs(R_train, node_labels, counts, R_test, num_groups)
         real = torch.ones_like(y, dtype=torch.bool)
@@ -193,7 +195,6 @@ class InContextLearner(nn.Module):
         # Each table's rows of the group, in their order, first; then other rows (padding).
         order = torch.argsort((~member).to(torch.int8), dim=2, stable=True)[:, :, :width]
         padded = torch.arange(width, device=y.device) >= child_counts[:, :, None]
-        sizes = torch.bincount(groups, minlength=num_groups).tolist()
         if max(sizes) <= self.max_classes and num_groups * (width + R_test.shape[1]) <= 2 * (
             rows + R_test.shape[1]
         ):
