@@ -189,7 +189,8 @@ class InContextLearner(nn.Module):
         if counts is not None:
             real = torch.arange(rows, device=y.device)[None] < counts[:, None]
         # (G, B, N): each group's rows of each table
-        member = (node_labels[None] == torch.arange(num_groups, device=y.device)[:, None, None]) & real
+        group_ids = torch.arange(num_groups, device=y.device)[:, None, None]
+        member = (node_labels[None] == group_ids) & real
         child_counts = member.sum(2)
         width = int(child_counts.max())  # the one host read of this node
         # Each table's rows of the group, in their order, first; then other rows (padding).
@@ -201,7 +202,8 @@ class InContextLearner(nn.Module):
             # Every child is a leaf: one ICL pass for all of them, the groups' tables stacked
             # along the batch (padded rows are never keys, so each answer is the one its
             # node's own pass gives), at most twice the rows of this node's pass.
-            first = torch.cumsum(torch.tensor([0, *sizes[:-1]]), 0).to(y.device)
+            starts = [sum(sizes[:g]) for g in range(num_groups)]
+            first = torch.tensor(starts, device=y.device)
             child_local = torch.gather(local[None].expand(num_groups, -1, -1), 2, order)
             child_local = (child_local - first[:, None, None]).masked_fill(padded, 0)
             child_R = torch.gather(
@@ -217,15 +219,15 @@ class InContextLearner(nn.Module):
                 self.max_classes,
                 sizes=sizes,
             ).unflatten(0, (num_groups, tables))
-            for g, size in enumerate(sizes):
-                start = sum(sizes[:g])
+            for g, (start, size) in enumerate(zip(starts, sizes)):
                 child_classes = classes[start : start + size]
                 out[:, :, child_classes] = probs[g, :, :, :size] * group_probs[:, :, g : g + 1]
             return out
         for g in range(num_groups):
             child_classes = classes[groups == g]
             child_y = torch.gather(y, 1, order[g]).masked_fill(padded[g], int(child_classes[0]))
-            child_R = torch.gather(R_train, 1, order[g][..., None].expand(-1, -1, R_train.shape[-1]))
+            rows_of_g = order[g][..., None].expand(-1, -1, R_train.shape[-1])
+            child_R = torch.gather(R_train, 1, rows_of_g)
             uniform = bool((child_counts[g] == width).all())
             child = self._hierarchy(
                 child_R,
@@ -252,6 +254,8 @@ class InContextLearner(nn.Module):
         logits = self(torch.cat([R_train, R_test], dim=1), labels, counts)[:, :, :num_labels]
         if sizes is None:
             return torch.softmax(logits / HIERARCHY_TEMPERATURE, dim=-1)
-        limit = torch.tensor(sizes, device=logits.device).repeat_interleave(len(logits) // len(sizes))
+        runs = len(logits) // len(sizes)
+        limit = torch.tensor(sizes, device=logits.device).repeat_interleave(runs)
         beyond = torch.arange(num_labels, device=logits.device) >= limit[:, None, None]
-        return torch.softmax((logits / HIERARCHY_TEMPERATURE).masked_fill(beyond, -torch.inf), dim=-1)
+        logits = (logits / HIERARCHY_TEMPERATURE).masked_fill(beyond, -torch.inf)
+        return torch.softmax(logits, dim=-1)
