@@ -67,6 +67,21 @@ def test_matches_tabicl_transform_to_numerical(seed):
         np.testing.assert_array_equal(got.numpy(), want)
 
 
+@pytest.mark.parametrize("seed", range(2))
+def test_columns_are_selected_like_scikit_learns_column_selector(seed):
+    from sklearn.compose import make_column_selector
+
+    frame = tabicl_frame(30, seed)
+    frame[7] = np.arange(30)  # an integer column name
+    frame["empty_cat"] = pd.Categorical([None] * 30, categories=["a"])
+    for empty in (frame, frame.iloc[:0]):
+        want = [
+            tuple(map(str, make_column_selector(dtype_include=include)(empty)))
+            for include in (["string", "object", "category", "boolean"], "number")
+        ]
+        assert list(tabicl_columns(empty)) == want
+
+
 def test_none_in_object_columns_is_a_category_like_scikit_learn():
     train = pd.DataFrame({"o": pd.Series(["b", None, "a", np.nan], dtype=object)})
     test = pd.DataFrame({"o": pd.Series([None, np.nan, "a", "c"], dtype=object)})
