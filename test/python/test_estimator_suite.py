@@ -253,6 +253,37 @@ def test_merging_a_record_split_by_kind_gives_back_its_results_and_summary(tmp_p
     assert "Fit once (kv_cache=True), predict many" in suite.render(merged)
 
 
+def test_merge_names_each_runs_commit_once(tmp_path):
+    original = json.loads(RECORD.read_text())
+    parts = []
+    for name, commit in (("a", "abc1234"), ("b", "def5678+dirty"), ("c", "abc1234")):
+        part = _split(original, ["small"], False, f"run {name}")
+        part["environment"]["git_commit"] = commit
+        parts.append(str(_write(tmp_path / f"{name}.json", part)))
+    out = tmp_path / "merged"
+    assert suite.main(["--merge", *parts, "--out", str(out), "--quiet"]) == 0
+    assert _document(out)["environment"]["git_commit"] == "abc1234 ; then def5678+dirty"
+
+
+def test_a_predict_many_job_that_timed_out_keeps_the_sizes_it_measured():
+    def job(engine, status, sizes):
+        return {"engine": engine, "status": status, "sizes": {n: {"median_ms": ms} for n, ms in sizes.items()}}
+
+    rows = [
+        job("tabicl", "ok", {"1": 80.0, "100": 40.0, "10000": 400.0}),
+        job("tabicl-fp32", "ok", {"1": 120.0, "100": 50.0, "10000": 1200.0}),
+        job("tabserve-auto", "timeout", {"1": 8.0, "100": 10.0}),  # killed during 10,000 rows
+    ]
+    suite.add_predict_many_speedups(rows)
+    mine = rows[2]["speedup"]
+    assert mine["1"]["tabicl"] == pytest.approx(10.0) and mine["100"]["tabicl-fp32"] == pytest.approx(5.0)
+    assert "10000" not in mine
+    document = {"settings": {"predict_sizes": [1, 100, 10000]}, "predict_many": rows}
+    columns, table = suite.predict_many_table(document)
+    assert columns[3:6] == [">1 rows ms", ">100 rows ms", ">10000 rows ms"]
+    assert table[2][1] == "TIMEOUT" and table[2][-3:] == ["10.00x", "4.00x", "-"]
+
+
 def test_merge_a_later_file_replaces_a_kind_and_engine_and_the_summary_follows(tmp_path):
     original = json.loads(RECORD.read_text())
     later = _split(original, ["small"], True, "run again")

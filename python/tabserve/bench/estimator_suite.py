@@ -734,9 +734,9 @@ def add_predict_many_speedups(rows: list) -> None:
     by = {r["engine"]: r for r in rows}
 
     def median(r, n):
-        if not r or r.get("status") != "ok":
-            return None
-        return (r.get("sizes", {}).get(n) or {}).get("median_ms")
+        # A size measured before a job failed or timed out at a later size keeps its figure
+        # (the child saves each size as it finishes); a size that failed has none.
+        return ((r or {}).get("sizes", {}).get(n) or {}).get("median_ms")
 
     for r in rows:
         r["speedup"] = {}
@@ -746,6 +746,30 @@ def add_predict_many_speedups(rows: list) -> None:
                 base: (median(by.get(base), n) / mine if mine and median(by.get(base), n) else None)
                 for base in BASELINES
             }
+
+
+PREDICT_MANY_TITLE = (
+    f"Fit once (kv_cache=True), predict many ({PREDICT_MANY_KIND}; warm median per size)"
+)
+
+
+def predict_many_table(document: dict) -> tuple[list, list]:
+    """(columns, rows) of the record's fit-once, predict-many results."""
+    sizes = [str(n) for n in document["settings"]["predict_sizes"]]
+    columns = ["engine", "status", ">fit ms"] + [f">{n} rows ms" for n in sizes]
+    columns += [f">x tabicl @{n}" for n in sizes]
+    rows = []
+    for r in document.get("predict_many") or []:
+        figures = r.get("sizes") or {}
+        engine = r["engine"]
+        if r.get("served_preset") and not engine.endswith(r["served_preset"]):
+            engine = f"{engine} ({r['served_preset']})"
+        rows.append(
+            [engine, "ok" if r["status"] == "ok" else r["status"].upper(), _ms(r.get("fit_ms"))]
+            + [_ms((figures.get(n) or {}).get("median_ms")) for n in sizes]
+            + [_x((r.get("speedup") or {}).get(n, {}).get(TABICL)) for n in sizes]
+        )
+    return columns, rows
 
 
 # ---------------------------------------------------------------------------------------------
@@ -852,25 +876,7 @@ def render(document: dict) -> str:
     ]
     many = document.get("predict_many") or []
     if many:
-        sizes = [str(n) for n in document["settings"]["predict_sizes"]]
-        columns = ["engine", "status", ">fit ms"] + [f">{n} rows ms" for n in sizes]
-        columns += [f">x tabicl @{n}" for n in sizes]
-        rows = []
-        for r in many:
-            figures = r.get("sizes") or {}
-            engine = r["engine"]
-            if r.get("served_preset") and not engine.endswith(r["served_preset"]):
-                engine = f"{engine} ({r['served_preset']})"
-            rows.append(
-                [engine, "ok" if r["status"] == "ok" else r["status"].upper(), _ms(r.get("fit_ms"))]
-                + [_ms((figures.get(n) or {}).get("median_ms")) for n in sizes]
-                + [_x((r.get("speedup") or {}).get(n, {}).get(TABICL)) for n in sizes]
-            )
-        parts += [
-            "",
-            f"Fit once (kv_cache=True), predict many ({PREDICT_MANY_KIND}; warm median per size)",
-            format_table(columns, rows),
-        ]
+        parts += ["", PREDICT_MANY_TITLE, format_table(*predict_many_table(document))]
     summary = document.get("summary") or {}
     if summary:
         columns = (
@@ -993,8 +999,9 @@ def merge(paths: list) -> dict:
 
     ``results``: the union, a later file's (kind, engine) replacing an earlier one's, ordered
     like :data:`KINDS`; ``kinds`` likewise; ``predict_many`` (and its ``predict_sizes``) from the
-    last file that has it; ``command`` the runs' commands joined by ``" ; then "``; ``settings``
-    (engines and recipes: the union) and ``environment`` from the first file; ``summary``
+    last file that has it; ``command`` the runs' commands joined by ``" ; then "``, and their commits likewise
+    (each once); ``settings`` (engines and recipes: the union) and ``environment`` from the
+    first file; ``summary``
     recomputed. Each result keeps its accuracy and speed-ups, measured against its own run's
     tabicl rows of the same kind (every run has them: :func:`engine_names`).
 
@@ -1015,7 +1022,14 @@ def merge(paths: list) -> dict:
     engines = list(dict.fromkeys(e for d in documents for e in d["settings"]["engines"]))
     recipes = list(dict.fromkeys(r for d in documents for r in d["settings"]["recipes"]))
     many = next((d for d in reversed(documents) if d.get("predict_many")), None)
+    commits = dict.fromkeys(
+        c.strip()
+        for d in documents
+        for c in str(d["environment"].get("git_commit") or "-").split(" ; then ")
+    )
     merged = sorted(results.values(), key=lambda r: rank(r["kind"], len(KINDS)))
+    predict_many = many["predict_many"] if many else []
+    add_predict_many_speedups(predict_many)  # by this version's rules, like the summary
     settings = dict(
         first["settings"],
         engines=engines,
@@ -1026,12 +1040,12 @@ def merge(paths: list) -> dict:
     return {
         "schema": SCHEMA,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "environment": first["environment"],
+        "environment": dict(first["environment"], git_commit=" ; then ".join(commits)),
         "settings": settings,
         "command": " ; then ".join(d["command"] for d in documents),
         "kinds": sorted(kinds.values(), key=lambda k: rank(k["name"], len(KINDS))),
         "results": merged,
-        "predict_many": many["predict_many"] if many else [],
+        "predict_many": predict_many,
         "summary": summarize(merged, engines),
     }
 

@@ -456,6 +456,9 @@ def render_estimator_suite(path: Path, document: dict) -> str:
         lines.append(f"- checkpoints: {settings['checkpoint_note']}")
     lines += ["", suite.SUITE_LEGEND, ""]
     lines.append(markdown_table(suite.SUITE_COLUMNS, suite.suite_rows(document["results"])))
+    if document.get("predict_many"):
+        table = markdown_table(*suite.predict_many_table(document))
+        lines += ["", suite.PREDICT_MANY_TITLE + ":", "", table]
     summary = document.get("summary") or {}
     if summary:
         rows = [
