@@ -71,6 +71,70 @@ def _fail(like: Tensor, error: str, message: str) -> Tensor:
 _FITTED_ATTRIBUTES = ("sort_by", "column_names", "column_kinds", "slot_hash", "slot_row")
 
 
+def _unbacked_alias(tensor: Tensor) -> Tensor:
+    """A new tensor object over ``tensor``'s storage whose dimension 0 Dynamo traces unbacked."""
+    alias = tensor.detach()
+    torch._dynamo.decorators.mark_unbacked(alias, 0)
+    return alias
+
+
+def _unbacked_categories(categories):
+    if isinstance(categories, StringColumn):
+        valid = None if categories.valid is None else _unbacked_alias(categories.valid)
+        data, offsets = _unbacked_alias(categories.data), _unbacked_alias(categories.offsets)
+        return StringColumn._trusted(data, offsets, valid)
+    return _unbacked_alias(categories)
+
+
+@torch.compiler.disable(recursive=False)
+def _sizes_dynamic(module: "AlignCategories", args: tuple) -> Optional[tuple]:
+    """Forward pre-hook: once Dynamo has traced ``forward`` with static sizes, the next call's
+    table reaches it with every size (rows, vocabulary entries, label bytes) unbacked. So
+    ``torch.compile(align)`` compiles a static graph at its first call and, at its second, one
+    graph that every later batch reuses, sizes 0 and 1 included. Unmarked, Dynamo makes dynamic
+    at its first recompile only the sizes that changed then, and compiles again for each size
+    that changes later or is 0 or 1.
+
+    It runs eagerly, before Dynamo traces ``forward`` (marks count only when set before), and
+    marks one call only: ``forward`` records that Dynamo traced it, and a marked input never
+    meets the guards of a static graph, so the call it marks compiles the dynamic graph, whose
+    guards admit unmarked tables of any size. Eager use, and every compiled call but the
+    second, pay two attribute reads. (Dynamo traces ``isinstance(size, torch.SymInt)`` as
+    False, so ``forward`` cannot tell the two graphs apart itself.) Only a call through
+    ``torch.compile(align)`` is marked: an eager call between the compiled ones would spend the
+    one mark on a call that compiles nothing."""
+    if module._sizes_marked or not module._traced:
+        return None
+    if not torch._dynamo.eval_frame._is_in_optimized_module():
+        return None
+    if len(args) != 1 or not isinstance(args[0], Table):
+        return None
+    module._sizes_marked = True
+    return (_unbacked_table(args[0]),)
+
+
+@torch.compiler.disable
+def _unbacked_table(table: Table) -> Table:
+    """``table`` over aliases of its tensors (same storage, new tensor objects) whose sizes
+    Dynamo traces unbacked, so the caller's tensors carry no marks into other compiled
+    functions."""
+    columns = [
+        CategoricalColumn._trusted(c.codes, _unbacked_categories(c.categories))
+        for c in table.columns
+    ]
+    numerical, codes = _unbacked_alias(table.numerical), _unbacked_alias(table.codes)
+    names = (table.numerical_names, table.categorical_names)
+    return Table._trusted(numerical, columns, *names, codes=codes)
+
+
+@torch.compiler.substitute_in_graph(_sizes_dynamic)
+def _(module, args):
+    # Inlined into a larger compiled function (TabICLEncoder's forward), the hook does nothing:
+    # that function's inputs were traced before it ran, a disabled call would break the graph,
+    # and a read of ``_traced`` would be guarded on and recompile once forward stored it.
+    return None
+
+
 class _Refused(Exception):
     """A state ``_load_from_state_dict`` reported in ``error_msgs`` (load_state_dict raises)."""
 
@@ -92,9 +156,10 @@ class AlignCategories(nn.Module):
     1.0 == True; NaN never matches). String categories never align with numeric ones: that raises
     :class:`CategoryTypeError`, the same exception and message in eager and compiled mode.
 
-    Under ``torch.compile(fullgraph=True)``: one graph, no graph break; batches whose row counts
-    and vocabulary sizes differ reuse it after the first dynamic recompile (sizes 0 and 1 are
-    specialised by Dynamo like any size, see docs/guide/tables.md).
+    Under ``torch.compile(fullgraph=True)``: no graph break, and at most one recompile: a
+    static graph at the first call, then at the first batch of other sizes one dynamic graph
+    that batches of any row count, vocabulary size and label bytes (0 and 1 included) reuse,
+    without ``mark_dynamic`` or ``dynamic=True`` (the module marks its input's sizes itself).
 
     Raises:
         NotFittedError before fit; ValueError for a missing column; CategoryTypeError as above.
@@ -111,6 +176,9 @@ class AlignCategories(nn.Module):
         self.register_buffer("vocabulary_segments", torch.zeros(1, dtype=torch.int64))
         self.register_buffer("slot_hash", torch.empty(0, dtype=torch.int64), persistent=False)
         self.register_buffer("slot_row", torch.empty(0, dtype=torch.int64), persistent=False)
+        self._traced = False  # stored by forward while Dynamo traces it: see _sizes_dynamic
+        self._sizes_marked = False
+        self.register_forward_pre_hook(_sizes_dynamic)
 
     # -- fitting ---------------------------------------------------------------------------
 
@@ -238,6 +306,10 @@ class AlignCategories(nn.Module):
 
     def forward(self, table: Table) -> Tensor:
         """Aligned codes int64 [rows, n_fitted_columns]; see the class docstring."""
+        if torch.compiler.is_compiling():
+            # Dynamo replays this store at each call of the graph it traced. It only stores: a
+            # read here would be guarded on, and recompile once the value changed.
+            self._traced = True
         like = table.numerical
         if self.column_names is None:
             return _fail(like, "NotFittedError", "AlignCategories is not fitted: call fit first")

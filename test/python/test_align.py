@@ -12,7 +12,7 @@ from sklearn.preprocessing import OrdinalEncoder
 from torch._dynamo.testing import CompileCounterWithBackend
 from torch._dynamo.utils import counters
 
-from tabserve.align import AlignCategories, CategoryTypeError, NotFittedError
+from tabserve.align import AlignCategories, CategoryTypeError, NotFittedError, _sizes_dynamic
 from tabserve.tables import CategoricalColumn, Table, mark_dynamic
 
 HAS_CUDA = torch.cuda.is_available()
@@ -324,13 +324,23 @@ def _compile_batches(count: int = 35):
     return train, batches
 
 
+def _with_numeric_categories(frame: pd.DataFrame) -> Table:
+    return Table.from_pandas(frame, categorical=["i", "f"])
+
+
+def _fitted_and_compiled(train: pd.DataFrame):
+    """AlignCategories fitted on ``train``, compiled whole with a counting inductor backend
+    (Dynamo's counters cleared): (module, compiled module, counter)."""
+    align = AlignCategories().fit(_with_numeric_categories(train))
+    counter = CompileCounterWithBackend("inductor")
+    counters.clear()
+    return align, torch.compile(align, fullgraph=True, backend=counter), counter
+
+
 def test_compiled_one_graph_over_35_batches_matches_eager_and_sklearn():
     train, batches = _compile_batches()
-    table = lambda f: Table.from_pandas(f, categorical=["i", "f"])  # noqa: E731
-    align = AlignCategories().fit(table(train))
-    counter = CompileCounterWithBackend("inductor")
-    compiled = torch.compile(align, fullgraph=True, backend=counter)
-    counters.clear()
+    table = _with_numeric_categories
+    align, compiled, counter = _fitted_and_compiled(train)
     as_object = lambda f: f.astype(object).where(f.notna(), np.nan)  # noqa: E731
     for frame in batches:
         batch = table(frame)
@@ -352,6 +362,66 @@ def test_compiled_on_cuda_matches_eager():
         batch = Table.from_pandas(frame, categorical=["i", "f"], device="cuda")
         assert torch.equal(compiled(batch), align(batch))
     assert counter.frame_count <= 2
+
+
+#: (rows, categories per column) of a stream of batches: the second batch changes only the row
+#: count, so vocabulary sizes Dynamo saw constant then change later; then one row, one
+#: category per column and empty vocabularies (sizes Dynamo specialises unless marked).
+SIZE_STREAM = ((12, 4), (20, 4), (33, 9), (7, 13), (1, 2), (25, 1), (16, 0), (40, 6))
+
+
+def _size_stream_batches():
+    rng = np.random.default_rng(23)
+    pool = label_pool(rng, 40)
+    rows = 200
+    train = pd.DataFrame(
+        {
+            "s": pd.Series(rng.choice(pool[:30], rows), dtype=object),
+            "i": rng.integers(0, 10, rows),
+            "f": rng.integers(0, 10, rows) / 4,
+        }
+    )
+    batches = []
+    for rows, k in SIZE_STREAM:
+        picks = rng.integers(0, max(k, 1), rows).astype(float)
+        picks[(rng.random(rows) < 0.2) | (k == 0)] = np.nan  # every row null without categories
+
+        def column(categories):
+            values = [np.nan if np.isnan(p) else categories[int(p)] for p in picks]
+            return pd.Categorical(values, categories=categories)
+
+        batches.append(
+            pd.DataFrame(
+                {
+                    "s": column(pd.Index(pool[3 : 3 + k], dtype=object)),
+                    "i": column(pd.Index(np.arange(k, dtype=np.int64) + 2)),
+                    "f": column(pd.Index(np.arange(k, dtype=np.float64) / 4)),
+                }
+            )
+        )
+    return train, batches
+
+
+def test_compiled_recompiles_at_most_once_over_changing_vocabulary_sizes():
+    # No mark_dynamic and no dynamic=True: the module keeps the batch sizes dynamic itself.
+    train, batches = _size_stream_batches()
+    align, compiled, counter = _fitted_and_compiled(train)
+    sizes = set()
+    first = _with_numeric_categories(batches[0])
+    align(first)
+    assert _sizes_dynamic(align, (first,)) is None  # eager use: nothing traced, nothing marked
+    for frame in batches:
+        batch = _with_numeric_categories(frame)
+        sizes.add((batch.codes.shape[0], batch.columns[0].categories.data.shape[0]))
+        assert torch.equal(compiled(batch), align(batch))
+        # Marked once, at the call after the static graph's: the dynamic graph serves the rest.
+        assert align._traced and align._sizes_marked == (len(sizes) > 1)
+        tensors = [t for t in torch.utils._pytree.tree_leaves(batch) if isinstance(t, torch.Tensor)]
+        assert not any(hasattr(t, "_dynamo_unbacked_indices") for t in tensors)  # marks on aliases
+    assert len(sizes) == len(SIZE_STREAM)  # rows and label bytes differ from batch to batch
+    assert counter.frame_count <= 2  # at most one recompile
+    assert not counters["graph_break"]
+    assert _sizes_dynamic(align, (batch,)) is None  # the dynamic graph serves: the hook stops
 
 
 def test_compiled_graph_takes_the_codes_matrix_not_a_codes_tensor_per_column():
