@@ -17,6 +17,7 @@ no nulls, so the vocabulary has no validity mask.
 
 from __future__ import annotations
 
+import functools
 from typing import Optional, Sequence
 
 import numpy as np
@@ -86,7 +87,23 @@ def _unbacked_categories(categories):
     return _unbacked_alias(categories)
 
 
-@torch.compiler.disable(recursive=False)
+def _unbacked_table(table: Table) -> Table:
+    """``table`` over aliases of its tensors (same storage, new tensor objects) whose sizes
+    Dynamo traces unbacked, so the caller's tensors carry no marks into other compiled
+    functions."""
+    columns = [
+        CategoricalColumn._trusted(c.codes, _unbacked_categories(c.categories))
+        for c in table.columns
+    ]
+    numerical, codes = _unbacked_alias(table.numerical), _unbacked_alias(table.codes)
+    names = (table.numerical_names, table.categorical_names)
+    return Table._trusted(numerical, columns, *names, codes=codes)
+
+
+#: ``_unbacked_table``, disabled for Dynamo once ``_sizes_hook`` has run.
+_unbacked_eager = _unbacked_table
+
+
 def _sizes_dynamic(module: "AlignCategories", args: tuple) -> Optional[tuple]:
     """Forward pre-hook: once Dynamo has traced ``forward`` with static sizes, the next call's
     table reaches it with every size (rows, vocabulary entries, label bytes) unbacked. So
@@ -110,29 +127,36 @@ def _sizes_dynamic(module: "AlignCategories", args: tuple) -> Optional[tuple]:
     if len(args) != 1 or not isinstance(args[0], Table):
         return None
     module._sizes_marked = True
-    return (_unbacked_table(args[0]),)
+    return (_unbacked_eager(args[0]),)
 
 
-@torch.compiler.disable
-def _unbacked_table(table: Table) -> Table:
-    """``table`` over aliases of its tensors (same storage, new tensor objects) whose sizes
-    Dynamo traces unbacked, so the caller's tensors carry no marks into other compiled
-    functions."""
-    columns = [
-        CategoricalColumn._trusted(c.codes, _unbacked_categories(c.categories))
-        for c in table.columns
-    ]
-    numerical, codes = _unbacked_alias(table.numerical), _unbacked_alias(table.codes)
-    names = (table.numerical_names, table.categorical_names)
-    return Table._trusted(numerical, columns, *names, codes=codes)
+@functools.cache
+def _sizes_hook():
+    """``_sizes_dynamic`` as Dynamo runs it, built at the first AlignCategories a caller
+    constructs: decorating imports ``torch._dynamo`` (1.7 s on a 2-core CPU), which
+    ``import tabserve`` and the estimators' eager fits never need."""
+    global _unbacked_eager
+    # The hook's own frame runs eagerly, the functions it calls would be traced: the marks
+    # must be set outside any trace.
+    _unbacked_eager = torch.compiler.disable(_unbacked_table)
+    hook = torch.compiler.disable(_sizes_dynamic, recursive=False)
+    # Pickle stores a module's hooks by name: this one resolves through the module __getattr__.
+    hook.__name__ = hook.__qualname__ = "_sizes_pre_hook"
+
+    @torch.compiler.substitute_in_graph(hook)
+    def inlined(module, args):
+        # Inlined into a larger compiled function, the hook does nothing: that function's
+        # inputs were traced before it ran, a disabled call would break the graph, and a read
+        # of ``_traced`` would be guarded on and recompile once forward stored it.
+        return None
+
+    return hook
 
 
-@torch.compiler.substitute_in_graph(_sizes_dynamic)
-def _(module, args):
-    # Inlined into a larger compiled function (TabICLEncoder's forward), the hook does nothing:
-    # that function's inputs were traced before it ran, a disabled call would break the graph,
-    # and a read of ``_traced`` would be guarded on and recompile once forward stored it.
-    return None
+def __getattr__(name: str):
+    if name == "_sizes_pre_hook":
+        return _sizes_hook()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class _Refused(Exception):
@@ -160,12 +184,14 @@ class AlignCategories(nn.Module):
     static graph at the first call, then at the first batch of other sizes one dynamic graph
     that batches of any row count, vocabulary size and label bytes (0 and 1 included) reuse,
     without ``mark_dynamic`` or ``dynamic=True`` (the module marks its input's sizes itself).
+    Constructing one imports ``torch._dynamo`` for that (once per process; ``import tabserve``
+    and the estimators do not).
 
     Raises:
         NotFittedError before fit; ValueError for a missing column; CategoryTypeError as above.
     """
 
-    def __init__(self, sort_by: str = "value"):
+    def __init__(self, sort_by: str = "value", *, _mark_sizes: bool = True):
         super().__init__()
         _check_sort_by(sort_by)
         self.sort_by = sort_by
@@ -178,7 +204,8 @@ class AlignCategories(nn.Module):
         self.register_buffer("slot_row", torch.empty(0, dtype=torch.int64), persistent=False)
         self._traced = False  # stored by forward while Dynamo traces it: see _sizes_dynamic
         self._sizes_marked = False
-        self.register_forward_pre_hook(_sizes_dynamic)
+        if _mark_sizes:  # a module compiled inside a larger function needs no marks
+            self.register_forward_pre_hook(_sizes_hook())
 
     # -- fitting ---------------------------------------------------------------------------
 

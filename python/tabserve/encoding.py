@@ -103,7 +103,7 @@ class TabICLEncoder(nn.Module):
     def __init__(self, dtype: torch.dtype = torch.float64):
         super().__init__()
         self.dtype = dtype
-        self.align = AlignCategories(sort_by="value")
+        self.align = AlignCategories(sort_by="value", _mark_sizes=False)
         self.categorical_names: tuple = ()
         self.numerical_names: tuple = ()
         self.register_buffer("numerical_fill", torch.empty(0, dtype=torch.float64))

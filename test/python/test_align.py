@@ -462,3 +462,28 @@ def test_a_state_that_fails_to_load_leaves_the_module_as_it_was():
             fitted.load_state_dict(bad)
         assert torch.equal(fitted(table), expected)
         assert fitted.column_names == tuple(train.columns)
+
+
+def test_a_pickled_module_aligns_the_same_in_a_fresh_process(tmp_path):
+    import pickle
+    import subprocess
+    import sys
+
+    frame = pd.DataFrame({"s": ["b", "a", None, "c"], "i": [3, 1, 2, 3]})
+    align = AlignCategories().fit(Table.from_pandas(frame, categorical=["s", "i"]))
+    batch = pd.DataFrame({"s": ["c", "z", "a"], "i": [2, 9, 3]})
+    (tmp_path / "align.pkl").write_bytes(pickle.dumps(align))
+    code = f"""
+import pickle, sys, pandas as pd
+from tabserve.tables import Table
+align = pickle.loads(open({str(tmp_path / "align.pkl")!r}, "rb").read())
+batch = pd.DataFrame({{"s": ["c", "z", "a"], "i": [2, 9, 3]}})
+print(align(Table.from_pandas(batch, categorical=["s", "i"])).tolist())
+print(len(align._forward_pre_hooks))
+"""
+    child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           timeout=300, check=False)
+    assert child.returncode == 0, child.stderr[-2000:]
+    expected = align(Table.from_pandas(batch, categorical=["s", "i"])).tolist()
+    assert expected == [[2, 1], [-1, -1], [0, 2]]  # value order: a b c; 1 2 3
+    assert child.stdout.split("\n")[:2] == [str(expected), "1"]

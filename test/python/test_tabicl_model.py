@@ -627,20 +627,30 @@ def test_broadcast_batch_refuses_what_torch_refuses():
         broadcast_batch(torch.Size((2, 3)), torch.Size((4, 3)))
 
 
-def test_a_fresh_process_predicts_without_building_symbolic_shapes():
-    """An eager fit + predict never loads torch's symbolic-shape machinery (building it was
-    most of a fresh process's first predict)."""
+@pytest.mark.parametrize("frame", [False, True], ids=["numpy", "dataframe-with-strings"])
+def test_a_fresh_process_predicts_without_building_symbolic_shapes(frame):
+    """An eager fit + predict, on numpy or on a DataFrame with string and NaN columns, never
+    loads Dynamo or torch's symbolic-shape machinery (building them was most of a fresh
+    process's first predict)."""
     code = f"""
-import sys, torch
+import sys, numpy as np, pandas as pd, torch
 from tabserve import TabICLClassifier
 g = torch.Generator().manual_seed(0)
 X, y = torch.randn(40, 4, generator=g).numpy(), (torch.arange(40) % 3).numpy()
-TabICLClassifier(n_estimators=2, model_path={str(reference_checkpoint("clf", "tiny"))!r},
-                 device="cpu").fit(X[:30], y[:30]).predict_proba(X[30:])
+if {frame}:
+    X = pd.DataFrame(X, columns=list("abcd"))
+    X["a"] = X["a"].where(X["b"] > -1.0)
+    X["colour"] = np.array(["red", "green", "blue", None] * 10, dtype=object)
+clf = TabICLClassifier(n_estimators=2, model_path={str(reference_checkpoint("clf", "tiny"))!r},
+                       device="cpu").fit(X[:30], y[:30])
+print("probabilities:", clf.predict_proba(X[30:]).shape)
+print("dynamo loaded:", "torch._dynamo" in sys.modules)
 print("symbolic shapes loaded:", "torch.fx.experimental.symbolic_shapes" in sys.modules)
 """
     child = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False
     )
     assert child.returncode == 0, child.stderr[-2000:]
+    assert "probabilities: (10, 3)" in child.stdout
+    assert "dynamo loaded: False" in child.stdout
     assert "symbolic shapes loaded: False" in child.stdout
