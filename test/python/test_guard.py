@@ -7,8 +7,8 @@ import shutil
 
 import pytest
 
-from tabserve.bench import guard
-from tabserve.bench.record import ROOT
+from tabserve.bench import estimator_suite, guard
+from tabserve.bench.record import DRIVER_SCHEMA, ROOT
 
 RESULTS = ROOT / "benchmarks" / "results"
 
@@ -85,12 +85,35 @@ def make_run(tmp_path, slower=None):
                         result["lookup"][key] *= 1.5
     (run / "string_lookup.json").write_text(json.dumps(lookup))
     shutil.copy(RESULTS / "align_categories_h200.json", run / "align_categories.json")
-    shutil.copy(RESULTS / "estimator_suite_h200.json", run / "estimator_suite.json")
     for h in guard.HEADLINES:
-        if h.output_dir:
+        if h.output_schema == DRIVER_SCHEMA:
             (run / h.name).mkdir()
             shutil.copy(RESULTS / "h200.json", run / h.name / "tabiclv2_h200.json")
+    publish_suite(load("estimator_suite_h200.json"), run / "estimator_suite")
     return run
+
+
+def publish_suite(document, folder):
+    """Writes a suite record where the suite's own ``--out`` writes it."""
+    folder.mkdir(parents=True)
+    estimator_suite._publish(document, folder, lambda *a: None)
+
+
+def test_the_suite_headline_reads_what_the_suite_writes(tmp_path):
+    h = headline("estimator_suite")
+    document = load("estimator_suite_h200.json")
+    publish_suite(document, tmp_path / "same" / h.name)
+    verdicts, problems = guard.compare([h], tmp_path / "same", "h200", RESULTS)
+    assert not problems and {v.figure for v in verdicts} >= set(h.required)
+    assert {v.state for v in verdicts if v.figure in h.required} == {"ok"}
+    for result in document["results"]:
+        if result.get("warm"):
+            for key in ("median_ms", "p20_ms", "p80_ms"):
+                result["warm"][key] *= 1.5
+    publish_suite(document, tmp_path / "slower" / h.name)
+    verdicts, problems = guard.compare([h], tmp_path / "slower", "h200", RESULTS)
+    assert not problems
+    assert {v.state for v in verdicts if v.figure in h.required} == {"REGRESSED"}
 
 
 def test_compare_of_an_unchanged_run_passes(tmp_path, capsys):

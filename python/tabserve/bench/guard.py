@@ -107,7 +107,7 @@ def suite_figures(record: dict) -> dict[str, Figure]:
 @dataclass(frozen=True)
 class Headline:
     """One benchmark's headline run: its command (``{out}`` is replaced by the JSON path, or the
-    output folder for the driver), the committed record it is judged against, how figures are read
+    output folder), the committed record it is judged against, how figures are read
     from both, which of them are judged (glob patterns), the figures that must come back, and the
     tolerance floor."""
 
@@ -120,7 +120,13 @@ class Headline:
     floor: float
     timeout_s: float
     full_only: bool = False
-    output_dir: bool = False  # the command writes a folder of JSON files (the driver)
+    #: Where the command writes a folder of JSON files (the driver, the estimator suite): the
+    #: schema prefix of the records in it that hold the run's results. Empty: one JSON file.
+    output_schema: str = ""
+
+    @property
+    def output_dir(self) -> bool:
+        return bool(self.output_schema)
 
 
 LOOKUP_CASES = (
@@ -185,7 +191,7 @@ HEADLINES: tuple[Headline, ...] = (
             floor=0.10,
             timeout_s=320 if compiled else 300,
             full_only=compiled,
-            output_dir=True,
+            output_schema=DRIVER_SCHEMA,
         )
         for workload, cells, compiled in DRIVER_RUNS
     ),
@@ -200,6 +206,7 @@ HEADLINES: tuple[Headline, ...] = (
         tuple(f"{k} / tabserve-auto warm" for k in SUITE_KINDS),
         floor=0.10,
         timeout_s=240,
+        output_schema=SUITE_SCHEMA,
     ),
 )
 
@@ -269,7 +276,8 @@ def read_run(headline: Headline, out: Path) -> Optional[dict]:
         folder = out / headline.name
         paths = sorted(folder.glob("*.json")) if folder.is_dir() else []
         records = [_read_json(p) for p in paths]
-        records = [r for r in records if str(r.get("schema", "")).startswith(DRIVER_SCHEMA)]
+        schema = headline.output_schema
+        records = [r for r in records if str(r.get("schema", "")).startswith(schema)]
         if not records:
             return None
         return {"results": [r for record in records for r in record.get("results", [])]}
