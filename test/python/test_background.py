@@ -94,6 +94,30 @@ def test_each_call_is_answered_by_the_ready_model_until_its_warm_up_has_run():
     assert target.calls == ["forward", "forward", "forward"]
 
 
+def test_no_other_thread_captures_while_a_warm_up_runs():
+    from tabserve.models.tabicl import serving
+
+    tiered, ready, target = _pair()
+    free_during_warm_up = []
+    forward = tiered.target.forward
+
+    def probing(*args, **kwargs):
+        probe = threading.Thread(  # another thread tries to take the captures
+            target=lambda: free_during_warm_up.append(serving._CAPTURES.acquire(blocking=False))
+        )
+        probe.start()
+        probe.join()
+        return forward(*args, **kwargs)
+
+    tiered.target.forward = probing
+    X, y = random_table(3, 2, 40, 10, 5, n_classes=3)
+    tiered(X, y)
+    assert wait_for_compiles(120)
+    assert free_during_warm_up == [False] and tiered.compiled("forward", X, y)
+    assert serving._CAPTURES.acquire(blocking=False)  # released once the warm-up ended
+    serving._CAPTURES.release()
+
+
 def test_a_failed_warm_up_leaves_the_call_on_the_ready_model():
     tiered, ready, target = _pair()
 

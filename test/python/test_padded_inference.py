@@ -974,6 +974,37 @@ class _SlowReplayOnCPU(_ReplayOnCPU):
         return self.output
 
 
+def test_a_call_is_served_uncaptured_while_another_thread_holds_the_captures(monkeypatch):
+    """While another thread holds the process's captures (a background warm-up compiling), a
+    call of a new bucket runs its kernels uncaptured with the same answer; the next call after
+    the release captures."""
+    from tabserve.models.tabicl import serving
+
+    monkeypatch.setattr(serving, "_BucketGraph", _ReplayOnCPU)
+    model = our_model("clf", "tiny")
+    served = ServedTabICL(copy.deepcopy(model), ServingOptions(buckets=True), GRID)
+    served.options = served.options.replace(cuda_graphs=True)
+    X, y = random_table(31, 2, 10, 5, 5, 3)
+    held, release = threading.Event(), threading.Event()
+
+    def warm_up():
+        with serving.exclusive_captures():
+            held.set()
+            release.wait(60)
+
+    holder = threading.Thread(target=warm_up)
+    holder.start()
+    assert held.wait(60)
+    try:
+        _assert_same(model(X, y), served(X, y), True)
+        assert (served.captures, served.uncaptured, len(served._graphs)) == (0, 1, 0)
+    finally:
+        release.set()
+        holder.join()
+    _assert_same(model(X, y), served(X, y), True)
+    assert (served.captures, served.uncaptured, len(served._graphs)) == (1, 1, 1)
+
+
 def test_graph_replays_are_serialised_between_threads(monkeypatch):
     """Two host threads share one served model whose tables fall in the same bucket (one graph,
     one set of buffers): each gets its own table's predictions."""

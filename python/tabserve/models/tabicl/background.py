@@ -12,7 +12,9 @@ A KV cache (:class:`TieredCache`) is built by ``ready`` at once and by ``target`
 background (its warm-up keeps what it built); a prediction against it runs on ``target`` once
 ``target`` has both its cache and a warm-up of that prediction's shapes, on ``ready`` until then.
 
-One worker thread per process runs the warm-ups in order, on its own CUDA stream. Compiling is
+One worker thread per process runs the warm-ups in order, on its own CUDA stream; while one
+runs, no other thread captures a CUDA graph (``serving.exclusive_captures``): a call of a shape
+the ready model has not captured yet is served uncaptured, and captured at a later call. Compiling is
 mostly Python, which shares the interpreter lock with the caller's thread, so a warm-up starts
 only once no estimator call (:func:`foreground`) has run for :data:`QUIET_S`, or
 :data:`MAX_DEFER_S` after the worker reached it if calls never pause: a one-shot script's first
@@ -39,6 +41,7 @@ from torch import Tensor
 from torch.utils._pytree import tree_map
 
 from .options import describe
+from .serving import exclusive_captures
 
 #: What serves while a compiled preset compiles: fp16 on padded buckets replayed from CUDA
 #: graphs, nothing compiled (its captures take milliseconds per bucket).
@@ -323,13 +326,14 @@ class CompilingTabICL:
         def warm_up() -> None:
             try:
                 stream = torch.cuda.Stream(self.ready.device) if copied is not None else None
-                if stream is None:
-                    built = getattr(self.target, entry)(*args, **kwargs)
-                else:
-                    with torch.cuda.stream(stream):
-                        stream.wait_event(copied)
+                with exclusive_captures():
+                    if stream is None:
                         built = getattr(self.target, entry)(*args, **kwargs)
-                    stream.synchronize()
+                    else:
+                        with torch.cuda.stream(stream):
+                            stream.wait_event(copied)
+                            built = getattr(self.target, entry)(*args, **kwargs)
+                        stream.synchronize()
                 if keep is not None:
                     keep.target = built
                 state = "compiled"

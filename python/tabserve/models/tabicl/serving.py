@@ -65,6 +65,20 @@ MAX_CACHED_GRAPHS = 32
 #: recently replayed dropped first (their memory stays in the shared pool for later captures).
 MAX_SHAPE_GRAPHS = 16
 
+#: Held by a thread capturing a CUDA graph, and by the background warm-up for its whole run
+#: (:func:`exclusive_captures`). A capture registers the process's CUDA generator and, without
+#: a stream of its own, uses torch's one default capture stream: compiling on another thread
+#: during a capture (Inductor's autotuning draws random inputs and synchronises) failed the
+#: compile and invalidated the capture (H200, fresh estimators served while one compiled). A
+#: thread that finds it held serves the call uncaptured (the same kernels) and captures later.
+_CAPTURES = threading.RLock()
+
+
+def exclusive_captures():
+    """``with exclusive_captures():`` no other thread captures a CUDA graph meanwhile (their
+    calls run uncaptured); this thread's own captures go ahead."""
+    return _CAPTURES
+
 
 def raise_recompile_limit(entries: int) -> None:
     """Lets every compiled code object hold at least ``entries`` graphs (Dynamo's per-frame
@@ -164,6 +178,7 @@ class ServedTabICL:
                 f"{describe(self.options)} captures CUDA graphs; the model is on {self.device}"
             )
         self.captures = 0
+        self.uncaptured = 0  # calls served without their graph while another thread held _CAPTURES
         # Graph buffers are shared by every caller: one caller at a time copies in, replays and
         # copies out (host side), and each caller's stream waits for the previous caller's
         # replay (device side), so host threads on their own streams can share a served model.
@@ -282,8 +297,15 @@ class ServedTabICL:
             graphs = store if store is not None else self._cached_graphs if static else self._graphs
             graph = graphs.get(key)
             if graph is None:
-                with freezing(self.options.freeze):  # the capture is where compiled cores trace
-                    graph = _BucketGraph(fn, inputs, static, self._pool)
+                if not _CAPTURES.acquire(blocking=False):  # see _CAPTURES
+                    self.uncaptured += 1
+                    with freezing(self.options.freeze):
+                        return fn(*inputs, *static)
+                try:
+                    with freezing(self.options.freeze):  # the capture is where compiled cores trace
+                        graph = _BucketGraph(fn, inputs, static, self._pool)
+                finally:
+                    _CAPTURES.release()
                 graphs[key] = graph
                 self.captures += 1
             if isinstance(graphs, _RecentGraphs):
