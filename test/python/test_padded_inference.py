@@ -995,14 +995,19 @@ def test_a_call_is_served_uncaptured_while_another_thread_holds_the_captures(mon
     holder = threading.Thread(target=warm_up)
     holder.start()
     assert held.wait(60)
+    rows = X[:, 10:]
+    expected_cached = model.forward_with_cache(rows, model.build_cache(X[:, :10], y))
     try:
         _assert_same(model(X, y), served(X, y), True)
-        assert (served.captures, served.uncaptured, len(served._graphs)) == (0, 1, 0)
+        cache = served.build_cache(X[:, :10], y)
+        _assert_same(expected_cached, served.forward_with_cache(rows, cache), True)
+        assert (served.captures, served.uncaptured, len(served._graphs)) == (0, 3, 0)
     finally:
         release.set()
         holder.join()
     _assert_same(model(X, y), served(X, y), True)
-    assert (served.captures, served.uncaptured, len(served._graphs)) == (1, 1, 1)
+    _assert_same(expected_cached, served.forward_with_cache(rows, cache), True)
+    assert served.uncaptured == 3 and len(served._graphs) == 1 and len(served._cached_graphs) == 1
 
 
 def test_graph_replays_are_serialised_between_threads(monkeypatch):
