@@ -17,6 +17,8 @@
 #             PROFILE_CELLS (default: the reference fp16 cell and every preset)
 #   align     the category-alignment benchmark (its string-lookup and table tests first)
 #   soak      benchmarks/soak.py (SOAK_PRESET: serve through a preset; SOAK_SECONDS)
+#   soak-estimators  benchmarks/soak.py --estimators: fresh classifiers with the default recipe,
+#             background compiles included (SOAK_SIZE, default tiny; SOAK_SECONDS)
 #   pytest    PYTEST_ARGS (default: the CUDA tests, -m cuda test/python)
 #   sanitize  compute-sanitizer over the kernels' CUDA tests (check.sh's sanitize stage)
 #   ncu       Nsight Compute over scripts/device/ncu_probe.py (NCU_ARGS, NCU_KERNELS)
@@ -96,6 +98,11 @@ for part in "$@"; do
         ${SOAK_PRESET:+--preset "$SOAK_PRESET"} --max-seconds "${SOAK_SECONDS:-$(left $((LIMIT - 60)))}" \
         --json "$OUT/soak-cuda.json" >"$LOG/soak.log" 2>&1
       echo "soak rc=$?"; tail -30 "$LOG/soak.log" ;;
+    soak-estimators)
+      timeout "$(left "$LIMIT")" python3 benchmarks/soak.py --estimators --device cuda \
+        --size "${SOAK_SIZE:-tiny}" --max-seconds "${SOAK_SECONDS:-$(left $((LIMIT - 60)))}" \
+        --json "$OUT/soak-estimators-cuda.json" >"$LOG/soak-estimators.log" 2>&1
+      echo "soak-estimators rc=$?"; tail -30 "$LOG/soak-estimators.log" ;;
     pytest)
       # shellcheck disable=SC2086
       tests pytest "$(left $((LIMIT - 30)))" ${PYTEST_ARGS:--m cuda test/python} ;;
@@ -110,7 +117,7 @@ for part in "$@"; do
       ncu --import "$LOG/probe.ncu-rep" --page details >"$OUT/ncu-details.txt" 2>&1
       grep -n "Duration\|Registers Per\|Achieved Occupancy\|Compute (SM) Throughput\|DRAM Throughput" \
         "$OUT/ncu-details.txt" | head -40 ;;
-    *) echo "unknown argument $part: a workload ($WORKLOADS) or kernels, profile, align, soak," \
+    *) echo "unknown argument $part: a workload ($WORKLOADS) or kernels, profile, align, soak, soak-estimators," \
          "pytest, sanitize, ncu"; exit 2 ;;
   esac
 done
