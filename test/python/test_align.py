@@ -1,6 +1,9 @@
 """AlignCategories against scikit-learn's OrdinalEncoder and pandas; compile; state_dict."""
 
 import io
+import pickle
+import subprocess
+import sys
 from unittest import mock
 
 import numpy as np
@@ -465,10 +468,6 @@ def test_a_state_that_fails_to_load_leaves_the_module_as_it_was():
 
 
 def test_a_pickled_module_aligns_the_same_in_a_fresh_process(tmp_path):
-    import pickle
-    import subprocess
-    import sys
-
     frame = pd.DataFrame({"s": ["b", "a", None, "c"], "i": [3, 1, 2, 3]})
     align = AlignCategories().fit(Table.from_pandas(frame, categorical=["s", "i"]))
     batch = pd.DataFrame({"s": ["c", "z", "a"], "i": [2, 9, 3]})

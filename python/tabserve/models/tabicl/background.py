@@ -14,9 +14,9 @@ background (its warm-up keeps what it built); a prediction against it runs on ``
 
 One worker thread per process runs the warm-ups in order, on its own CUDA stream; while one
 runs, no other thread captures a CUDA graph (``serving.exclusive_captures``): a call of a shape
-the ready model has not captured yet is served uncaptured, and captured at a later call. Compiling is
-mostly Python, which shares the interpreter lock with the caller's thread, so a warm-up starts
-only once no estimator call (:func:`foreground`) has run for :data:`QUIET_S`, or
+the ready model has not captured yet is served uncaptured, and captured at a later call.
+Compiling is mostly Python, which shares the interpreter lock with the caller's thread, so a
+warm-up starts only once no estimator call (:func:`foreground`) has run for :data:`QUIET_S`, or
 :data:`MAX_DEFER_S` after the worker reached it if calls never pause: a one-shot script's first
 answer is not slowed by the compile it queued. :func:`wait_for_compiles` waits until the worker
 is idle (benchmarks use it to time the steady state).

@@ -297,15 +297,14 @@ class ServedTabICL:
             graphs = store if store is not None else self._cached_graphs if static else self._graphs
             graph = graphs.get(key)
             if graph is None:
-                if not _CAPTURES.acquire(blocking=False):  # see _CAPTURES
-                    self.uncaptured += 1
-                    with freezing(self.options.freeze):
+                with freezing(self.options.freeze):  # the capture is where compiled cores trace
+                    if not _CAPTURES.acquire(blocking=False):  # see _CAPTURES
+                        self.uncaptured += 1
                         return fn(*inputs, *static)
-                try:
-                    with freezing(self.options.freeze):  # the capture is where compiled cores trace
+                    try:
                         graph = _BucketGraph(fn, inputs, static, self._pool)
-                finally:
-                    _CAPTURES.release()
+                    finally:
+                        _CAPTURES.release()
                 graphs[key] = graph
                 self.captures += 1
             if isinstance(graphs, _RecentGraphs):
