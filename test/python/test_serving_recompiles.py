@@ -10,6 +10,8 @@ compile compiles the blocks of the model it is given in place.
 from __future__ import annotations
 
 import copy
+import gc
+import inspect
 import random
 
 import pytest
@@ -194,6 +196,51 @@ def test_frozen_recipe_keeps_the_weights_it_compiled_with():
     assert (model(X, y, return_logits=False) - reference).abs().max() > 1e-2  # the change shows
     assert torch.equal(frozen(X, y, return_logits=False), before)  # ... not in the frozen graph
     assert torch._inductor.config.freezing is False  # only on around the served calls
+
+
+def _live_tensor_bytes() -> int:
+    """Bytes of every real tensor the garbage collector can reach (fake and meta ones aside)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    gc.collect()
+    return sum(
+        t.untyped_storage().nbytes()
+        for t in gc.get_objects()
+        if issubclass(type(t), torch.Tensor)  # type(): lazy modules' __getattr__ would warn
+        and not issubclass(type(t), FakeTensor)
+        and t.device.type != "meta"
+    )
+
+
+@pytest.mark.parametrize("buckets", [True, False], ids=["buckets", "whole-model"])
+def test_dropped_frozen_served_models_leave_no_graphs_behind(buckets):
+    """Frozen graphs hold their model's weights as constants. Served models built and dropped
+    one after another (the estimators' model cache evicts them) must take their graphs with
+    them, from Dynamo's caches and Inductor's module cache alike, while a served model still
+    held keeps answering from its own graphs."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+    from torch._inductor.codecache import PyCodeCache
+    from tabserve.models.tabicl.model import TabICLv2
+
+    torch._dynamo.reset()
+    options = ServingOptions(precision="fp16", buckets=buckets, compile="default").replace(freeze=True)
+    X, y = random_table(3, TABLES, 12, 5, 4, 3)
+
+    def served():
+        return ServedTabICL(copy.deepcopy(our_model("clf", "tiny")), options, GRID if buckets else None)
+
+    kept = served()
+    expected = kept(X, y, return_logits=False)
+    footprints = []
+    for _ in range(3):
+        dropped = served()
+        assert (dropped(X, y, return_logits=False) - expected).abs().max() <= 1e-3
+        del dropped
+        footprints.append((_live_tensor_bytes(), len(PyCodeCache.modules)))
+    assert footprints[2] == footprints[1] == footprints[0], footprints
+    shared = TabICLv2.padded_forward if buckets else inspect.unwrap(TabICLv2.forward)
+    assert _debug_get_cache_entry_list(shared.__code__) == []  # each compiled its own code
+    assert torch.equal(kept(X, y, return_logits=False), expected)
 
 
 def test_freeze_needs_an_inductor_compile():

@@ -47,6 +47,24 @@ int tile_shape(int64_t bytes, int64_t rows) {
   return shape;
 }
 
+// Blocks of the lookup kernel of a tile shape resident on the current device at once. The lookup runs that many, each
+// tile looping over queries, rather than one tile per query: on the H200 the 100,000-query
+// lookups of 4,096-byte labels took 0.327 -> 0.299 ms (5% unknown) and 0.296 -> 0.258 ms (50%
+// unknown), of 64-byte labels 0.024 ms either way.
+template <int kTile, int kCached>
+int resident_lookup_blocks() {
+  static const int per_sm = [] {  // one per kernel: its registers decide it
+    int blocks = 0;
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+        &blocks, lookup_kernels::lookup_kernel<kTile, kCached>, kThreadsPerBlock, 0));
+    return std::max(blocks, 1);
+  }();
+  int sms = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount,
+                                        c10::cuda::current_device()));
+  return per_sm * std::max(sms, 1);
+}
+
 // Calls launch(kernel-template tag) with the tile shape's compile-time lanes and cached words.
 template <int kShape = 0, typename Launch>
 void with_tile_shape(int shape, Launch&& launch) {
@@ -201,11 +219,12 @@ at::Tensor lookup_columns_cuda(const at::Tensor& vocabulary_data,
     const int64_t batch_rows = batch.row_start[batch.count];
     if (batch_rows > 0) {
       with_tile_shape(tile_shape(batch_bytes, batch_rows), [&](auto tile, auto cached) {
-        lookup_kernels::lookup_kernel<tile(), cached()>
-            <<<blocks_for(batch_rows, kThreadsPerBlock / tile()), kThreadsPerBlock, 0, stream>>>(
-                vocabulary, segments.data_ptr<int64_t>(), hashes.data_ptr<int64_t>(),
-                rows.data_ptr<int64_t>(), rows.numel(), batch, hash_bits,
-                codes.data_ptr<int64_t>() + written);
+        const int blocks = std::min(blocks_for(batch_rows, kThreadsPerBlock / tile()),
+                                    resident_lookup_blocks<tile(), cached()>());
+        lookup_kernels::lookup_kernel<tile(), cached()><<<blocks, kThreadsPerBlock, 0, stream>>>(
+            vocabulary, segments.data_ptr<int64_t>(), hashes.data_ptr<int64_t>(),
+            rows.data_ptr<int64_t>(), rows.numel(), batch, hash_bits,
+            codes.data_ptr<int64_t>() + written);
       });
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     }

@@ -35,7 +35,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import gc
+import inspect
 import threading
+import types
+import weakref
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -87,6 +91,63 @@ def raise_recompile_limit(entries: int) -> None:
     config = torch._dynamo.config
     config.recompile_limit = max(config.recompile_limit, entries)
     config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, entries)
+
+
+def own_code(fn):
+    """``fn`` (a function or a bound method) running a private copy of its code object, for
+    :meth:`ServedTabICL._own`.
+
+    A decorated function (the model's ``forward`` and ``forward_with_cache`` are
+    ``torch.no_grad()``'s) is copied beneath its decorator and the copy decorated with
+    ``torch.no_grad()`` again: Dynamo skips the decorator's frame, which is torch's, and compiles
+    the frame beneath it, so that is the one that must be private.
+    """
+    func = getattr(fn, "__func__", fn)
+    inner = inspect.unwrap(func)
+    copy = types.FunctionType(
+        inner.__code__.replace(), dict(inner.__globals__), inner.__name__, inner.__defaults__,
+        inner.__closure__,
+    )  # fmt: skip
+    copy.__kwdefaults__ = inner.__kwdefaults__
+    copy.__qualname__, copy.__doc__ = inner.__qualname__, inner.__doc__
+    if inner is not func:
+        copy = torch.no_grad()(copy)
+    return types.MethodType(copy, fn.__self__) if hasattr(fn, "__func__") else copy
+
+
+def _release_compiled(codes: list) -> None:
+    """Drops what torch keeps of a collected served model's frozen graphs: Dynamo's caches of
+    its own code objects (``codes``: each with its private globals and the names those held
+    before anything compiled) and of the resume functions Dynamo made of them at graph breaks
+    (the unpadded forward's host checks), the graphs Dynamo installed in those globals, and
+    Inductor's references to the generated modules that hold frozen constants and that no
+    graph uses any more."""
+    from torch._dynamo.resume_execution import ContinueExecutionCache
+    from torch._inductor.codecache import PyCodeCache
+
+    while codes:
+        code, namespace, names = codes.pop()
+        resumed = ContinueExecutionCache.cache.get(code, {}).values()
+        codes.extend((c, namespace, names) for c in resumed)
+        torch._dynamo.reset_code(code)
+        # What Dynamo installed in the private globals (the compiled graphs, resume functions).
+        for name in namespace.keys() - names:
+            namespace.pop(name, None)
+    # Inductor keeps every module it loaded with constants attached (frozen weights) in a list
+    # it never prunes. A compiled graph holds its module's entry point, `call`: a module whose
+    # `call` only its own namespace refers to serves no graph any more.
+    cached = set(map(id, PyCodeCache.modules_no_attr.values()))
+    frozen = [m for m in PyCodeCache.modules if id(m) not in cached and "call" in vars(m)]
+    if not frozen:
+        return
+    calls = {id(m.call): m for m in frozen}
+    namespaces = {id(vars(m)) for m in frozen}
+    used = set()
+    for holder in gc.get_referrers(*(m.call for m in frozen)):
+        if id(holder) not in namespaces:
+            used.update(calls.keys() & set(map(id, gc.get_referents(holder))))
+    dead = {id(m) for key, m in calls.items() if key not in used}
+    PyCodeCache.modules[:] = [m for m in PyCodeCache.modules if id(m) not in dead]
 
 
 @dataclass
@@ -192,6 +253,8 @@ class ServedTabICL:
         # Ahead-of-time bucket packages (load_buckets): kind -> {(bucket, batch): runner}.
         self._aot: dict = {"forward": {}, "build_cache": {}, "forward_cached": {}}
         self.aot_calls = 0
+        self._own_codes: list = []  # see _own
+        weakref.finalize(self, _release_compiled, self._own_codes).atexit = False
         if self.options.triton_kernels:
             load_kernels()
         if self.options.compiled:
@@ -222,13 +285,38 @@ class ServedTabICL:
             "backend": self.options.compile_backend,
         }
 
+    def _own(self, fn):
+        """``fn`` on a code object of this served model's own, under freezing (else ``fn``).
+
+        Dynamo keeps what it compiles in a cache on the code object of the frame it compiled,
+        and that cache is only freed with the code object (its entries refer back to it).
+        Frozen graphs hold one model's weights as constants and guard on that model, so they can
+        serve no other; on the code object every served model shares, each model built and
+        dropped (the estimators' model cache builds and evicts them) left its graphs and its
+        weights behind for the life of the process (a tiny model on CPU: one cache entry per
+        served model, its weights alive after the model was collected; on the H200 the
+        estimator soak's allocated memory grew by 58 MiB per 500 fits). Private code objects'
+        caches are dropped when this served model is collected.
+        """
+        if not self.options.freeze:
+            return fn
+        own = own_code(fn)
+        inner = inspect.unwrap(getattr(own, "__func__", own))
+        self._own_codes.append((inner.__code__, inner.__globals__, frozenset(inner.__globals__)))
+        return own
+
+    def _compile(self, fn, **changes):
+        """``torch.compile(fn)`` with the options' settings (and ``changes``), on a code object
+        of its own under freezing (:meth:`_own`)."""
+        return torch.compile(self._own(fn), **{**self._compile_options(), **changes})
+
     def _unpadded_cached_callable(self):
         """The KV-cached prediction of unpadded caches: compiled like the model under a
-        whole-model compile (its own frame: ``model.compile`` compiles ``forward`` only)."""
+        whole-model compile (its own frame: the model's compile covers ``forward`` only)."""
         forward_cached = self.model.forward_with_cache
         if self.options.compile in ("none", "regional"):
             return forward_cached
-        return torch.compile(forward_cached, **self._compile_options())
+        return self._compile(forward_cached)
 
     def _core_callables(self):
         model, options = self.model, self.options
@@ -236,13 +324,25 @@ class ServedTabICL:
         if options.compile == "regional":
             buckets = len(self.grid.buckets()) if options.buckets else 8
             raise_recompile_limit(REGIONAL_VARIANTS_PER_BUCKET * BATCH_SIZES_PER_BUCKET * buckets)
+            own = {}  # under freezing: one code object of this model's per block class
             for block in model.modules():
-                if isinstance(block, AttentionBlock):
+                if not isinstance(block, AttentionBlock):
+                    continue
+                if options.freeze:
+                    kind = type(block)
+                    if kind not in own:
+                        own[kind] = self._own(kind.forward)
+                    block.forward = torch.compile(
+                        types.MethodType(own[kind], block), **self._compile_options()
+                    )
+                else:
                     block.compile(**self._compile_options())
         elif options.compiled:
             if options.buckets:
                 raise_recompile_limit(BATCH_SIZES_PER_BUCKET * len(self.grid.buckets()))
-                cores = tuple(torch.compile(fn, **self._compile_options()) for fn in cores)
+                cores = tuple(self._compile(fn) for fn in cores)
+            elif options.freeze:  # the model's compile would use the shared Module._call_impl
+                model.forward = self._compile(model.forward)
             else:
                 model.compile(**self._compile_options())
         return cores
@@ -255,8 +355,7 @@ class ServedTabICL:
         if not self.options.compiled or self.options.compile == "regional":
             return core
         raise_recompile_limit(MAX_CACHED_GRAPHS + MAX_SHAPE_GRAPHS)
-        options = {**self._compile_options(), "fullgraph": True, "dynamic": False}
-        return torch.compile(core, **options)
+        return self._compile(core, fullgraph=True, dynamic=False)
 
     def _pin_stage_attention(self) -> None:
         """Per-stage SDPA backends: each stage module runs under its ``sdpa_kernel``, and its
