@@ -9,7 +9,8 @@ under a compiled or graph-capturing preset, compile and capture again. Here:
 * served models (:class:`~.serving.ServedTabICL`) are kept by (checkpoint identity, device,
   serving options, bucket grid), at most :data:`MAX_SERVED_MODELS`, the least recently used
   dropped first. A served model keeps its compiled graphs and captured CUDA graphs, so estimators
-  of one configuration pay for them once per process.
+  of one configuration pay for them once per process; a dropped one releases them, frozen graphs
+  included (:meth:`~.serving.ServedTabICL._own`).
 
 Both are guarded by one lock (host threads may fit estimators concurrently); a served model is
 itself safe to share between threads (:mod:`.serving`). :func:`clear_model_cache` empties both.

@@ -33,6 +33,7 @@ so another thread's work cannot invalidate them.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import gc
@@ -122,6 +123,8 @@ def _release_compiled(codes: list) -> None:
     (the unpadded forward's host checks), the graphs Dynamo installed in those globals, and
     Inductor's references to the generated modules that hold frozen constants and that no
     graph uses any more."""
+    if not codes:  # nothing frozen compiled: nothing to release (and no heap scan below)
+        return
     from torch._dynamo.resume_execution import ContinueExecutionCache
     from torch._inductor.codecache import PyCodeCache
 
@@ -146,8 +149,13 @@ def _release_compiled(codes: list) -> None:
     for holder in gc.get_referrers(*(m.call for m in frozen)):
         if id(holder) not in namespaces:
             used.update(calls.keys() & set(map(id, gc.get_referents(holder))))
-    dead = {id(m) for key, m in calls.items() if key not in used}
-    PyCodeCache.modules[:] = [m for m in PyCodeCache.modules if id(m) not in dead]
+    # One removal at a time (each atomic): another thread's compile may append meanwhile. A
+    # module forgotten while a graph still used it would only lose its file's purge: the graph
+    # holds the module itself.
+    for key, module in calls.items():
+        if key not in used:
+            with contextlib.suppress(ValueError):  # another release removed it first
+                PyCodeCache.modules.remove(module)
 
 
 @dataclass
