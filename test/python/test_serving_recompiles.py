@@ -223,11 +223,13 @@ def test_dropped_frozen_served_models_leave_no_graphs_behind(buckets):
     from tabserve.models.tabicl.model import TabICLv2
 
     torch._dynamo.reset()
-    options = ServingOptions(precision="fp16", buckets=buckets, compile="default").replace(freeze=True)
+    options = ServingOptions(precision="fp16", buckets=buckets, compile="default")
+    options = options.replace(freeze=True)
     X, y = random_table(3, TABLES, 12, 5, 4, 3)
 
     def served():
-        return ServedTabICL(copy.deepcopy(our_model("clf", "tiny")), options, GRID if buckets else None)
+        model = copy.deepcopy(our_model("clf", "tiny"))
+        return ServedTabICL(model, options, GRID if buckets else None)
 
     kept = served()
     expected = kept(X, y, return_logits=False)

@@ -47,10 +47,10 @@ int tile_shape(int64_t bytes, int64_t rows) {
   return shape;
 }
 
-// Blocks of the lookup kernel of a tile shape resident on the current device at once. The lookup runs that many, each
-// tile looping over queries, rather than one tile per query: on the H200 the 100,000-query
-// lookups of 4,096-byte labels took 0.327 -> 0.299 ms (5% unknown) and 0.296 -> 0.258 ms (50%
-// unknown), of 64-byte labels 0.024 ms either way.
+// Blocks of a tile shape's lookup kernel resident on the current device at once. The lookup
+// runs that many, each tile looping over queries, rather than one tile per query: on the H200
+// the 100,000-query lookups of 4,096-byte labels took 0.327 -> 0.299 ms (5% unknown) and
+// 0.296 -> 0.258 ms (50% unknown), of 64-byte labels 0.024 ms either way.
 template <int kTile, int kCached>
 int resident_lookup_blocks() {
   static const int per_sm = [] {  // one per kernel: its registers decide it

@@ -296,15 +296,16 @@ class ServedTabICL:
     def _own(self, fn):
         """``fn`` on a code object of this served model's own, under freezing (else ``fn``).
 
-        Dynamo keeps what it compiles in a cache on the code object of the frame it compiled,
-        and that cache is only freed with the code object (its entries refer back to it).
-        Frozen graphs hold one model's weights as constants and guard on that model, so they can
-        serve no other; on the code object every served model shares, each model built and
-        dropped (the estimators' model cache builds and evicts them) left its graphs and its
-        weights behind for the life of the process (a tiny model on CPU: one cache entry per
-        served model, its weights alive after the model was collected; on the H200 the
-        estimator soak's allocated memory grew by 58 MiB per 500 fits). Private code objects'
-        caches are dropped when this served model is collected.
+        Dynamo keeps what it compiles in a cache on the code object of the frame it compiled
+        (freed only with that code object, which its entries keep alive) and in the globals of
+        that frame; Inductor keeps each module it generated with constants. Frozen graphs hold
+        one model's weights as constants and guard on that model, so they can serve no other:
+        on the code and globals every served model shares, each model built and dropped (the
+        estimators' model cache builds and evicts them) left its graphs and weights behind for
+        the life of the process (a tiny model on CPU: 1.5 MB per model; on the H200 the
+        estimator soak's allocated memory grew at every window, 58-132 MiB per 500 fits).
+        What compiled on private copies is released when this served model is collected
+        (:func:`_release_compiled`).
         """
         if not self.options.freeze:
             return fn
