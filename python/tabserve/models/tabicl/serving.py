@@ -95,8 +95,8 @@ def raise_recompile_limit(entries: int) -> None:
 
 
 def own_code(fn):
-    """``fn`` (a function or a bound method) running a private copy of its code object, for
-    :meth:`ServedTabICL._own`.
+    """``(callable, copy)``: ``fn`` (a function or a bound method) running ``copy``, a function
+    over a private copy of its code object and globals, for :meth:`ServedTabICL._own`.
 
     A decorated function (the model's ``forward`` and ``forward_with_cache`` are
     ``torch.no_grad()``'s) is copied beneath its decorator and the copy decorated with
@@ -111,9 +111,8 @@ def own_code(fn):
     )  # fmt: skip
     copy.__kwdefaults__ = inner.__kwdefaults__
     copy.__qualname__, copy.__doc__ = inner.__qualname__, inner.__doc__
-    if inner is not func:
-        copy = torch.no_grad()(copy)
-    return types.MethodType(copy, fn.__self__) if hasattr(fn, "__func__") else copy
+    wrapped = torch.no_grad()(copy) if inner is not func else copy
+    return (types.MethodType(wrapped, fn.__self__) if hasattr(fn, "__func__") else wrapped), copy
 
 
 def _release_compiled(codes: list) -> None:
@@ -309,9 +308,8 @@ class ServedTabICL:
         """
         if not self.options.freeze:
             return fn
-        own = own_code(fn)
-        inner = inspect.unwrap(getattr(own, "__func__", own))
-        self._own_codes.append((inner.__code__, inner.__globals__, frozenset(inner.__globals__)))
+        own, copy = own_code(fn)
+        self._own_codes.append((copy.__code__, copy.__globals__, frozenset(copy.__globals__)))
         return own
 
     def _compile(self, fn, **changes):
