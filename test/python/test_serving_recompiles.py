@@ -198,18 +198,38 @@ def test_frozen_recipe_keeps_the_weights_it_compiled_with():
     assert torch._inductor.config.freezing is False  # only on around the served calls
 
 
+def _tensor_bytes(t: torch.Tensor) -> int:
+    """A tensor's bytes: its storage's, or for a tensor without storage (oneDNN's packed
+    weights, which Inductor's freezing makes on CPUs with fp16 matrix units such as AMX) its
+    elements'."""
+    if t.layout == torch.strided:
+        return t.untyped_storage().nbytes()
+    return t.numel() * t.element_size()
+
+
 def _live_tensor_bytes() -> int:
     """Bytes of every real tensor the garbage collector can reach (fake and meta ones aside)."""
     from torch._subclasses.fake_tensor import FakeTensor
 
     gc.collect()
     return sum(
-        t.untyped_storage().nbytes()
+        _tensor_bytes(t)
         for t in gc.get_objects()
         if issubclass(type(t), torch.Tensor)  # type(): lazy modules' __getattr__ would warn
         and not issubclass(type(t), FakeTensor)
         and t.device.type != "meta"
     )
+
+
+def test_tensor_bytes_counts_tensors_without_storage():
+    dense = torch.zeros(6, 4)
+    assert _tensor_bytes(dense) == 96
+    assert _tensor_bytes(dense[:2]) == 96  # a view counts its whole storage
+    if torch.backends.mkldnn.is_available():
+        packed = dense.to_mkldnn()
+        with pytest.raises(NotImplementedError):
+            packed.untyped_storage()
+        assert _tensor_bytes(packed) == 96
 
 
 @pytest.mark.parametrize("buckets", [True, False], ids=["buckets", "whole-model"])

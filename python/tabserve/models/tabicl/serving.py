@@ -38,6 +38,7 @@ import dataclasses
 import functools
 import gc
 import inspect
+import sys
 import threading
 import types
 import weakref
@@ -136,8 +137,11 @@ def _release_compiled(codes: list) -> None:
         for name in namespace.keys() - names:
             namespace.pop(name, None)
     # Inductor keeps every module it loaded with constants attached (frozen weights) in a list
-    # it never prunes. A compiled graph holds its module's entry point, `call`: a module whose
-    # `call` only its own namespace refers to serves no graph any more.
+    # it never prunes, and in sys.modules under the hash of its source. A compiled graph holds
+    # its module's entry point, `call`: a module whose `call` only its own namespace refers to
+    # serves no graph any more. (Where freezing packs weights for oneDNN, on CPUs with fp16
+    # matrix units such as AMX, each model's source differs, so sys.modules would keep every
+    # model's packed weights; elsewhere one source is shared and its entry replaced.)
     cached = set(map(id, PyCodeCache.modules_no_attr.values()))
     frozen = [m for m in PyCodeCache.modules if id(m) not in cached and "call" in vars(m)]
     if not frozen:
@@ -155,6 +159,8 @@ def _release_compiled(codes: list) -> None:
         if key not in used:
             with contextlib.suppress(ValueError):  # another release removed it first
                 PyCodeCache.modules.remove(module)
+            if sys.modules.get(module.__name__) is module:
+                sys.modules.pop(module.__name__, None)
 
 
 @dataclass
