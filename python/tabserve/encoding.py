@@ -32,7 +32,7 @@ from torch import Tensor, nn
 
 from .align import AlignCategories, _fail
 from .strings import StringColumn, pack_columns
-from .tables import CategoricalColumn, Device, Table
+from .tables import CategoricalColumn, Device, Table, encode_named
 
 #: Column dtypes tabicl 2.2.0 encodes ordinally (``make_column_selector`` ``dtype_include``).
 CATEGORICAL_DTYPES = ["string", "object", "category", "boolean"]
@@ -74,7 +74,7 @@ def tabicl_table(
     missing = [n for n in (*categorical_names, *numerical_names) if n not in positions]
     if missing:
         raise KeyError(f"frame lacks the fitted columns {missing}")
-    columns = [_tabicl_column(frame.iloc[:, positions[n]]) for n in categorical_names]
+    columns = [encode_named(n, _tabicl_column, frame.iloc[:, positions[n]]) for n in categorical_names]
     if numerical_names:
         block = frame.iloc[:, [positions[n] for n in numerical_names]].to_numpy(
             dtype=np.float64, na_value=np.nan

@@ -329,6 +329,11 @@ def _segments(rows: int, device) -> Tensor:
 
 
 def _check_layout(data, offsets, valid) -> None:
+    for name, tensor in (("data", data), ("offsets", offsets), ("valid", valid)):
+        if isinstance(tensor, Tensor) and tensor.layout != torch.strided:
+            raise TypeError(
+                f"{name} must be a dense tensor, got layout {tensor.layout} (.to_dense() makes one)"
+            )
     if not isinstance(data, Tensor) or data.dtype != torch.uint8 or data.dim() != 1:
         raise TypeError(f"data must be a 1-D uint8 tensor, got {_describe(data)}")
     if not isinstance(offsets, Tensor) or offsets.dtype != torch.int64 or offsets.dim() != 1:

@@ -278,7 +278,8 @@ class Table:
                 )
         positions = {name: i for i, name in enumerate(names)}
         columns = [
-            CategoricalColumn.from_pandas(frame.iloc[:, positions[name]]) for name in categorical_names
+            encode_named(name, CategoricalColumn.from_pandas, frame.iloc[:, positions[name]])
+            for name in categorical_names
         ]
         if numerical_names:
             block = frame.iloc[:, [positions[n] for n in numerical_names]].to_numpy(
@@ -312,7 +313,7 @@ class Table:
         for name, column in zip(names, table.columns):
             kind = column.type
             if name in forced or _is_categorical_arrow(kind):
-                columns.append(CategoricalColumn.from_arrow(column))
+                columns.append(encode_named(name, CategoricalColumn.from_arrow, column))
                 categorical_names.append(name)
             elif pa.types.is_integer(kind) or pa.types.is_floating(kind):
                 values = pc.cast(column, pa.float64()).to_numpy(zero_copy_only=False)
@@ -489,9 +490,20 @@ def _is_categorical_dtype(dtype) -> bool:
 
 
 def _is_numerical_dtype(dtype) -> bool:
+    """Real numbers: bools are categories, and a complex column has no float value to keep."""
     import pandas as pd
 
-    return pd.api.types.is_numeric_dtype(dtype) and not pd.api.types.is_bool_dtype(dtype)
+    types = pd.api.types
+    return types.is_numeric_dtype(dtype) and not (types.is_bool_dtype(dtype) or types.is_complex_dtype(dtype))
+
+
+def encode_named(name: str, encode, column):
+    """``encode(column)``, its TypeError / ValueError naming the column (a list- or
+    struct-valued column cannot be dictionary-encoded, and pyarrow's message names no column)."""
+    try:
+        return encode(column)
+    except (TypeError, ValueError, pa.ArrowException) as error:
+        raise TypeError(f"column {name!r} cannot be a categorical column: {error}") from error
 
 
 def _forced_names(categorical, names) -> set:
@@ -538,6 +550,11 @@ def _check_layout(codes, categories) -> None:
         torch.int64,
     ):
         raise TypeError(f"codes must be a 1-D int32 or int64 tensor, got {_describe(codes)}")
+    for name, tensor in (("codes", codes), ("categories", categories)):
+        if isinstance(tensor, Tensor) and tensor.layout != torch.strided:
+            raise TypeError(
+                f"{name} must be a dense tensor, got layout {tensor.layout} (.to_dense() makes one)"
+            )
     category_kind(categories)
     if isinstance(categories, Tensor) and categories.dim() != 1:
         raise TypeError(f"categories must be 1-D, got {_describe(categories)}")
@@ -557,6 +574,10 @@ def _check_table(table: Table) -> None:
     numerical = table.numerical
     if not isinstance(numerical, Tensor) or numerical.dim() != 2 or not numerical.is_floating_point():
         raise TypeError(f"numerical must be a 2-D float tensor, got {_describe(numerical)}")
+    if numerical.layout != torch.strided:
+        raise TypeError(
+            f"numerical must be a dense tensor, got layout {numerical.layout} (.to_dense() makes one)"
+        )
     if len(table.numerical_names) != numerical.shape[1]:
         raise ValueError(
             f"numerical has {numerical.shape[1]} columns but numerical_names holds "

@@ -1290,3 +1290,30 @@ def test_skipped_phases_are_reported_not_measured(tmp_path):
     }
     with pytest.raises(SystemExit):
         main(argv[:-2] + ["--skip-phases", "one_shot"])
+
+
+def _without(monkeypatch, *missing):
+    """importlib.util.find_spec as on a machine without the ``missing`` packages (a wheel
+    installed without its bench extra)."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name in missing else real(name, *a)
+    )
+
+
+def test_without_the_bench_extra_the_driver_says_what_to_install(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    _without(monkeypatch, "tabicl", "matplotlib")
+    with pytest.raises(SystemExit, match=r"tabserve\[bench\].*give --checkpoint"):
+        main(QUICK + ["--cells", "exact", "--quiet"])
+    checkpoint = make_checkpoint("clf", tmp_path / "given.ckpt", "tiny")
+    argv = QUICK + ["--cells", "exact", "ref-fp32", "--checkpoint", str(checkpoint)]
+    assert main(argv + ["--deadline", "0", "--quiet"]) == 0
+    printed = capsys.readouterr().out
+    assert "no plot: matplotlib is not installed (pip install 'tabserve[bench]')" in printed
+    assert not list((tmp_path / "tabserve-results").glob("*.png"))
+    assert skip_reason(cell_by_name("ref-fp32"), "cpu") == (
+        "skipped: tabicl is not installed (pip install 'tabserve[bench]')"
+    )

@@ -173,44 +173,205 @@ for kwargs in ({"allow_auto_download": False}, {"model_path": "missing.ckpt", "a
     assert "not in the Hugging Face Hub cache" in lines[0] and "missing.ckpt" in lines[1]
 
 
+UNREACHABLE_HUB = """
+import huggingface_hub, numpy as np
+from tabserve.models.tabicl import TabICLClassifier
+real, downloads = huggingface_hub.hf_hub_download, []
+def spy(*args, **kwargs):  # a download attempt (the client retries for about 24 s offline)
+    if not kwargs.get("local_files_only"):
+        downloads.append(kwargs)
+    return real(*args, **kwargs)
+huggingface_hub.hf_hub_download = spy
+X = np.random.default_rng(0).standard_normal((20, 3)); y = np.arange(20) % 2
+for model_path in (None, "nested/folder/tabicl-clasifier.ckpt"):
+    try:
+        TabICLClassifier(model_path=model_path).fit(X, y)
+    except FileNotFoundError as error:
+        print("refused:", error)
+print("downloads attempted:", len(downloads))
+"""
+
+
+@pytest.mark.parametrize("offline", [False, True], ids=["unreachable", "HF_HUB_OFFLINE"])
+def test_a_checkpoint_that_cannot_be_downloaded_fails_at_once_and_says_why(tmp_path, offline):
+    """Download allowed (the default) and the Hub out of reach: one request without retries
+    (or none where HF_HUB_OFFLINE=1), then an error naming the path and what to change; a
+    mistyped model_path leaves no folder behind."""
+    env = dict(os.environ, HF_HUB_CACHE=str(tmp_path / "empty"), HF_ENDPOINT="http://127.0.0.1:9")
+    env.pop("HF_HUB_OFFLINE", None)
+    if offline:
+        env["HF_HUB_OFFLINE"] = "1"
+    child = subprocess.run(
+        [sys.executable, "-c", UNREACHABLE_HUB], env=env, capture_output=True, text=True,
+        timeout=300, cwd=tmp_path,
+    )  # fmt: skip
+    assert child.returncode == 0, child.stderr[-2000:]
+    lines = [line for line in child.stdout.splitlines() if line.startswith("refused:")]
+    assert len(lines) == 2, child.stdout + child.stderr[-2000:]
+    released, mistyped = lines
+    assert "is not in the Hugging Face Hub cache and cannot be downloaded" in released
+    assert "give model_path" in released
+    assert "checkpoint not found: nested/folder/tabicl-clasifier.ckpt" in mistyped
+    assert "check model_path" in mistyped
+    reason = "the Hub is offline (HF_HUB_OFFLINE=1)" if offline else "the Hub answered"
+    assert reason in released and reason in mistyped
+    assert "downloads attempted: 0" in child.stdout
+    assert not (tmp_path / "nested").exists()
+
+
+def test_a_directory_as_model_path_is_named_as_one(tmp_path):
+    X, y, _ = _table()
+    shutil.copy(reference_checkpoint("clf", "tiny"), tmp_path / "tiny.ckpt")
+    est = TabICLClassifier(model_path=tmp_path, device="cpu")
+    with pytest.raises(IsADirectoryError, match=r"is a directory; it holds tiny\.ckpt: give the"):
+        est.fit(X, y)
+    assert not hasattr(est, "plan_")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(IsADirectoryError, match="holds no .ckpt or .safetensors file"):
+        TabICLClassifier(model_path=tmp_path / "empty", device="cpu").fit(X, y)
+
+
+def test_a_missing_model_path_is_downloaded_there_whole(tmp_path, monkeypatch):
+    """tabicl's rule: a model_path that does not exist is where the checkpoint is downloaded to
+    (its folders made); the file appears whole, under its name, or not at all."""
+    import huggingface_hub
+    from tabserve.models.tabicl import reference_args
+
+    cached = tmp_path / "hub" / "blob"
+    cached.parent.mkdir()
+    shutil.copy(reference_checkpoint("clf", "tiny"), cached)
+    asked = []
+    monkeypatch.setattr(reference_args, "_reach_hub", lambda *args: asked.append(args[0]))
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", lambda **kwargs: str(cached))
+    target = tmp_path / "models" / "v2" / "classifier.ckpt"
+    got = reference_args.checkpoint_path(target, True, CHECKPOINT_VERSIONS["clf"][0])
+    assert got == target and target.read_bytes() == cached.read_bytes()
+    assert asked == [CHECKPOINT_VERSIONS["clf"][0]]
+    assert sorted(p.name for p in target.parent.iterdir()) == ["classifier.ckpt"]
+
+
 # ------------------------------------------------------------------ pickling and saving
 @pytest.mark.parametrize("task", ["clf", "reg"])
 @pytest.mark.parametrize("kv_cache", [False, True, "repr"])
 def test_a_fitted_estimator_pickles_small_and_predicts_the_same(task, kv_cache):
     X, y, X_test = _table(classes=3 if task == "clf" else 0)
     cls = TabICLClassifier if task == "clf" else TabICLRegressor
-    est = cls(
-        model_path=reference_checkpoint(task, "full"), device="cpu", n_estimators=4,
-        kv_cache=kv_cache,
-    )  # fmt: skip
+    checkpoint = reference_checkpoint(task, "full")
+    est = cls(model_path=checkpoint, device="cpu", n_estimators=4, kv_cache=kv_cache)
     est.fit(X, y)
     predict = (lambda e: e.predict_proba(X_test)) if task == "clf" else (lambda e: e.predict(X_test))
     expected = predict(est)
     data = pickle.dumps(est)
-    assert len(data) < 1_000_000  # the weights (about 110 MB) stay in the checkpoint file
+    # The weights (about 110 MB) stay in the checkpoint file; the KV cache is kept, as tabicl's.
+    cache_bytes = len(pickle.dumps(est.cache_))
+    assert len(data) < 1_000_000 + cache_bytes < checkpoint.stat().st_size // 2
     again = pickle.loads(data)
-    assert (again.cache_ is not None) == bool(kv_cache)  # left out, rebuilt on load
+    assert (again.cache_ is not None) == bool(kv_cache)
     np.testing.assert_allclose(predict(again), expected, atol=1e-6, rtol=0)
     np.testing.assert_array_equal(predict(est), expected)  # pickling left the original whole
 
 
-def test_save_keeps_the_kv_cache_on_request_and_load_checks_the_kind(tmp_path):
+def test_save_keeps_the_kv_cache_unless_asked_and_load_checks_the_kind(tmp_path):
     X, y, X_test = _table()
     est = TabICLClassifier(model_path=reference_checkpoint("clf", "tiny"), device="cpu", n_estimators=2, kv_cache=True)
     expected = est.fit(X, y).predict_proba(X_test)
-    light, heavy = tmp_path / "light.pkl", tmp_path / "heavy.pkl"
-    est.save(light)
-    est.save(heavy, save_kv_cache=True)
+    light, heavy = tmp_path / "light.pkl", tmp_path / "new" / "folder" / "heavy.pkl"
+    est.save(light, save_kv_cache=False)
+    est.save(heavy)  # tabicl's default keeps the cache; missing folders are made, as tabicl's
     assert heavy.stat().st_size > light.stat().st_size
-    assert not hasattr(est, "_keep_kv_cache")
+    assert not hasattr(est, "_save")
     for path in (light, heavy):
-        np.testing.assert_allclose(
-            TabICLClassifier.load(path).predict_proba(X_test), expected, atol=1e-6, rtol=0
-        )
+        loaded = TabICLClassifier.load(path)
+        assert loaded.cache_ is not None  # rebuilt from the training data when left out
+        np.testing.assert_allclose(loaded.predict_proba(X_test), expected, atol=1e-6, rtol=0)
+    assert sorted(p.name for p in heavy.parent.iterdir()) == ["heavy.pkl"]
     with pytest.raises(TypeError, match="holds a TabICLClassifier, not a TabICLRegressor"):
         TabICLRegressor.load(light)
     with pytest.raises(Exception, match="fitted|plan_"):
         TabICLClassifier(model_path=reference_checkpoint("clf", "tiny"), device="cpu").save(tmp_path / "x.pkl")
+
+
+@pytest.mark.parametrize("task", ["clf", "reg"])
+def test_save_model_weights_loads_without_the_checkpoint(tmp_path, monkeypatch, task):
+    """tabicl's save_model_weights=True: the file alone is enough; the embedded checkpoint is
+    written once into tabserve's cache directory under its SHA-256."""
+    import hashlib
+
+    monkeypatch.setenv("TABSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    X, y, X_test = _table(classes=3 if task == "clf" else 0)
+    cls = TabICLClassifier if task == "clf" else TabICLRegressor
+    checkpoint = tmp_path / "model.ckpt"
+    shutil.copy(reference_checkpoint(task, "tiny"), checkpoint)
+    digest = hashlib.sha256(checkpoint.read_bytes()).hexdigest()
+    est = cls(model_path=checkpoint, device="cpu", n_estimators=2).fit(X, y)
+    predict = (lambda e: e.predict_proba(X_test)) if task == "clf" else (lambda e: e.predict(X_test))
+    expected = predict(est)
+    est.save(tmp_path / "light.pkl")
+    est.save(tmp_path / "whole.pkl", save_model_weights=True)
+    size = checkpoint.stat().st_size
+    assert (tmp_path / "whole.pkl").stat().st_size > (tmp_path / "light.pkl").stat().st_size + size
+    checkpoint.unlink()
+    with pytest.raises(FileNotFoundError, match="save_model_weights=True"):
+        cls.load(tmp_path / "light.pkl")
+    for _ in range(2):  # the second load finds the stored copy
+        loaded = cls.load(tmp_path / "whole.pkl")
+        assert loaded.model_path_ == tmp_path / "cache" / "checkpoints" / f"{digest}.ckpt"
+        np.testing.assert_allclose(predict(loaded), expected, atol=1e-6, rtol=0)
+    assert [p.name for p in (tmp_path / "cache" / "checkpoints").iterdir()] == [f"{digest}.ckpt"]
+
+
+def test_save_training_data_false_keeps_only_the_kv_cache(tmp_path):
+    X, y, X_test = _table()
+    kwargs = dict(model_path=reference_checkpoint("clf", "tiny"), device="cpu", n_estimators=2)
+    plain = TabICLClassifier(**kwargs).fit(X, y)
+    with pytest.raises(ValueError, match="save_training_data=False needs the KV cache"):
+        plain.save(tmp_path / "plain.pkl", save_training_data=False)
+    assert not (tmp_path / "plain.pkl").exists() and not hasattr(plain, "_save")
+    cached = TabICLClassifier(kv_cache=True, **kwargs).fit(X, y)
+    expected = cached.predict_proba(X_test)
+    with pytest.raises(ValueError, match="save_training_data=False needs the KV cache"):
+        cached.save(tmp_path / "x.pkl", save_training_data=False, save_kv_cache=False)
+    cached.save(tmp_path / "private.pkl", save_training_data=False)
+    loaded = TabICLClassifier.load(tmp_path / "private.pkl", device="cpu")
+    assert loaded.y_train_ is None
+    assert all(prep.train_ is None for prep in loaded.preprocessors_.values())
+    assert all(prep.train_ is not None for prep in cached.preprocessors_.values())  # untouched
+    np.testing.assert_allclose(loaded.predict_proba(X_test), expected, atol=1e-6, rtol=0)
+
+
+def test_load_takes_tabicls_device_argument(tmp_path):
+    X, y, X_test = _table(classes=0)
+    est = TabICLRegressor(model_path=reference_checkpoint("reg", "tiny"), n_estimators=2, device="cpu")
+    expected = est.fit(X, y).predict(X_test)
+    est.save(tmp_path / "reg.pkl")
+    loaded = TabICLRegressor.load(tmp_path / "reg.pkl", device=torch.device("cpu"))
+    assert loaded.device == torch.device("cpu") and loaded.device_ == torch.device("cpu")
+    np.testing.assert_allclose(loaded.predict(X_test), expected, atol=1e-6, rtol=0)
+    with pytest.raises(RuntimeError, match="Expected one of|device"):
+        TabICLRegressor.load(tmp_path / "reg.pkl", device="nowhere")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("keep_training_data", [True, False])
+def test_a_gpu_fit_loads_on_the_cpu(tmp_path, keep_training_data):
+    """Fitted on CUDA with the default recipe (reduced precision there), loaded with
+    device="cpu": the pickle holds no CUDA tensor, and the CPU serves its own default (exact),
+    as a CPU fit would; the KV cache of the GPU's options is rebuilt, or, without the training
+    data, the load says where the file can be loaded."""
+    X, y, X_test = _table()
+    kwargs = dict(model_path=reference_checkpoint("clf", "tiny"), n_estimators=2, kv_cache=True)
+    gpu = TabICLClassifier(device="cuda", **kwargs).fit(X, y)
+    cpu = TabICLClassifier(device="cpu", **kwargs).fit(X, y)
+    path = tmp_path / "gpu.pkl"
+    gpu.save(path, save_training_data=keep_training_data)
+    if not keep_training_data:
+        with pytest.raises(ValueError, match="load it on a cuda device"):
+            TabICLClassifier.load(path, device="cpu")
+        return
+    loaded = TabICLClassifier.load(path, device="cpu")
+    assert loaded.device_ == torch.device("cpu") and loaded.served_options_ == cpu.served_options_
+    np.testing.assert_allclose(loaded.predict_proba(X_test), cpu.predict_proba(X_test), atol=1e-5, rtol=0)
 
 
 def test_unpickling_without_the_checkpoint_says_which_file_is_missing(tmp_path):

@@ -18,6 +18,8 @@ from pathlib import Path
 
 from tabserve.models.tabicl.options import PRESETS, ServingOptions, describe
 
+from .workloads import BENCH_EXTRA
+
 #: Precisions of the reference package's runs (``use_amp``: its own fp16 autocast).
 REFERENCE_PRECISIONS = ("fp32", "fp16")
 _BOTH = ("cpu", "cuda")
@@ -237,5 +239,5 @@ def skip_reason(cell: Cell, device_type: str) -> str | None:
             else f"skipped: {device_type} not supported"
         )
     if cell.engine == "reference" and importlib.util.find_spec("tabicl") is None:
-        return "skipped: tabicl is not installed"
+        return f"skipped: tabicl is not installed ({BENCH_EXTRA})"
     return None

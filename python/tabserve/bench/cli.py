@@ -6,6 +6,7 @@ explains the cells and the output.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import shutil
 import sys
@@ -26,6 +27,7 @@ from .runner import run_ab, run_cell, skipped_result
 from .workloads import (
     CHECKPOINT_SEED,
     QUICK_WORKLOADS,
+    BENCH_EXTRA,
     WORKLOADS,
     make_checkpoint,
     workload_by_name,
@@ -165,6 +167,13 @@ def _checkpoints(args, workloads, run_dir: Path) -> tuple[dict, str]:
         if given[task] is not None:
             paths[task] = given[task]
             notes.append(f"{task}: {given[task]}")
+        elif importlib.util.find_spec("tabicl") is None:
+            flag = "--checkpoint" if task == "clf" else "--regressor-checkpoint"
+            raise SystemExit(
+                "tabserve-bench: the random-weight checkpoints made without "
+                f"{flag} are built with tabicl 2.2.0's model ({BENCH_EXTRA}); give {flag} "
+                "to benchmark a checkpoint you have"
+            )
         else:
             paths[task] = make_checkpoint(task, run_dir / f"random-{task}.ckpt", args.model_size)
             notes.append(
@@ -376,8 +385,13 @@ def _publish(document: dict, out: Path, args) -> None:
     report.write_promotions(promotions, document)
     if not args.no_user_promotions:  # what recipe="auto" on this machine reads first
         report.write_promotions(user_promotions_path(), document)
-    png = None if args.no_plot else report.plot(document, out.with_suffix(".png"))
-    print(f"\nresults: {out}" + (f"; plot: {png}" if png else "") + f"; promotions: {promotions}")
+    png, plotted = None, "no plot (--no-plot)"
+    if not args.no_plot and importlib.util.find_spec("matplotlib") is None:
+        plotted = f"no plot: matplotlib is not installed ({BENCH_EXTRA})"
+    elif not args.no_plot:
+        png = report.plot(document, out.with_suffix(".png"))
+        plotted = f"plot: {png}" if png else "no plot: nothing ran"
+    print(f"\nresults: {out}; {plotted}; promotions: {promotions}")
 
 
 def _load_outputs(result: dict):

@@ -176,6 +176,9 @@ def stream_shapes(workload: Workload, seed: int) -> list:
 # ---------------------------------------------------------------------------------------------
 # Checkpoints
 
+#: What to install for the reference cells, the random-weight checkpoints and the plot.
+BENCH_EXTRA = "pip install 'tabserve[bench]'"
+
 
 def make_checkpoint(
     task: str, path: str | Path, size: str = "full", seed: int = CHECKPOINT_SEED
@@ -186,9 +189,15 @@ def make_checkpoint(
     ``row_rope_interleaved=False``) under ``torch.manual_seed(seed)``, then every weight but the
     RoPE frequencies gets seeded Gaussian noise (std 0.05) so none keeps a trivial initial value;
     the same recipe as the parity tests (``test/python/tabicl_helpers.py``). ``task`` is ``"clf"``
-    or ``"reg"`` (999 quantiles, bias-free LayerNorms). Raises ImportError without tabicl.
+    or ``"reg"`` (999 quantiles, bias-free LayerNorms). Raises ImportError without tabicl,
+    naming the extra that brings it.
     """
-    from tabicl._model.tabicl import TabICL
+    try:
+        from tabicl._model.tabicl import TabICL
+    except ImportError as error:
+        raise ImportError(
+            f"random-weight checkpoints are built with tabicl 2.2.0's model: {BENCH_EXTRA}"
+        ) from error
 
     config = dict(V2_ARCHITECTURE, **MODEL_SIZES[size])
     if task == "reg":

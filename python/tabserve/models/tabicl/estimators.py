@@ -30,9 +30,15 @@ compiled (:mod:`.model_cache`). :func:`tabserve.wait_for_compiles` waits for the
 
 from __future__ import annotations
 
+import contextvars
+import copy
 import functools
+import hashlib
+import io
 import numbers
+import os
 import pickle
+from dataclasses import dataclass
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -60,10 +66,49 @@ from .preprocessing import (
     member_tables,
 )
 from .model_cache import read_checkpoint, served_model
-from .options import auto_options, describe, resolve_options
+from .options import auto_options, describe, resolve_options, user_cache_dir
 from .reference_args import check_reference_args, checkpoint_path, say, torch_threads
 
 DEFAULT_NORM_METHODS = ("none", "power")
+
+
+#: The device :meth:`_TabICLBase.load` unpickles onto (None: the estimator's ``device``).
+_load_device: contextvars.ContextVar = contextvars.ContextVar("tabserve_load_device", default=None)
+
+
+@dataclass(frozen=True)
+class SaveChoices:
+    """What a pickle of a fitted estimator holds beyond its fitted state (``save``'s
+    arguments; a plain ``pickle.dumps`` takes these defaults, tabicl's)."""
+
+    model_weights: bool = False
+    training_data: bool = True
+    kv_cache: bool = True
+
+
+def _is_fitted_name(name: str) -> bool:
+    """scikit-learn's convention: fitted attributes end with an underscore."""
+    return name.endswith("_") and not name.startswith("_")
+
+
+def _without_train_rows(preprocessor: MemberPreprocessor) -> MemberPreprocessor:
+    light = copy.copy(preprocessor)
+    light.train_ = None
+    return light
+
+
+def _stored_checkpoint(data: bytes, suffix: str) -> Path:
+    """A checkpoint embedded in a saved estimator, written once into tabserve's cache
+    directory under its SHA-256 (whole or absent: written under another name, then renamed)."""
+    folder = user_cache_dir() / "checkpoints"
+    path = folder / f"{hashlib.sha256(data).hexdigest()}{suffix or '.ckpt'}"
+    if path.is_file() and path.stat().st_size == len(data):
+        return path
+    folder.mkdir(parents=True, exist_ok=True)
+    partial = folder / f".{path.name}.{os.getpid()}.partial"
+    partial.write_bytes(data)
+    os.replace(partial, path)
+    return path
 
 
 def _resolve_device(device) -> torch.device:
@@ -165,8 +210,7 @@ class _TabICLBase(BaseEstimator):
                 f"bucket_grid must be a tabserve.BucketGrid or None, got "
                 f"{type(self.bucket_grid).__name__}"
             )
-        task = "clf" if self._classification else "reg"
-        check_reference_args(self, task)
+        check_reference_args(self, self._task)
         path = checkpoint_path(self.model_path, self.allow_auto_download, self.checkpoint_version)
         config, _ = read_checkpoint(path)  # once per process and file
         if config.is_regression == self._classification:
@@ -174,23 +218,33 @@ class _TabICLBase(BaseEstimator):
             raise ValueError(
                 f"{path} is a {kind} checkpoint; {type(self).__name__} needs the other kind"
             )
+        options = self._options(path, n_train, n_classes)
+        say(self, "fit: %s on %s, %d train rows, %d features", describe(options), self.device_,
+            n_train, self.n_features_in_)  # fmt: skip
+        self.model_path_, self.served_options_ = path, options
+        self.checkpoint_size_ = path.stat().st_size
+        return self._served()
+
+    @property
+    def _task(self) -> str:
+        return "clf" if self._classification else "reg"
+
+    def _options(self, path, n_train: int, n_classes: int | None):
+        """The :class:`ServingOptions` of ``recipe`` on ``device_`` for a table of ``n_train``
+        train rows (``"auto"`` reads the table's size)."""
+        recipe = self._recipe()
         if isinstance(recipe, str) and recipe == "auto":
             recipe = auto_options(
                 self.device_,
                 n_train,
                 self.n_features_in_,
                 bool(self.kv_cache),
-                task=task,
+                task=self._task,
                 n_classes=n_classes,
-                many_classes_above=config.max_classes,
+                many_classes_above=read_checkpoint(path)[0].max_classes,
                 allow_fp8=bool(self.allow_fp8),
             )
-        options = resolve_options(recipe)
-        say(self, "fit: %s on %s, %d train rows, %d features", describe(options), self.device_,
-            n_train, self.n_features_in_)  # fmt: skip
-        self.model_path_, self.served_options_ = path, options
-        self.checkpoint_size_ = path.stat().st_size
-        return self._served()
+        return resolve_options(recipe)
 
     def _served(self):
         # Shared by every estimator of this checkpoint, device and configuration in the process:
@@ -201,53 +255,143 @@ class _TabICLBase(BaseEstimator):
 
     # ------------------------------------------------------------------ saving
     def __getstate__(self):
-        """Pickles without the network: a fitted estimator keeps its checkpoint's path and size
-        and finds the served model again when unpickled; the KV cache is left out (rebuilt on
-        load) unless :meth:`save` is asked to keep it."""
+        """Pickles what was fitted without the network and with every tensor on the CPU (so a
+        file written on a GPU machine loads on any machine): the weights are read again from
+        the checkpoint file when unpickled, unless :meth:`save` embeds them. The KV cache and
+        the training data are kept (tabicl's defaults); :meth:`save` can leave either out."""
         state = dict(super().__getstate__())  # a copy: object.__getstate__ is the live dict
+        keep = state.pop("_save", SaveChoices())
         state.pop("model_", None)
-        if "cache_" in state and not state.pop("_keep_kv_cache", False):
-            state["cache_"] = None
-        state.pop("_keep_kv_cache", None)
+        if "plan_" not in state:
+            return state
+        fitted = {name: state.pop(name) for name in list(state) if _is_fitted_name(name)}
+        if not keep.kv_cache:
+            fitted["cache_"] = None
+        if not keep.training_data:
+            fitted["preprocessors_"] = {
+                method: _without_train_rows(prep) for method, prep in fitted["preprocessors_"].items()
+            }
+            fitted["y_train_"] = None
+        buffer = io.BytesIO()  # torch.save: unpickled with map_location, on any device
+        torch.save(fitted, buffer)
+        state["_fitted"] = buffer.getvalue()
+        if keep.model_weights:
+            state["_checkpoint"] = Path(self.model_path_).read_bytes()
         return state
 
     def __setstate__(self, state):
+        """Unpickles on ``device`` (re-read as tabicl does: None is CUDA where there is one), or
+        on the device :meth:`load` names; a fit on another kind of device serves ``recipe`` as
+        a fit there would, and its KV cache is rebuilt from the training data."""
+        state = dict(state)
+        fitted = state.pop("_fitted", None)
+        embedded = state.pop("_checkpoint", None)
         super().__setstate__(state)
-        if "plan_" not in state:
+        if fitted is None:
             return
+        override = _load_device.get()
+        if override is not None:
+            self.device = override
+        device = _resolve_device(self.device)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise RuntimeError(
+                f"this {type(self).__name__} serves on device={self.device!r}, and this machine "
+                f"has no CUDA GPU: load it with {type(self).__name__}.load(path, device='cpu')"
+            )
+        self.__dict__.update(torch.load(io.BytesIO(fitted), map_location=device, weights_only=False))
+        fitted_on, self.device_ = self.device_, device
+        self.encoder_.device = device
+        if embedded is not None:
+            self.model_path_ = _stored_checkpoint(embedded, Path(self.model_path_).suffix)
         path = Path(self.model_path_)
         if not path.is_file() or path.stat().st_size != self.checkpoint_size_:
             raise FileNotFoundError(
                 f"the checkpoint this estimator was fitted with, {path} "
                 f"({self.checkpoint_size_:,} bytes), is not there (or is another file); put it "
-                "back, or fit again"
+                "back, or fit again (or save it with save_model_weights=True)"
             )
+        if device.type != fitted_on.type:
+            self._serve_elsewhere(fitted_on)
         self.model_ = self._served()
         if self.kv_cache and self.cache_ is None:
             self.cache_ = self._build_caches()
 
-    def save(self, path, save_kv_cache: bool = False) -> None:
-        """Writes the fitted estimator to ``path`` (a pickle, without the network's weights:
-        they are read again from the checkpoint file on :meth:`load`). ``save_kv_cache``: keep
-        the KV cache, so the loaded estimator predicts without rebuilding it.
+    def _serve_elsewhere(self, fitted_on: torch.device) -> None:
+        """Settles the options for a device of another kind than the fit's (as a fit there
+        would); a KV cache built under other options is dropped, to be rebuilt from the
+        training data."""
+        trained = self.y_train_ is not None
+        recipe = self._recipe()
+        if trained or not (isinstance(recipe, str) and recipe == "auto"):
+            n_train = self.y_train_.shape[0] if trained else 0  # "auto" alone reads it
+            options = self._options(self.model_path_, n_train, getattr(self, "n_classes_", None))
+            if options == self.served_options_:
+                return
+            if trained:
+                self.served_options_, self.cache_ = options, None
+                return
+        raise ValueError(
+            f"this estimator was saved without its training data, and its KV cache serves "
+            f"{describe(self.served_options_)} on {fitted_on.type}: load it on a "
+            f"{fitted_on.type} device"
+        )
+
+    def save(
+        self,
+        path,
+        save_model_weights: bool = False,
+        save_training_data: bool = True,
+        save_kv_cache: bool = True,
+    ) -> None:
+        """Writes the fitted estimator to ``path`` (a pickle; missing folders are made), with
+        tabicl 2.2.0's choices:
+
+        * ``save_model_weights``: embed the checkpoint file, so the file loads where the
+          checkpoint is not (it is written once into tabserve's cache directory,
+          ``$TABSERVE_CACHE_DIR`` or the platform's, under its SHA-256). Without it the
+          weights are read again from the checkpoint's path on :meth:`load`: kilobytes.
+        * ``save_training_data=False``: leave the training rows out (smaller, and the file
+          does not hold the data); only with a KV cache saved, which predicts without them.
+        * ``save_kv_cache``: keep the KV cache (``kv_cache=True``), so the loaded estimator
+          predicts without rebuilding it.
+
+        Raises:
+            NotFittedError: not fitted.
+            ValueError: ``save_training_data=False`` without a KV cache to save.
 
         Security: loading a pickle runs code; load only files you wrote."""
         check_is_fitted(self, "plan_")
-        self._keep_kv_cache = bool(save_kv_cache)
+        if not save_training_data and not (save_kv_cache and self.cache_ is not None):
+            raise ValueError(
+                "save_training_data=False needs the KV cache to predict from: fit with "
+                "kv_cache=True and keep save_kv_cache=True, or keep the training data"
+            )
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._save = SaveChoices(bool(save_model_weights), bool(save_training_data), bool(save_kv_cache))
         try:
-            with open(path, "wb") as file:
-                pickle.dump(self, file, protocol=pickle.HIGHEST_PROTOCOL)
+            data = pickle.dumps(self, protocol=pickle.HIGHEST_PROTOCOL)
         finally:
-            del self._keep_kv_cache
+            del self._save
+        partial = path.with_name(f".{path.name}.partial")
+        partial.write_bytes(data)
+        os.replace(partial, path)
 
     @classmethod
-    def load(cls, path):
-        """An estimator written by :meth:`save`, on the device it was fitted on. Raises
-        TypeError when the file holds another kind of estimator.
+    def load(cls, path, device=None):
+        """An estimator written by :meth:`save` (or pickled), on ``device`` (tabicl's meaning:
+        None keeps the estimator's ``device`` argument, re-read on this machine; a device
+        becomes its ``device``). Raises TypeError when the file holds another kind of estimator.
 
         Security: this unpickles; load only files you wrote."""
+        if device is not None:
+            device = torch.device(device)
         with open(path, "rb") as file:
-            estimator = pickle.load(file)
+            token = _load_device.set(device)
+            try:
+                estimator = pickle.load(file)
+            finally:
+                _load_device.reset(token)
         if not isinstance(estimator, cls):
             raise TypeError(f"{path} holds a {type(estimator).__name__}, not a {cls.__name__}")
         return estimator

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -71,29 +72,46 @@ def _one_of(value, choices) -> bool:
 
 
 def checkpoint_path(model_path, allow_auto_download: bool, version: str) -> Path:
-    """The checkpoint to load, as tabicl finds it: ``model_path`` when it exists; a missing
-    ``model_path`` is downloaded there; None: the released ``version`` from the Hugging Face Hub
-    cache, downloaded into it first where ``allow_auto_download``.
+    """The checkpoint to load, as tabicl finds it: ``model_path`` when it is a file; a missing
+    ``model_path`` is downloaded there (``version`` from :data:`HF_REPO`); None: the released
+    ``version`` from the Hugging Face Hub cache, downloaded into it first where
+    ``allow_auto_download``.
+
+    Before downloading, one request without retries asks the Hub for the file, so an offline
+    machine (or ``HF_HUB_OFFLINE=1``) gets its answer at once instead of after the Hub
+    client's retries (about 24 s), and a failed download leaves no folder behind.
 
     Raises:
-        FileNotFoundError: nothing to load and downloading is not allowed (the message says how).
+        IsADirectoryError: ``model_path`` is a directory (the message lists its checkpoints).
+        FileNotFoundError: nothing to load, and downloading is not allowed or not possible; the
+            message names the path, the arguments to change and the Hub's answer.
     """
-    if model_path is not None and Path(model_path).exists():
-        return Path(model_path)
+    target = None if model_path is None else Path(model_path)
+    if target is not None and target.is_dir():
+        found = sorted(p.name for p in target.iterdir() if p.suffix in (".ckpt", ".safetensors"))
+        inside = f"; it holds {', '.join(found)}" if found else ", which holds no .ckpt or .safetensors file"
+        raise IsADirectoryError(
+            f"model_path {str(target)!r} is a directory{inside}: give the checkpoint file's path"
+        )
+    if target is not None and target.is_file():
+        return target
     from huggingface_hub import hf_hub_download
     from huggingface_hub.errors import LocalEntryNotFoundError
 
-    if model_path is not None:
-        target = Path(model_path)
+    where = f"{version!r} from the Hugging Face Hub ({HF_REPO})"
+    if target is not None:
         if not allow_auto_download:
             raise FileNotFoundError(
                 f"checkpoint not found: {target}; give the path of a TabICLv2 checkpoint, or set "
-                f"allow_auto_download=True to download {version!r} from {HF_REPO} there"
+                f"allow_auto_download=True to download {where} there"
             )
-        target.parent.mkdir(parents=True, exist_ok=True)
-        downloaded = hf_hub_download(repo_id=HF_REPO, filename=version, local_dir=target.parent)
-        Path(downloaded).rename(target)
-        return target
+        _reach_hub(
+            version,
+            f"checkpoint not found: {target}, and {where} cannot be downloaded there",
+            "check model_path, or give the path of a TabICLv2 checkpoint",
+        )
+        logger.warning("checkpoint not found at %s: downloading %s there", target, where)
+        return _place(Path(hf_hub_download(repo_id=HF_REPO, filename=version)), target)
     try:
         return Path(hf_hub_download(repo_id=HF_REPO, filename=version, local_files_only=True))
     except LocalEntryNotFoundError:
@@ -103,8 +121,44 @@ def checkpoint_path(model_path, allow_auto_download: bool, version: str) -> Path
                 f"allow_auto_download=False; set it to True to download it from {HF_REPO}, or "
                 "give model_path"
             ) from None
-    logger.info("downloading %s from the Hugging Face Hub (%s)", version, HF_REPO)
+    _reach_hub(
+        version,
+        f"checkpoint {version!r} is not in the Hugging Face Hub cache and cannot be downloaded",
+        "give model_path (a .ckpt or .safetensors file), or download it where the Hub can be "
+        f"reached (huggingface-cli download {HF_REPO} {version}) and copy the Hub cache here",
+    )
+    logger.info("downloading %s", where)
     return Path(hf_hub_download(repo_id=HF_REPO, filename=version))
+
+
+def _reach_hub(version: str, failure: str, advice: str) -> None:
+    """Asks the Hub for ``version`` once, without retries; raises FileNotFoundError
+    (``failure``: the Hub's answer; ``advice``) when it cannot be had."""
+    from huggingface_hub import constants, get_hf_file_metadata, hf_hub_url
+
+    if constants.HF_HUB_OFFLINE:
+        raise FileNotFoundError(f"{failure}: the Hub is offline (HF_HUB_OFFLINE=1); {advice}")
+    try:
+        get_hf_file_metadata(hf_hub_url(HF_REPO, version), timeout=10)
+    except Exception as error:  # any failure means the same here: no file to download
+        raise FileNotFoundError(
+            f"{failure}: the Hub answered {type(error).__name__}: {error}; {advice}"
+        ) from None
+
+
+def _place(downloaded: Path, target: Path) -> Path:
+    """``downloaded`` (in the Hub cache) at ``target``: a hard link where the file system allows
+    one, else a copy, written under a temporary name and renamed, so ``target`` is whole or
+    absent."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.with_name(f".{target.name}.partial")
+    partial.unlink(missing_ok=True)
+    try:
+        os.link(downloaded.resolve(), partial)
+    except OSError:
+        shutil.copyfile(downloaded, partial)
+    os.replace(partial, target)
+    return target
 
 
 @contextlib.contextmanager
