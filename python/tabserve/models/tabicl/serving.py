@@ -52,6 +52,7 @@ from torch.utils._pytree import tree_map
 
 from tabserve.buckets import Bucket, BucketGrid
 
+from . import aot
 from .layers import SKIP_VALUE, AttentionBlock, load_kernels
 from .learning import HIERARCHY_LOG_EPS
 from .model import TabICLv2, TabICLv2Cache, TabICLv2ReprCache, eager_host_checks, padded_counts
@@ -133,9 +134,11 @@ def _release_compiled(codes: list) -> None:
         resumed = ContinueExecutionCache.cache.get(code, {}).values()
         codes.extend((c, namespace, names) for c in resumed)
         torch._dynamo.reset_code(code)
-        # What Dynamo installed in the private globals (the compiled graphs, resume functions).
+        # What Dynamo installed in the private globals (the compiled graphs, resume functions),
+        # dropped by value: the name stays, for the cleanup hook Dynamo registered on it, which
+        # deletes it by key when the code object goes (torch 2.11 raises KeyError if it is gone).
         for name in namespace.keys() - names:
-            namespace.pop(name, None)
+            namespace[name] = None
     # Inductor keeps every module it loaded with constants attached (frozen weights) in a list
     # it never prunes, and in sys.modules under the hash of its source. A compiled graph holds
     # its module's entry point, `call`: a module whose `call` only its own namespace refers to
@@ -726,8 +729,6 @@ class ServedTabICL:
         cached forward. About half a minute (CPU, tiny model) to minutes per package: export the
         buckets your tables use (``grid.plan(...)`` of the expected shapes), not a whole default
         grid (tens of thousands of buckets)."""
-        from . import aot
-
         self._require_buckets("export_buckets")
         return aot.export(self, directory, buckets, tables, kv_cache)
 
@@ -736,8 +737,6 @@ class ServedTabICL:
         options, grid and environment): tables of those buckets and batch sizes then run the
         packages, with no tracing or compiling. Returns how many were loaded. Load only
         directories your own deployment wrote: packages are compiled code."""
-        from . import aot
-
         self._require_buckets("load_buckets")
         runners = aot.load(self, directory)
         for kind, loaded in runners.items():
