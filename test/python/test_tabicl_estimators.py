@@ -351,15 +351,15 @@ def test_fresh_estimators_share_one_served_model_per_configuration(tmp_path, mon
     import shutil
 
     from sklearn.base import clone
-    from tabserve.models.tabicl import model_cache
+    from tabserve.models.tabicl import checkpoint, model_cache
     from tabserve.models.tabicl.options import ServingOptions
 
     model_cache.clear_model_cache()
     path = tmp_path / "clf.ckpt"
     shutil.copy(reference_checkpoint("clf", "tiny"), path)
     reads = []
-    original = model_cache.load_checkpoint
-    monkeypatch.setattr(model_cache, "load_checkpoint", lambda p: reads.append(p) or original(p))
+    original = checkpoint.load_checkpoint
+    monkeypatch.setattr(checkpoint, "load_checkpoint", lambda p: reads.append(p) or original(p))
     for name in ("kaiming_uniform_", "uniform_", "normal_", "ones_", "zeros_"):
         init = getattr(torch.nn.init, name)
 

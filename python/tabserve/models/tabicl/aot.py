@@ -33,6 +33,7 @@ from torch.utils._pytree import tree_map
 
 from tabserve.buckets import Bucket
 
+from .model import padded_counts
 from .options import describe
 
 MANIFEST = "manifest.json"
@@ -121,8 +122,6 @@ def _file_name(kind: str, bucket: Bucket, batch: int) -> str:
 
 def example_inputs(served, bucket: Bucket, batch: int) -> tuple[Tensor, ...]:
     """Random inputs of a bucket's padded forward (the shapes are what the package fixes)."""
-    from .model import padded_counts
-
     generator = torch.Generator().manual_seed(0)
     rows = bucket.train_rows + bucket.test_rows
     X = torch.randn(batch, rows, bucket.features, generator=generator).to(served.device)

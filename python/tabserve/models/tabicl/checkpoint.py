@@ -14,7 +14,9 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import threading
 import zipfile
+from collections import OrderedDict
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -160,4 +162,67 @@ def save_safetensors(
     return path
 
 
-__all__ = ["CheckpointError", "ConfigError", "load_checkpoint", "save_safetensors"]
+#: Checkpoints kept read by :func:`read_checkpoint` (CPU tensors; a full TabICLv2 checkpoint is
+#: about 100 MB).
+MAX_CHECKPOINTS = 2
+
+_lock = threading.Lock()
+_read: OrderedDict = OrderedDict()
+
+
+def checkpoint_identity(path: PathLike) -> tuple:
+    """``(resolved path, size, modification time in ns)`` of a checkpoint file: a file rewritten
+    in place is another checkpoint.
+
+    Raises:
+        FileNotFoundError: no such file.
+    """
+    resolved = Path(path).resolve()
+    if not resolved.is_file():
+        raise FileNotFoundError(f"checkpoint not found: {path}")
+    stat = resolved.stat()
+    return str(resolved), stat.st_size, stat.st_mtime_ns
+
+
+def read_checkpoint(path: PathLike) -> tuple[TabICLv2Config, StateDict]:
+    """:func:`load_checkpoint`, once per process and identity (:func:`checkpoint_identity`):
+    the last :data:`MAX_CHECKPOINTS` files read are kept. A fresh estimator per call
+    (scikit-learn's ``clone``, cross-validation, one estimator per request) would otherwise
+    read and verify its checkpoint again. The state_dict's tensors are shared: copy before
+    changing them. Safe to call from several threads."""
+    key = checkpoint_identity(path)
+    with _lock:
+        if key in _read:
+            _read.move_to_end(key)
+            return _read[key]
+    loaded = load_checkpoint(path)  # outside the lock: reading takes seconds
+    with _lock:
+        _read[key] = loaded
+        _read.move_to_end(key)
+        while len(_read) > MAX_CHECKPOINTS:
+            _read.popitem(last=False)
+    return loaded
+
+
+def forget_read_checkpoints() -> int:
+    """Empties :func:`read_checkpoint`'s cache; returns how many checkpoints it held."""
+    with _lock:
+        count = len(_read)
+        _read.clear()
+    return count
+
+
+def read_checkpoints() -> int:
+    """How many checkpoints :func:`read_checkpoint` holds."""
+    with _lock:
+        return len(_read)
+
+
+__all__ = [
+    "CheckpointError",
+    "ConfigError",
+    "checkpoint_identity",
+    "load_checkpoint",
+    "read_checkpoint",
+    "save_safetensors",
+]

@@ -57,6 +57,9 @@ from torch import Tensor
 from tabserve.buckets import BucketGrid
 
 from .background import foreground
+from .checkpoint import read_checkpoint
+from .model_cache import served_model
+from .options import auto_options, describe, resolve_options, user_cache_dir
 from .preprocessing import (
     ConstantFeatureFilter,
     MemberPreprocessor,
@@ -65,8 +68,6 @@ from .preprocessing import (
     member_labels,
     member_tables,
 )
-from .model_cache import read_checkpoint, served_model
-from .options import auto_options, describe, resolve_options, user_cache_dir
 from .reference_args import check_reference_args, checkpoint_path, say, torch_threads
 
 DEFAULT_NORM_METHODS = ("none", "power")

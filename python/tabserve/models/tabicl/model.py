@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from .checkpoint import CheckpointError, PathLike, load_checkpoint, save_safetensors
+from .checkpoint import CheckpointError, PathLike, load_checkpoint, read_checkpoint, save_safetensors
 from .config import TabICLv2Config
 from .embedding import ColumnEmbedding
 from .interaction import RowInteraction
@@ -192,14 +192,12 @@ class TabICLv2(nn.Module):
         The network is built on the ``meta`` device (no random initialisation: every weight
         comes from the file) and its weights are copied straight to ``device`` (default CPU).
         A file is read once per process while it is unchanged
-        (:func:`~.model_cache.read_checkpoint`); every call returns a model of its own.
+        (:func:`~.checkpoint.read_checkpoint`); every call returns a model of its own.
 
         Raises:
             FileNotFoundError, CheckpointError (unreadable / wrong tensors), ConfigError
             (missing, contradictory or non-v2 config).
         """
-        from .model_cache import read_checkpoint
-
         config, state_dict = read_checkpoint(path)
         with torch.device("meta"):
             model = cls(config)

@@ -1,21 +1,19 @@
-"""Process-wide cache of read checkpoints and served models, shared by every estimator.
+"""Process-wide cache of served models, shared by every estimator.
 
 A fresh estimator per call (scikit-learn's ``clone``, cross-validation, grid search, one estimator
-per request) would otherwise read and verify its checkpoint again, build the network again and,
-under a compiled or graph-capturing preset, compile and capture again. Here:
+per request) would otherwise build the network again and, under a compiled or graph-capturing
+preset, compile and capture again. Here served models (:class:`~.serving.ServedTabICL`) are kept
+by (checkpoint identity: resolved path, size, modification time; device, serving options, bucket
+grid), at most :data:`MAX_SERVED_MODELS`, the least recently used dropped first. A served model
+keeps its compiled graphs and captured CUDA graphs, so estimators of one configuration pay for
+them once per process; a dropped one releases them, frozen graphs included
+(:meth:`~.serving.ServedTabICL._own`). The checkpoints themselves are read once per process by
+:func:`~.checkpoint.read_checkpoint`.
 
-* checkpoints read from disk are kept by identity (resolved path, size, modification time: a file
-  rewritten in place is read anew), at most :data:`MAX_CHECKPOINTS`;
-* served models (:class:`~.serving.ServedTabICL`) are kept by (checkpoint identity, device,
-  serving options, bucket grid), at most :data:`MAX_SERVED_MODELS`, the least recently used
-  dropped first. A served model keeps its compiled graphs and captured CUDA graphs, so estimators
-  of one configuration pay for them once per process; a dropped one releases them, frozen graphs
-  included (:meth:`~.serving.ServedTabICL._own`).
-
-Both are guarded by one lock (host threads may fit estimators concurrently); a served model is
-itself safe to share between threads (:mod:`.serving`). :func:`clear_model_cache` empties both.
-The cached models are for inference: a caller that changes a cached model's weights changes them
-for every estimator that shares it (load a private copy with
+One lock guards the cache (host threads may fit estimators concurrently); a served model is itself
+safe to share between threads (:mod:`.serving`). :func:`clear_model_cache` empties it and the
+checkpoints read. The cached models are for inference: a caller that changes a cached model's
+weights changes them for every estimator that shares it (load a private copy with
 :meth:`~.model.TabICLv2.from_checkpoint` instead).
 """
 
@@ -25,54 +23,20 @@ import dataclasses
 import json
 import threading
 from collections import OrderedDict
-from pathlib import Path
 
 import torch
 
-from .checkpoint import load_checkpoint
+from .background import READY_PRESET, CompilingTabICL
+from .checkpoint import MAX_CHECKPOINTS, checkpoint_identity, forget_read_checkpoints, read_checkpoints
+from .model import TabICLv2
+from .options import resolve_options
+from .serving import ServedTabICL
 
-#: Checkpoints kept read (CPU tensors; a full TabICLv2 checkpoint is about 100 MB).
-MAX_CHECKPOINTS = 2
 #: Served models kept, each with its weights on its device and its graphs.
 MAX_SERVED_MODELS = 4
 
 _lock = threading.Lock()
-_checkpoints: OrderedDict = OrderedDict()
 _served: OrderedDict = OrderedDict()
-
-
-def checkpoint_identity(path) -> tuple:
-    """``(resolved path, size, modification time in ns)`` of a checkpoint file.
-
-    Raises:
-        FileNotFoundError: no such file.
-    """
-    resolved = Path(path).resolve()
-    if not resolved.is_file():
-        raise FileNotFoundError(f"checkpoint not found: {path}")
-    stat = resolved.stat()
-    return str(resolved), stat.st_size, stat.st_mtime_ns
-
-
-def _remember(store: OrderedDict, key, value, limit: int) -> None:
-    store[key] = value
-    store.move_to_end(key)
-    while len(store) > limit:
-        store.popitem(last=False)
-
-
-def read_checkpoint(path) -> tuple:
-    """``(config, state_dict)`` of a checkpoint, read once per identity (:func:`load_checkpoint`
-    otherwise). The state_dict's tensors are shared: copy before changing them."""
-    key = checkpoint_identity(path)
-    with _lock:
-        if key in _checkpoints:
-            _checkpoints.move_to_end(key)
-            return _checkpoints[key]
-    loaded = load_checkpoint(path)  # outside the lock: reading takes seconds
-    with _lock:
-        _remember(_checkpoints, key, loaded, MAX_CHECKPOINTS)
-    return loaded
 
 
 def served_model(path, device, options, grid=None, background: bool = False):
@@ -85,11 +49,6 @@ def served_model(path, device, options, grid=None, background: bool = False):
     one and the ready one that answers while it compiles), shared like the others so that its
     record of what has compiled outlives each estimator.
     """
-    from .background import READY_PRESET, CompilingTabICL
-    from .model import TabICLv2
-    from .options import resolve_options
-    from .serving import ServedTabICL
-
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
@@ -119,24 +78,27 @@ def served_model(path, device, options, grid=None, background: bool = False):
         # Another thread may have built the same one meanwhile: keep the first.
         if key in _served:
             return _served[key]
-        _remember(_served, key, served, MAX_SERVED_MODELS)
+        _served[key] = served
+        while len(_served) > MAX_SERVED_MODELS:
+            _served.popitem(last=False)
     return served
 
 
 def clear_model_cache() -> None:
-    """Forgets every cached checkpoint and served model (their memory is freed once no
+    """Forgets every cached served model and read checkpoint (their memory is freed once no
     estimator holds them)."""
     with _lock:
-        _checkpoints.clear()
         _served.clear()
+    forget_read_checkpoints()
 
 
 def cache_info() -> dict:
     """How many checkpoints and served models are cached, and the limits."""
     with _lock:
-        return {
-            "checkpoints": len(_checkpoints),
-            "served_models": len(_served),
-            "max_checkpoints": MAX_CHECKPOINTS,
-            "max_served_models": MAX_SERVED_MODELS,
-        }
+        served = len(_served)
+    return {
+        "checkpoints": read_checkpoints(),
+        "served_models": served,
+        "max_checkpoints": MAX_CHECKPOINTS,
+        "max_served_models": MAX_SERVED_MODELS,
+    }
