@@ -80,6 +80,43 @@ def test_bad_reference_arguments_name_themselves_and_leave_the_estimator_as_it_w
     np.testing.assert_array_equal(clf.predict_proba(X_test), before)
 
 
+@pytest.mark.parametrize(
+    "params, error, match",
+    [
+        ({"n_estimators": 0}, ValueError, "n_estimators must be an integer >= 1, got 0"),
+        ({"batch_size": 0}, ValueError, "batch_size must be None or an integer >= 1, got 0"),
+        ({"test_chunk_rows": -5}, ValueError, "test_chunk_rows must be None or an integer >= 1"),
+        ({"norm_methods": ["power", "zscore"]}, ValueError, "unsupported normalisation method 'zscore'"),
+        ({"feat_shuffle_method": "sorted"}, ValueError, "feat_shuffle_method: unknown shuffle method"),
+        ({"class_shuffle_method": 1}, ValueError, "class_shuffle_method: unknown shuffle method"),
+        ({"outlier_threshold": -1.0}, ValueError, "outlier_threshold must be a positive finite"),
+        ({"softmax_temperature": float("nan")}, ValueError, "softmax_temperature must be a positive"),
+        ({"average_logits": "yes"}, TypeError, "average_logits must be True or False"),
+        ({"allow_fp8": None}, TypeError, "allow_fp8 must be True or False"),
+        ({"kv_cache": "yes"}, ValueError, "kv_cache must be False, True, 'kv' or 'repr'"),
+        ({"random_state": 1.5}, ValueError, "random_state must be None or an integer"),
+        ({"model_path": 3}, TypeError, "model_path must be None or a path, got int"),
+        ({"device": "gpu0"}, ValueError, "device must name a torch device, got 'gpu0'"),
+        ({"bucket_grid": (8, 16)}, TypeError, "bucket_grid must be a tabserve.BucketGrid"),
+        ({"recipe": "fastest"}, ValueError, "fastest"),
+        ({"verbose": "loud"}, TypeError, "verbose must be True or False"),
+    ],
+)
+def test_every_argument_is_checked_at_the_start_of_fit_before_the_checkpoint(params, error, match, monkeypatch):
+    """One check of every constructor argument when fit starts: a bad one is named before the
+    data is looked at or a checkpoint is found or read."""
+    from tabserve.models.tabicl import estimators
+
+    def no_checkpoint(*args):
+        raise AssertionError("the checkpoint was looked for before the arguments were checked")
+
+    monkeypatch.setattr(estimators, "checkpoint_path", no_checkpoint)
+    clf = TabICLClassifier(**params)
+    with pytest.raises(error, match=match):
+        clf.fit(np.array([[np.nan, "not numeric"]], dtype=object), [0])  # the data would fail too
+    assert not hasattr(clf, "n_features_in_")
+
+
 def test_use_amp_false_serves_exact_where_the_default_would_serve_auto():
     """The rule on a CUDA device (no GPU needed: it only reads the estimator's device)."""
     clf = TabICLClassifier()

@@ -61,6 +61,8 @@ from .checkpoint import read_checkpoint
 from .model_cache import served_model
 from .options import auto_options, describe, resolve_options, user_cache_dir
 from .preprocessing import (
+    NORM_METHODS,
+    SHUFFLE_METHODS,
     ConstantFeatureFilter,
     MemberPreprocessor,
     TableEncoder,
@@ -85,6 +87,14 @@ class SaveChoices:
     model_weights: bool = False
     training_data: bool = True
     kv_cache: bool = True
+
+
+def _check_count(name: str, value, allow_none: bool = True) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        some = "None or an integer" if allow_none else "an integer"
+        raise ValueError(f"{name} must be {some} >= 1, got {value!r}")
 
 
 def _is_fitted_name(name: str) -> bool:
@@ -187,6 +197,64 @@ class _TabICLBase(BaseEstimator):
         check_consistent_length(X, y)
         return y
 
+    def _check_params(self) -> None:
+        """Every constructor argument, checked in one place at the start of ``fit`` (before
+        the data is validated or a checkpoint read): ValueError / TypeError naming it."""
+        _check_count("n_estimators", self.n_estimators, allow_none=False)
+        _check_count("batch_size", self.batch_size)
+        _check_count("test_chunk_rows", self.test_chunk_rows)
+        methods = self.norm_methods or ()  # None or empty: the default methods
+        methods = [methods] if isinstance(methods, str) else list(methods)
+        unknown = [m for m in methods if m not in NORM_METHODS]
+        if unknown:
+            raise ValueError(
+                f"norm_methods: unsupported normalisation method {unknown[0]!r}; expected "
+                f"None or some of {NORM_METHODS}"
+            )
+        shuffles = ["feat_shuffle_method"] + (["class_shuffle_method"] if self._classification else [])
+        for name in shuffles:
+            if getattr(self, name) not in SHUFFLE_METHODS:
+                raise ValueError(
+                    f"{name}: unknown shuffle method {getattr(self, name)!r}; expected one of "
+                    f"{SHUFFLE_METHODS}"
+                )
+        positive = ["outlier_threshold"] + (["softmax_temperature"] if self._classification else [])
+        for name in positive:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 < value < np.inf:
+                raise ValueError(f"{name} must be a positive finite number, got {value!r}")
+        flags = ["allow_fp8"] + (["average_logits", "support_many_classes"] if self._classification else [])
+        for name in flags:
+            if not isinstance(getattr(self, name), (bool, np.bool_)):
+                raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        kv = self.kv_cache
+        if not (kv is True or kv is False or (isinstance(kv, str) and kv in ("kv", "repr"))):
+            raise ValueError(f"kv_cache must be False, True, 'kv' or 'repr', got {kv!r}")
+        seed = self.random_state
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, numbers.Integral)):
+            raise ValueError(f"random_state must be None or an integer, got {seed!r}")
+        if self.model_path is not None and not isinstance(self.model_path, (str, os.PathLike)):
+            raise TypeError(
+                f"model_path must be None or a path, got {type(self.model_path).__name__}"
+            )
+        try:
+            _resolve_device(self.device)
+        except (RuntimeError, TypeError, ValueError) as error:
+            raise ValueError(f"device must name a torch device, got {self.device!r}: {error}") from None
+        if self.bucket_grid is not None and not isinstance(self.bucket_grid, BucketGrid):
+            raise TypeError(
+                f"bucket_grid must be a tabserve.BucketGrid or None, got "
+                f"{type(self.bucket_grid).__name__}"
+            )
+        recipe = self.recipe
+        if recipe is not None and not (isinstance(recipe, str) and recipe == "auto"):
+            if resolve_options(recipe).precision != "fp32" and self.use_amp is False:
+                raise ValueError(
+                    f"use_amp=False asks for fp32, but recipe={recipe!r} computes in reduced "
+                    "precision; leave one of them out"
+                )
+        check_reference_args(self, self._task)
+
     def _recipe(self):
         """The recipe asked for: None means ``"auto"`` on CUDA, ``exact`` elsewhere, and
         ``exact`` wherever ``use_amp=False`` (tabicl's fp32)."""
@@ -194,24 +262,9 @@ class _TabICLBase(BaseEstimator):
             if self.use_amp is False:
                 return "exact"
             return "auto" if self.device_.type == "cuda" else "exact"
-        if self.use_amp is False and not (isinstance(self.recipe, str) and self.recipe == "auto"):
-            if resolve_options(self.recipe).precision != "fp32":
-                raise ValueError(
-                    f"use_amp=False asks for fp32, but recipe={self.recipe!r} computes in reduced "
-                    "precision; leave one of them out"
-                )
         return self.recipe
 
     def _load_model(self, n_train: int, n_classes: int | None = None):
-        recipe = self._recipe()
-        if not (isinstance(recipe, str) and recipe == "auto"):
-            resolve_options(recipe)  # a bad name or type fails before the model loads
-        if self.bucket_grid is not None and not isinstance(self.bucket_grid, BucketGrid):
-            raise TypeError(
-                f"bucket_grid must be a tabserve.BucketGrid or None, got "
-                f"{type(self.bucket_grid).__name__}"
-            )
-        check_reference_args(self, self._task)
         path = checkpoint_path(self.model_path, self.allow_auto_download, self.checkpoint_version)
         config, _ = read_checkpoint(path)  # once per process and file
         if config.is_regression == self._classification:
@@ -398,12 +451,6 @@ class _TabICLBase(BaseEstimator):
         return estimator
 
     def _fit_members(self, X, y: Tensor, n_classes: int) -> None:
-        n = self.n_estimators
-        if not isinstance(n, numbers.Integral) or isinstance(n, bool) or n < 1:
-            raise ValueError(f"n_estimators must be an integer >= 1, got {n!r}")
-        kv = self.kv_cache
-        if not (kv is True or kv is False or (isinstance(kv, str) and kv in ("kv", "repr"))):
-            raise ValueError(f"kv_cache must be False, True, 'kv' or 'repr', got {kv!r}")
         norm_methods = self.norm_methods or DEFAULT_NORM_METHODS
         norm_methods = [norm_methods] if isinstance(norm_methods, str) else list(norm_methods)
         self.encoder_ = TableEncoder(self.device_).fit(X)
@@ -479,10 +526,7 @@ class _TabICLBase(BaseEstimator):
         the rows: a test row's answer depends on the train rows alone, so the numbers are one
         call's, and the memory a call holds is bounded by the chunk's."""
         step = self.test_chunk_rows
-        if step is not None and (
-            not isinstance(step, numbers.Integral) or isinstance(step, bool) or step < 1
-        ):
-            raise ValueError(f"test_chunk_rows must be None or an integer >= 1, got {step!r}")
+        _check_count("test_chunk_rows", step)  # set_params may change it after fit
         if step is None or X_test.shape[0] <= step:
             return predict_rows(X_test)
         parts = [predict_rows(X_test[i : i + step]) for i in range(0, X_test.shape[0], step)]
@@ -580,6 +624,7 @@ class TabICLClassifier(ClassifierMixin, _TabICLBase):
             ValueError: zero rows, a single class, NaN labels, length mismatch, infinite features,
             too many classes for the requested mode, bad checkpoint.
         """
+        self._check_params()
         X = self._validate_X(X, reset=True)
         y = self._target(X, y, type(self).__name__)
         if y.dtype.kind == "f" and np.isnan(y).any():
@@ -706,6 +751,7 @@ class TabICLRegressor(RegressorMixin, _TabICLBase):
     @_estimator_call
     def fit(self, X, y) -> TabICLRegressor:
         """Standardise y, fit preprocessing / members (and the KV cache if ``kv_cache``)."""
+        self._check_params()
         X = self._validate_X(X, reset=True)
         y = self._target(X, y, type(self).__name__)
         try:

@@ -125,7 +125,7 @@ def checkpoint_path(model_path, allow_auto_download: bool, version: str) -> Path
         version,
         f"checkpoint {version!r} is not in the Hugging Face Hub cache and cannot be downloaded",
         "give model_path (a .ckpt or .safetensors file), or download it where the Hub can be "
-        f"reached (huggingface-cli download {HF_REPO} {version}) and copy the Hub cache here",
+        f"reached (hf download {HF_REPO} {version}) and copy the Hub cache here",
     )
     logger.info("downloading %s", where)
     return Path(hf_hub_download(repo_id=HF_REPO, filename=version))
