@@ -107,7 +107,7 @@ setup(
     package_dir={"": "python"},
     packages=find_packages("python"),
     # The promotions recipe="auto" reads: found in site-packages after a wheel install.
-    package_data={"tabserve": ["py.typed"], "tabserve.models.tabicl": ["promotions.json"]},
+    package_data={"tabserve": ["py.typed"], "tabserve.models.tabicl.serving": ["promotions.json"]},
     ext_modules=[_extension()],
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
 )

@@ -33,7 +33,7 @@ from harness import (
     tile_configured,
 )
 from tabserve.kernels import norm_linear as nl
-from tabserve.models.tabicl.layers import RotaryEmbedding
+from tabserve.models.tabicl.network.layers import RotaryEmbedding
 
 #: (name, tokens, output features, rotated features) on the small / large workloads (8
 #: tables); rotated cases hold rows of ROPE_ROW tokens.

@@ -20,9 +20,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import default_json, environment, print_table, write_json
-from tabserve.bench.timing import measure
 from tabserve import ops
-from tabserve.models.tabicl.layers import RotaryEmbedding, rotate_half
+from tabserve.bench.timing import measure
+from tabserve.models.tabicl.network.layers import RotaryEmbedding, rotate_half
 
 #: (name, sequences, tokens): small / medium / large workloads' row stage (8 tables).
 CASES = [("small", 8 * 576, 12), ("medium", 8 * 1280, 24), ("large", 8 * 10240, 68)]

@@ -35,10 +35,10 @@ from harness import (
     selected_cases,
     write_json,
 )
-from tabserve.bench.timing import measure
 from tabserve import ops
-from tabserve.models.tabicl.layers import _in_cuda_batch_chunks
-from tabserve.models.tabicl.options import sdpa_context
+from tabserve.bench.timing import measure
+from tabserve.models.tabicl.network.layers import _in_cuda_batch_chunks
+from tabserve.models.tabicl.serving.options import sdpa_context
 
 HEADS = 8
 #: (name, batch, queries, keys, broadcast queries): the large workload's head-dim-16 attentions

@@ -103,7 +103,7 @@ class EstimatorCalls:
     def __call__(self, X, y):
         from tabserve.buckets import BucketGrid
         from tabserve.models.tabicl import TabICLClassifier
-        from tabserve.models.tabicl.model_cache import cache_info
+        from tabserve.models.tabicl.serving.model_cache import cache_info
 
         n_train = y.shape[1]
         grids = ESTIMATOR_GRIDS
@@ -275,7 +275,7 @@ def main(argv=None) -> int:
     if args.estimators:
         model = EstimatorCalls(path, device, args.preset)
     elif args.preset:
-        from tabserve.models.tabicl.serving import ServedTabICL
+        from tabserve.models.tabicl.serving.served import ServedTabICL
 
         model = ServedTabICL(model, args.preset)
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(args.precision)
@@ -316,7 +316,7 @@ def main(argv=None) -> int:
     print(f"verdict: {result['summary']}")
     bounded = True
     if args.estimators:
-        from tabserve.models.tabicl.model_cache import MAX_SERVED_MODELS
+        from tabserve.models.tabicl.serving.model_cache import MAX_SERVED_MODELS
 
         bounded = model.most_served <= MAX_SERVED_MODELS
         result["estimator_calls"] = model.calls

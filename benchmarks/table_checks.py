@@ -43,7 +43,7 @@ def checker(device):
 
 
 def main(argv=None) -> int:
-    from tabserve.models.tabicl import model as model_module
+    from tabserve.models.tabicl.network import model as model_module
 
     args, device, _ = kernel_benchmark_args(__doc__, argv)
     model = checker(device)

@@ -27,23 +27,25 @@ def _check_torch_version() -> None:
 
 _check_torch_version()
 
-from . import _C  # noqa: F401,E402  (registers torch.ops.tabserve.*)
-from . import ops
+from . import (
+    _C,  # noqa: F401,E402  (registers torch.ops.tabserve.*)
+    ops,
+)
+from .align import AlignCategories, CategoryTypeError
+from .buckets import Bucket, BucketGrid
+from .encoding import TabICLEncoder, encode_categoricals
 from .strings import StringColumn, StringIndex
 from .tables import CategoricalColumn, Table, mark_dynamic
-from .align import AlignCategories, CategoryTypeError
-from .encoding import TabICLEncoder, encode_categoricals
-from .buckets import Bucket, BucketGrid
 
 # Heavier parts load on first use, so `import tabserve` stays cheap for preprocessing-only users.
 _LAZY = {
     "TabICLv2": "tabserve.models.tabicl",
     "TabICLClassifier": "tabserve.models.tabicl",
     "TabICLRegressor": "tabserve.models.tabicl",
-    "ServingOptions": "tabserve.models.tabicl.options",
-    "serving_presets": "tabserve.models.tabicl.options",
-    "wait_for_compiles": "tabserve.models.tabicl.background",
-    "clear_model_cache": "tabserve.models.tabicl.model_cache",
+    "ServingOptions": "tabserve.models.tabicl.serving.options",
+    "serving_presets": "tabserve.models.tabicl.serving.options",
+    "wait_for_compiles": "tabserve.models.tabicl.serving.background",
+    "clear_model_cache": "tabserve.models.tabicl.serving.model_cache",
 }
 
 

@@ -14,7 +14,7 @@ the caller's ``tags``), then the artifact bytes as torch serialised them.
 
 Security: the artifacts hold generated Python and pickled graphs that run when loaded. Load only
 files your own deployment wrote (like a compile-cache directory), never files from elsewhere;
-model checkpoints, by contrast, load without executing code (:mod:`tabserve.models.tabicl.checkpoint`).
+model checkpoints, by contrast, load without executing code (:mod:`tabserve.models.tabicl.network.checkpoint`).
 """
 
 from __future__ import annotations

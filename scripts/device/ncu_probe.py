@@ -25,7 +25,7 @@ import feed_forward as ffn_bench  # noqa: E402
 import small_head_attention as attention_bench  # noqa: E402
 from tabserve import ops  # noqa: E402
 from tabserve.kernels import feed_forward as ff  # noqa: E402
-from tabserve.models.tabicl.layers import RotaryEmbedding  # noqa: E402
+from tabserve.models.tabicl.network.layers import RotaryEmbedding  # noqa: E402
 
 
 def feed_forward_calls() -> list:

@@ -23,7 +23,7 @@ import sys
 
 import torch
 from tabserve import ops
-from tabserve.models.tabicl.layers import RotaryEmbedding
+from tabserve.models.tabicl.network.layers import RotaryEmbedding
 
 FAILURES: list[str] = []
 

@@ -26,8 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "test" / "python"))
 from tabicl_helpers import our_model, random_table
 from tabserve.bench.timing import time_calls
 from tabserve.buckets import BucketGrid
-from tabserve.models.tabicl.options import PRESETS, precision_flags
-from tabserve.models.tabicl.serving import ServedTabICL
+from tabserve.models.tabicl.serving.options import PRESETS, precision_flags
+from tabserve.models.tabicl.serving.served import ServedTabICL
 from torch._dynamo.utils import counters
 
 GRID = BucketGrid(train_rows=(512,), test_rows=(64,), features=(8,))

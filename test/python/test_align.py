@@ -12,11 +12,10 @@ import pyarrow as pa
 import pytest
 import torch
 from sklearn.preprocessing import OrdinalEncoder
-from torch._dynamo.testing import CompileCounterWithBackend
-from torch._dynamo.utils import counters
-
 from tabserve.align import AlignCategories, CategoryTypeError, NotFittedError, _sizes_dynamic
 from tabserve.tables import CategoricalColumn, Table, mark_dynamic
+from torch._dynamo.testing import CompileCounterWithBackend
+from torch._dynamo.utils import counters
 
 HAS_CUDA = torch.cuda.is_available()
 _skip_no_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")

@@ -1,4 +1,4 @@
-"""Ahead-of-time bucket packages (tabserve.models.tabicl.aot): exported once, loaded by a served
+"""Ahead-of-time bucket packages (tabserve.models.tabicl.serving.aot): exported once, loaded by a served
 model (also in a fresh process) they give the unpadded model's predictions without tracing or
 compiling; directories made for another recipe, grid or environment are refused by name.
 
@@ -19,9 +19,9 @@ import pytest
 import torch
 from tabicl_helpers import our_model, random_table
 from tabserve.buckets import BucketGrid
-from tabserve.models.tabicl import aot
-from tabserve.models.tabicl.options import ServingOptions
-from tabserve.models.tabicl.serving import ServedTabICL
+from tabserve.models.tabicl.serving import aot
+from tabserve.models.tabicl.serving.options import ServingOptions
+from tabserve.models.tabicl.serving.served import ServedTabICL
 from torch._dynamo.utils import counters
 
 GRID = BucketGrid(train_rows=(16,), test_rows=(8,), features=(6,))
@@ -106,8 +106,8 @@ RESTART = textwrap.dedent(
     sys.path.insert(0, sys.argv[2])
     from tabicl_helpers import our_model, random_table
     from tabserve.buckets import BucketGrid
-    from tabserve.models.tabicl.options import ServingOptions
-    from tabserve.models.tabicl.serving import ServedTabICL
+    from tabserve.models.tabicl.serving.options import ServingOptions
+    from tabserve.models.tabicl.serving.served import ServedTabICL
 
     served = ServedTabICL(our_model("clf", "tiny"), ServingOptions(buckets=True),
                           BucketGrid(train_rows=(16,), test_rows=(8,), features=(6,)))
@@ -289,7 +289,7 @@ def test_cuda_packages_exported_then_loaded_in_a_fresh_process(tmp_path):
 def test_packages_loaded_after_captures_replace_those_graphs(packages, monkeypatch):
     """With CUDA graphs (the CPU stand-in of test_padded_inference), a bucket captured before
     its package was loaded is captured again from the package instead of replaying the old graph."""
-    from tabserve.models.tabicl import serving
+    from tabserve.models.tabicl.serving import served as serving
     from test_padded_inference import _ReplayOnCPU
 
     monkeypatch.setattr(serving, "_BucketGraph", _ReplayOnCPU)

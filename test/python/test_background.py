@@ -1,4 +1,4 @@
-"""Serving while compiling (tabserve.models.tabicl.background): which served model answers each
+"""Serving while compiling (tabserve.models.tabicl.serving.background): which served model answers each
 call, before and after its background warm-up, and what happens when a warm-up fails or the
 interpreter exits during one."""
 
@@ -13,15 +13,15 @@ import pytest
 import torch
 from tabicl_helpers import our_model, random_table
 from tabserve.models.tabicl import TabICLv2
-from tabserve.models.tabicl import background
-from tabserve.models.tabicl.background import (
+from tabserve.models.tabicl.serving import background
+from tabserve.models.tabicl.serving.background import (
     CompilingTabICL,
     TieredCache,
     background_compiles,
     wait_for_compiles,
 )
-from tabserve.models.tabicl.options import ServingOptions
-from tabserve.models.tabicl.serving import ServedTabICL
+from tabserve.models.tabicl.serving.options import ServingOptions
+from tabserve.models.tabicl.serving.served import ServedTabICL
 
 # Dynamo traces, nothing is generated: a compiled served model in seconds on the CPU.
 TRACED = ServingOptions(compile="default", compile_backend="eager")
@@ -95,7 +95,7 @@ def test_each_call_is_answered_by_the_ready_model_until_its_warm_up_has_run():
 
 
 def test_no_other_thread_captures_while_a_warm_up_runs():
-    from tabserve.models.tabicl import serving
+    from tabserve.models.tabicl.serving import served as serving
 
     tiered, ready, target = _pair()
     free_during_warm_up = []
@@ -208,7 +208,7 @@ def test_the_interpreter_exits_without_waiting_for_a_warm_up():
     """A warm-up still running at exit is interrupted: the process ends at once, cleanly."""
     code = """
 import time
-from tabserve.models.tabicl import background
+from tabserve.models.tabicl.serving import background
 def slow():
     end = time.monotonic() + 600
     while time.monotonic() < end:
@@ -238,7 +238,7 @@ def test_cuda_script_that_predicts_once_exits_cleanly_during_its_compile():
 import sys
 import numpy as np
 from tabserve.models.tabicl import TabICLClassifier
-from tabserve.models.tabicl.background import background_compiles
+from tabserve.models.tabicl.serving.background import background_compiles
 rng = np.random.default_rng(0)
 X, y = rng.standard_normal((400, 8)), rng.integers(0, 3, 400)
 clf = TabICLClassifier(model_path=sys.argv[1], device="cuda").fit(X[:300], y[:300])

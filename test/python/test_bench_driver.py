@@ -40,7 +40,7 @@ from tabserve.bench.workloads import (
     stream_shapes,
     workload_by_name,
 )
-from tabserve.models.tabicl.options import (
+from tabserve.models.tabicl.serving.options import (
     PRESETS,
     PROMOTIONS_SCHEMA,
     WITHOUT_FP8,
@@ -668,7 +668,7 @@ def test_auto_serves_what_the_driver_promoted(tmp_path):
 
 
 def test_the_shipped_promotions_name_only_presets():
-    from tabserve.models.tabicl.options import promotions_path
+    from tabserve.models.tabicl.serving.options import promotions_path
 
     shipped = json.loads(
         (REPO / "python" / "tabserve" / "models" / "tabicl" / "promotions.json").read_text()
@@ -824,7 +824,7 @@ def test_graph_cells_gate_their_padded_test_rows(tmp_path, monkeypatch, graphs):
     shape_graphs cell's likewise its one-shot call; a cell with both, both (joined along the
     test rows). The graphs need CUDA: here a served model replays through a CPU stand-in."""
     from tabserve.bench.engines import TabserveEngine
-    from tabserve.models.tabicl import serving
+    from tabserve.models.tabicl.serving import served as serving
 
     class ServedOnCPU(serving.ServedTabICL):
         def __init__(self, model, options, grid=None):

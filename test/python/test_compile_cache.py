@@ -12,7 +12,6 @@ import textwrap
 
 import pytest
 import torch
-
 from tabserve import compile_cache
 from tabserve.compile_cache import CompileCacheError
 
@@ -117,8 +116,8 @@ SERVED = textwrap.dedent(
     import copy, json, sys
     from tabicl_helpers import our_model, random_table
     from tabserve.buckets import BucketGrid
-    from tabserve.models.tabicl.options import ServingOptions
-    from tabserve.models.tabicl.serving import ServedTabICL
+    from tabserve.models.tabicl.serving.options import ServingOptions
+    from tabserve.models.tabicl.serving.served import ServedTabICL
     from torch._dynamo.utils import counters
 
     mode, path = sys.argv[1], sys.argv[2]

@@ -17,7 +17,7 @@ import pytest
 import torch
 from tabicl_helpers import device_params, reference_checkpoint
 from tabserve.models.tabicl import TabICLClassifier, TabICLRegressor
-from tabserve.models.tabicl.reference_args import CHECKPOINT_VERSIONS, HF_REPO
+from tabserve.models.tabicl.sklearn.reference_args import CHECKPOINT_VERSIONS, HF_REPO
 
 tabicl = pytest.importorskip("tabicl")
 
@@ -105,7 +105,7 @@ def test_bad_reference_arguments_name_themselves_and_leave_the_estimator_as_it_w
 def test_every_argument_is_checked_at_the_start_of_fit_before_the_checkpoint(params, error, match, monkeypatch):
     """One check of every constructor argument when fit starts: a bad one is named before the
     data is looked at or a checkpoint is found or read."""
-    from tabserve.models.tabicl import estimators
+    from tabserve.models.tabicl.sklearn import estimators
 
     def no_checkpoint(*args):
         raise AssertionError("the checkpoint was looked for before the arguments were checked")
@@ -272,7 +272,7 @@ def test_a_missing_model_path_is_downloaded_there_whole(tmp_path, monkeypatch):
     """tabicl's rule: a model_path that does not exist is where the checkpoint is downloaded to
     (its folders made); the file appears whole, under its name, or not at all."""
     import huggingface_hub
-    from tabserve.models.tabicl import reference_args
+    from tabserve.models.tabicl.sklearn import reference_args
 
     cached = tmp_path / "hub" / "blob"
     cached.parent.mkdir()

@@ -7,7 +7,6 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
-
 from tabserve.encoding import TabICLEncoder, encode_categoricals, tabicl_columns
 
 TransformToNumerical = pytest.importorskip("tabicl._sklearn.preprocessing").TransformToNumerical

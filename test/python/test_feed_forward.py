@@ -21,9 +21,9 @@ import torch.nn.functional as F
 from tabicl_helpers import interpreter_child, our_model
 from tabserve import ops
 from tabserve.kernels import feed_forward as ff
-from tabserve.models.tabicl.layers import AttentionBlock
-from tabserve.models.tabicl.options import PRESETS, ServingOptions
-from tabserve.models.tabicl.stage_kernels import STAGES, StageKernels, use_stage_kernels
+from tabserve.models.tabicl.network.layers import AttentionBlock
+from tabserve.models.tabicl.network.stage_kernels import STAGES, StageKernels, use_stage_kernels
+from tabserve.models.tabicl.serving.options import PRESETS, ServingOptions
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 requires_triton = pytest.mark.skipif(
@@ -461,7 +461,7 @@ def test_block_takes_the_operator_in_one_compiled_graph(monkeypatch):
     its composite, so the branch is forced (as CUDA takes it) and must equal the modules."""
     from types import SimpleNamespace
 
-    from tabserve.models.tabicl import layers
+    from tabserve.models.tabicl.network import layers
 
     calls = []
 
@@ -488,7 +488,7 @@ def test_block_folds_its_out_projection_in_one_compiled_graph(monkeypatch):
     bit, eager and compiled; broadcast queries (the inducing points) are projected first."""
     from types import SimpleNamespace
 
-    from tabserve.models.tabicl import layers
+    from tabserve.models.tabicl.network import layers
 
     calls = []
 
@@ -566,7 +566,7 @@ def test_options_refuse_the_fused_ffn_without_autocast():
 
 
 def test_served_model_points_every_block_at_its_options():
-    from tabserve.models.tabicl.serving import ServedTabICL
+    from tabserve.models.tabicl.serving.served import ServedTabICL
 
     model = copy.deepcopy(our_model("clf", "tiny"))  # our_model is cached; serving mutates it
     blocks = [m for m in model.modules() if isinstance(m, AttentionBlock)]

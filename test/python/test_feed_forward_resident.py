@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from tabserve import ops
 from tabserve.kernels import feed_forward as ff
-from tabserve.models.tabicl.stage_kernels import StageKernels
+from tabserve.models.tabicl.network.stage_kernels import StageKernels
 from test_feed_forward import agreement, block
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

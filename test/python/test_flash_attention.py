@@ -621,8 +621,8 @@ def test_model_stage_on_the_operator_routes_its_unpadded_calls(backend, monkeypa
     half operands that is softmax attention (the model's answers within fp32 rounding), on fp8
     ones the answers move, by less than the reduced-precision gate (2e-2)."""
     from tabicl_helpers import our_model, random_table
-    from tabserve.models.tabicl import layers
-    from tabserve.models.tabicl.stage_kernels import StageKernels, use_stage_kernels
+    from tabserve.models.tabicl.network import layers
+    from tabserve.models.tabicl.network.stage_kernels import StageKernels, use_stage_kernels
 
     calls = []
     original = layers._flash_attention_op()
@@ -650,8 +650,8 @@ def test_column_stage_on_head16_flash_splits_its_calls_by_key_run(monkeypatch):
     half operands. Run on the CPU (fp32, heads of 4) with the head-dim-16 operator let in and
     stood in for by SDPA: the answers are the plain model's within fp32 rounding."""
     from tabicl_helpers import our_model, random_table
-    from tabserve.models.tabicl import layers
-    from tabserve.models.tabicl.stage_kernels import StageKernels, use_stage_kernels
+    from tabserve.models.tabicl.network import layers
+    from tabserve.models.tabicl.network.stage_kernels import StageKernels, use_stage_kernels
 
     small, flash = [], []
     original_flash = layers._flash_attention_op()

@@ -19,9 +19,9 @@ import torch.nn.functional as F
 from tabicl_helpers import interpreter_child, our_model
 from tabserve import ops
 from tabserve.kernels import norm_linear as nl
-from tabserve.models.tabicl.layers import AttentionBlock
-from tabserve.models.tabicl.options import PRESETS, ServingOptions
-from tabserve.models.tabicl.stage_kernels import StageKernels, use_stage_kernels
+from tabserve.models.tabicl.network.layers import AttentionBlock
+from tabserve.models.tabicl.network.stage_kernels import StageKernels, use_stage_kernels
+from tabserve.models.tabicl.serving.options import PRESETS, ServingOptions
 from test_feed_forward import agreement, assert_model_outputs_agree, block, fused_and_plain
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -54,7 +54,7 @@ ROPE_CASES = [
 def rope_tables(length, head_dim, extra=3, device="cpu"):
     """RotaryEmbedding's (cos, sin) for ``length + extra`` positions (the operator reads the
     first L), positions generated in fp16 as the row stage generates them."""
-    from tabserve.models.tabicl.layers import RotaryEmbedding
+    from tabserve.models.tabicl.network.layers import RotaryEmbedding
 
     return RotaryEmbedding(head_dim, 1e5).to(device).tables(length + extra, device, torch.float16)
 
@@ -204,7 +204,7 @@ def test_cpu_operator_with_rope_is_the_projection_then_the_row_stage_rope(case):
     autocast, test above), head split, then the row stage's own ATen rotation
     (``layers.rotate_half``) at positions 0..L-1; the features past ``rotary_features``
     untouched."""
-    from tabserve.models.tabicl.layers import rotate_half
+    from tabserve.models.tabicl.network.layers import rotate_half
 
     leading, dim, out_features, rotary, head_dim, x_dtype = case
     x, nw, nb, w, b = make_inputs(leading, dim, out_features, x_dtype, True)
@@ -277,7 +277,7 @@ def test_block_takes_the_operator_in_one_compiled_graph(monkeypatch):
     the operator runs its composite): every projection goes through it (self-attention with
     RoPE, as the row stage; cross-attention over raw key tokens, as the column stage) and the
     block equals its modules bit for bit."""
-    from tabserve.models.tabicl import layers
+    from tabserve.models.tabicl.network import layers
 
     calls = []
 
@@ -306,7 +306,7 @@ def test_block_rotates_inside_the_projection_in_one_compiled_graph(monkeypatch):
     queries and keys (2 x dim), the CLS queries (dim) and the keys of the key / value
     projection (dim); nothing else rotates them (the block's output equals the modules' bit for
     bit, eager and under torch.compile(fullgraph=True), forced on CPU as above)."""
-    from tabserve.models.tabicl import layers
+    from tabserve.models.tabicl.network import layers
 
     calls = []
 
@@ -354,7 +354,7 @@ def test_opcheck():
 
 def test_options_and_served_models_carry_the_flag():
     from tabserve.bench.cells import cell_from_entry
-    from tabserve.models.tabicl.serving import ServedTabICL
+    from tabserve.models.tabicl.serving.served import ServedTabICL
 
     with pytest.raises(ValueError, match="fused_norm_linear runs under bf16 / fp16 autocast only"):
         ServingOptions().replace(fused_norm_linear=True)
@@ -517,8 +517,8 @@ def test_model_rotating_in_projections_and_folding_out_projections_changes_nothi
     from tabicl_helpers import random_table
     from tabserve.buckets import BucketGrid
     from tabserve.kernels import feed_forward as ff
-    from tabserve.models.tabicl import layers
-    from tabserve.models.tabicl.serving import ServedTabICL
+    from tabserve.models.tabicl.network import layers
+    from tabserve.models.tabicl.serving.served import ServedTabICL
 
     forced = {"kernel_applies": lambda *a: True}
     norm_linear = SimpleNamespace(**forced, norm_linear_op=nl.norm_linear_op)

@@ -12,7 +12,7 @@ from sklearn import datasets
 from sklearn.preprocessing import QuantileTransformer, RobustScaler
 from tabicl_helpers import device_params, reference_checkpoint
 from tabserve.models.tabicl import TabICLClassifier, TabICLRegressor
-from tabserve.models.tabicl.preprocessing import (
+from tabserve.models.tabicl.sklearn.preprocessing import (
     QuantileNormal,
     RobustUnitVariance,
     _interp,

@@ -99,3 +99,24 @@ def test_a_build_machine_without_a_gpu_gets_default_cuda_architectures():
     assert "-gencode=arch=compute_80,code=sm_80" in flags
     assert "-gencode=arch=compute_90,code=sm_90" in flags
     assert "-gencode=arch=compute_90,code=compute_90" in flags
+
+
+LAYERS = ("network", "serving", "sklearn")  # each may import only those before it
+
+
+def test_the_tabicl_packages_import_only_downward():
+    import ast
+
+    package = ROOT / "python" / "tabserve" / "models" / "tabicl"
+    for rank, layer in enumerate(LAYERS):
+        for path in sorted((package / layer).glob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if not isinstance(node, ast.ImportFrom):
+                    continue
+                name = "." * node.level + (node.module or "")
+                absolute = name.removeprefix("tabserve.models.tabicl.") if not node.level else None
+                if node.level == 2 or absolute is not None and absolute != name:
+                    target = (absolute or name[2:]).split(".")[0]
+                    assert target in LAYERS[: rank + 1], f"{path.name} imports {name} (above {layer})"
+                elif node.level > 2:
+                    raise AssertionError(f"{path.name} imports {name}, outside the TabICLv2 packages")

@@ -20,11 +20,11 @@ import pytest
 import torch
 from tabicl_helpers import our_model, random_table, reference_checkpoint
 from tabserve.buckets import BucketGrid
-from tabserve.models.tabicl import options
-from tabserve.models.tabicl.options import PRESETS, ServingOptions, serving_presets
-from tabserve.models.tabicl.stage_kernels import STAGES
-from tabserve.models.tabicl.model import TabICLv2Cache
-from tabserve.models.tabicl.serving import PaddedCache, ServedTabICL, serve
+from tabserve.models.tabicl.network.model import TabICLv2Cache
+from tabserve.models.tabicl.network.stage_kernels import STAGES
+from tabserve.models.tabicl.serving import options
+from tabserve.models.tabicl.serving.options import PRESETS, ServingOptions, serving_presets
+from tabserve.models.tabicl.serving.served import PaddedCache, ServedTabICL, serve
 from torch.utils._pytree import tree_leaves
 
 #: Whole-model compile with dynamic shapes, flash attention first, fp16.
@@ -512,7 +512,7 @@ def test_graph_replay_plumbing_on_cpu(monkeypatch, compiled):
     """Per-(bucket, batch) graphs, inputs copied in, outputs copied out, cached predicts keyed by
     the cache's storage: the logic of the CUDA-graph recipe, run with a CPU stand-in; also with
     the bucket cores compiled (fp16-buckets-compile-cudagraphs' route; `eager` backend)."""
-    from tabserve.models.tabicl import serving
+    from tabserve.models.tabicl.serving import served as serving
 
     monkeypatch.setattr(serving, "_BucketGraph", _ReplayOnCPU)
     torch._dynamo.reset()
@@ -544,7 +544,7 @@ def test_many_classes_replay_their_column_and_row_stages_on_cpu(monkeypatch):
     stages replay from one graph per (bucket, tables, classes) and the hierarchy runs after
     them; answers equal the unpadded model's, later replays leave earlier answers as they were,
     and the graphs are not the buckets' own."""
-    from tabserve.models.tabicl import serving
+    from tabserve.models.tabicl.serving import served as serving
 
     monkeypatch.setattr(serving, "_BucketGraph", _ReplayOnCPU)
     model = our_model("clf", "tiny")
@@ -569,7 +569,7 @@ def test_warmed_grid_serves_a_stream_without_new_captures_on_cpu(monkeypatch, kv
     2 to 4 classes, capture no new one-shot or cache-build graph and answer as the unpadded model
     does. A cached prediction replays a graph per cache (its tensors are the graph's inputs):
     one capture for each new cache, none for further predictions from it."""
-    from tabserve.models.tabicl import serving
+    from tabserve.models.tabicl.serving import served as serving
 
     monkeypatch.setattr(serving, "_BucketGraph", _ReplayOnCPU)
     grid = BucketGrid(train_rows=(8, 16), test_rows=(2, 4), features=(2, 4))
@@ -759,7 +759,7 @@ def test_cuda_preset_meets_the_drivers_limits_on_small_tables(name):
 def test_stage_attention_choice_reaches_padded_attention():
     import copy
 
-    from tabserve.models.tabicl.layers import Attention
+    from tabserve.models.tabicl.network.layers import Attention
 
     recipe = ServingOptions(buckets=True).replace(attention={"row": "efficient", "icl": "cudnn"})
     served = ServedTabICL(copy.deepcopy(our_model("clf", "tiny")), recipe, GRID)
@@ -841,7 +841,7 @@ def test_kv_graphs_replay_unpadded_caches_per_test_bucket(monkeypatch, compiled,
     padded onto the grid's test buckets (split past 16) equals the model's, train rows and
     features unpadded; one graph per (cache, test bucket), replayed for every later call of
     the same sizes; X_test with NaN still raises."""
-    from tabserve.models.tabicl import serving
+    from tabserve.models.tabicl.serving import served as serving
 
     monkeypatch.setattr(serving, "_BucketGraph", _ReplayOnCPU)
     torch._dynamo.reset()
@@ -885,7 +885,7 @@ def test_shape_graphs_replay_unpadded_tables_per_test_bucket(monkeypatch, compil
     every later call of those sizes; the compiled core is one graph (fullgraph); bad input
     still raises (after the replay where its shape's graph exists, before any capture where
     not); more classes than max_classes run the hierarchy and capture nothing."""
-    from tabserve.models.tabicl import serving
+    from tabserve.models.tabicl.serving import served as serving
 
     monkeypatch.setattr(serving, "_BucketGraph", _ReplayOnCPU)
     torch._dynamo.reset()
@@ -927,7 +927,7 @@ def test_shape_graphs_replay_unpadded_tables_per_test_bucket(monkeypatch, compil
 
 def test_shape_graphs_keep_the_most_recent_shapes(monkeypatch):
     """Past MAX_SHAPE_GRAPHS table shapes, the least recently replayed graph is dropped."""
-    from tabserve.models.tabicl import serving
+    from tabserve.models.tabicl.serving import served as serving
 
     monkeypatch.setattr(serving, "_BucketGraph", _ReplayOnCPU)
     monkeypatch.setattr(serving, "MAX_SHAPE_GRAPHS", 2)
@@ -978,7 +978,7 @@ def test_a_call_is_served_uncaptured_while_another_thread_holds_the_captures(mon
     """While another thread holds the process's captures (a background warm-up compiling), a
     call of a new bucket runs its kernels uncaptured with the same answer; the next call after
     the release captures."""
-    from tabserve.models.tabicl import serving
+    from tabserve.models.tabicl.serving import served as serving
 
     monkeypatch.setattr(serving, "_BucketGraph", _ReplayOnCPU)
     model = our_model("clf", "tiny")
@@ -1013,7 +1013,7 @@ def test_a_call_is_served_uncaptured_while_another_thread_holds_the_captures(mon
 def test_graph_replays_are_serialised_between_threads(monkeypatch):
     """Two host threads share one served model whose tables fall in the same bucket (one graph,
     one set of buffers): each gets its own table's predictions."""
-    from tabserve.models.tabicl import serving
+    from tabserve.models.tabicl.serving import served as serving
 
     monkeypatch.setattr(serving, "_BucketGraph", _SlowReplayOnCPU)
     model = our_model("clf", "tiny")

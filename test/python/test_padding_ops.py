@@ -211,7 +211,7 @@ def reference_qassmax(heads, head_dim, elementwise, seed):
     if ReferenceQASSMax is not None:
         module = ReferenceQASSMax(heads, head_dim, elementwise=elementwise)
     else:  # pragma: no cover - same formula, written out
-        from tabserve.models.tabicl.layers import QASSMax
+        from tabserve.models.tabicl.network.layers import QASSMax
 
         module = QASSMax(heads, head_dim)
     for p in module.parameters():  # the reference zero-initialises query_mlp's last layer

@@ -20,7 +20,7 @@ import torch
 from sklearn.preprocessing import PowerTransformer
 from tabicl_helpers import requires_cuda
 from tabserve import ops
-from tabserve.models.tabicl.preprocessing import (
+from tabserve.models.tabicl.sklearn.preprocessing import (
     MemberPreprocessor,
     yeo_johnson,
     yeo_johnson_lambdas,

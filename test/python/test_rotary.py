@@ -9,8 +9,8 @@ import tabserve  # noqa: F401  (registers torch.ops.tabserve)
 import torch
 from tabicl_helpers import device_params
 from tabserve import ops
-from tabserve.models.tabicl import layers
-from tabserve.models.tabicl.layers import RotaryEmbedding
+from tabserve.models.tabicl.network import layers
+from tabserve.models.tabicl.network.layers import RotaryEmbedding
 
 HAS_CUDA = torch.cuda.is_available()
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]

@@ -18,9 +18,9 @@ import pytest
 import torch
 from tabicl_helpers import our_model, random_table
 from tabserve.buckets import BucketGrid
-from tabserve.models.tabicl import options
-from tabserve.models.tabicl.options import ServingOptions
-from tabserve.models.tabicl.serving import ServedTabICL
+from tabserve.models.tabicl.serving import options
+from tabserve.models.tabicl.serving.options import ServingOptions
+from tabserve.models.tabicl.serving.served import ServedTabICL
 from torch._dynamo.utils import counters
 
 #: Whole-model compile with dynamic shapes, flash attention first, fp16.
@@ -238,9 +238,9 @@ def test_dropped_frozen_served_models_leave_no_graphs_behind(buckets):
     one after another (the estimators' model cache evicts them) must take their graphs with
     them, from Dynamo's caches and Inductor's module cache alike, while a served model still
     held keeps answering from its own graphs."""
+    from tabserve.models.tabicl.network.model import TabICLv2
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
     from torch._inductor.codecache import PyCodeCache
-    from tabserve.models.tabicl.model import TabICLv2
 
     torch._dynamo.reset()
     options = ServingOptions(precision="fp16", buckets=buckets, compile="default")
@@ -277,7 +277,7 @@ def test_freeze_needs_an_inductor_compile():
 def test_cuda_graph_recipes_freeze_while_capturing_only(monkeypatch):
     """With CUDA graphs only the captures trace: serving turns freezing on around them, and a
     replay runs with the flag as the caller left it (a CPU stand-in records both)."""
-    from tabserve.models.tabicl import serving
+    from tabserve.models.tabicl.serving import served as serving
 
     flags = []
 

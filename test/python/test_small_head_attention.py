@@ -10,7 +10,7 @@ import tabserve  # noqa: F401  (registers torch.ops.tabserve)
 import torch
 from tabicl_helpers import our_model, random_table
 from tabserve import ops
-from tabserve.models.tabicl.stage_kernels import StageKernels, use_stage_kernels
+from tabserve.models.tabicl.network.stage_kernels import StageKernels, use_stage_kernels
 
 HAS_CUDA = torch.cuda.is_available()
 cuda_only = [pytest.mark.cuda, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")]
@@ -121,14 +121,14 @@ def test_opcheck(device):
 
 def rope_tables(length, dtype, device, base=10_000.0):
     """The row stage's RoPE tables (fp32 [length, 16]), as the model builds them."""
-    from tabserve.models.tabicl.layers import RotaryEmbedding
+    from tabserve.models.tabicl.network.layers import RotaryEmbedding
 
     return RotaryEmbedding(16, base).to(device).tables(length, device, dtype)
 
 
 def rotated(x, tables):
     """x rotated by the model's ATen composite (rotate-half in fp32, back to x's dtype)."""
-    from tabserve.models.tabicl.layers import rotate_half
+    from tabserve.models.tabicl.network.layers import rotate_half
 
     cos, sin = (t[: x.shape[-2]] for t in tables)
     return rotate_half(x, cos, sin)
@@ -190,7 +190,7 @@ def test_compiles_in_one_graph_with_n_from_a_tensor():
 
 
 def test_stage_kernel_choice_reaches_the_attention_layers():
-    from tabserve.models.tabicl.layers import SHORT_KEYS
+    from tabserve.models.tabicl.network.layers import SHORT_KEYS
 
     model = copy.deepcopy(our_model("clf", "tiny"))  # our_model is cached: change a copy
     use_stage_kernels(model.row_interactor, StageKernels(attention="head16"))
@@ -214,8 +214,8 @@ def test_stage_kernel_choice_reaches_the_attention_layers():
 def test_row_stage_options_put_the_kernel_in_the_row_stage_only():
     """``attention={"row": "head16"}`` reaches the row stage's attention layers through
     ServedTabICL, and only those."""
-    from tabserve.models.tabicl.options import ServingOptions
-    from tabserve.models.tabicl.serving import ServedTabICL
+    from tabserve.models.tabicl.serving.options import ServingOptions
+    from tabserve.models.tabicl.serving.served import ServedTabICL
 
     model = copy.deepcopy(our_model("clf", "tiny"))
     ServedTabICL(model, ServingOptions(precision="fp16", attention={"row": "head16"}))
@@ -394,7 +394,7 @@ def test_cuda_model_stages_on_the_kernel_match_sdpa_in_fp16(col_backend, monkeyp
     ``head16-flash`` sends to ``tabserve.ops.flash_attention``), against the same model on
     SDPA, both under fp16 autocast: the fp16 recipes' tolerance (probabilities within 2e-2,
     argmax agreement >= 99%)."""
-    from tabserve.models.tabicl import layers
+    from tabserve.models.tabicl.network import layers
 
     flash_calls, flash = [], layers._flash_attention_op()
     monkeypatch.setattr(

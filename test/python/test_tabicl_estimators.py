@@ -351,8 +351,9 @@ def test_fresh_estimators_share_one_served_model_per_configuration(tmp_path, mon
     import shutil
 
     from sklearn.base import clone
-    from tabserve.models.tabicl import checkpoint, model_cache
-    from tabserve.models.tabicl.options import ServingOptions
+    from tabserve.models.tabicl.network import checkpoint
+    from tabserve.models.tabicl.serving import model_cache
+    from tabserve.models.tabicl.serving.options import ServingOptions
 
     model_cache.clear_model_cache()
     path = tmp_path / "clf.ckpt"
@@ -405,7 +406,7 @@ def test_cuda_default_serves_at_once_then_compiled_within_the_gate(task):
     compile (the ready preset), the later ones from the compiled preset once the background
     has built it, both within the default's accuracy gate of tabicl in fp32 (2e-2 of a
     probability, or of the target's spread)."""
-    from tabserve.models.tabicl.background import (
+    from tabserve.models.tabicl.serving.background import (
         CompilingTabICL,
         background_compiles,
         wait_for_compiles,

@@ -22,7 +22,7 @@ from tabicl_helpers import (
     reference_model,
     requires_cuda,
 )
-from tabserve.models.tabicl.layers import broadcast_batch
+from tabserve.models.tabicl.network.layers import broadcast_batch
 
 ATOL = 1e-5
 #: On CUDA, cuBLAS picks kernels by shape; quantiles of magnitude ~5 then differ by ~1e-5 abs.
@@ -198,7 +198,7 @@ def test_icl_one_pass_equals_the_cache_path_and_the_reference(case):
     """``icl_one_pass``: train and test rows through each ICL block together give the
     reference's outputs (and the cache path's) within fp32 rounding; padded calls (``n_train``)
     keep the cache path."""
-    from tabserve.models.tabicl.stage_kernels import StageKernels, use_stage_kernels
+    from tabserve.models.tabicl.network.stage_kernels import StageKernels, use_stage_kernels
 
     X, y, want = _reference(case)
     size, _, n, _, _, k = case
@@ -490,9 +490,8 @@ def test_cuda_matches_reference(case):
 def test_cuda_attention_beyond_the_grid_batch_limit_with_flash():
     """The row stage's batch (members x rows) passes 65,535 on large tables; flash must still
     run (chunked) and equal the math kernel."""
+    from tabserve.models.tabicl.network.layers import batched_sdpa
     from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    from tabserve.models.tabicl.layers import batched_sdpa
 
     generator = torch.Generator(device="cuda").manual_seed(7)
     q, k, v = (
@@ -515,8 +514,8 @@ def test_stages_run_large_inputs_in_chunks_with_the_same_results(stage, uneven):
     import copy
 
     from tabserve.buckets import BucketGrid
-    from tabserve.models.tabicl.options import ServingOptions
-    from tabserve.models.tabicl.serving import ServedTabICL
+    from tabserve.models.tabicl.serving.options import ServingOptions
+    from tabserve.models.tabicl.serving.served import ServedTabICL
 
     X, y = random_table(11, 2, 20, 7, 5, 3)
     whole = our_model("clf", "tiny")
@@ -563,9 +562,9 @@ def test_column_stage_hands_the_row_stage_its_tokens_on_every_path(max_cells):
     import copy
 
     from tabserve.buckets import BucketGrid
-    from tabserve.models.tabicl.options import ServingOptions
-    from tabserve.models.tabicl.serving import ServedTabICL
-    from tabserve.models.tabicl.stage_kernels import StageKernels
+    from tabserve.models.tabicl.network.stage_kernels import StageKernels
+    from tabserve.models.tabicl.serving.options import ServingOptions
+    from tabserve.models.tabicl.serving.served import ServedTabICL
 
     plain = our_model("clf", "tiny")
     moved = copy.deepcopy(plain)
@@ -599,8 +598,8 @@ def test_labels_of_any_real_dtype_equal_float_labels(dtype):
     """Integer, bool (binary) and half labels are the same labels: same predictions, plain and
     padded (bool labels must not reach round(), which has no bool kernel)."""
     from tabserve.buckets import BucketGrid
-    from tabserve.models.tabicl.options import ServingOptions
-    from tabserve.models.tabicl.serving import ServedTabICL
+    from tabserve.models.tabicl.serving.options import ServingOptions
+    from tabserve.models.tabicl.serving.served import ServedTabICL
 
     model = our_model("clf", "tiny")
     X, y = random_table(5, 2, 14, 4, 3, 2)

@@ -158,7 +158,7 @@ def test_the_model_accepts_through_the_operator_and_names_faults_through_aten(mo
     """The model's checks take K from the operator when it finds nothing wrong (the ATen path
     is then never reached), and fall back to the ATen checks for every fault, which name it."""
     from tabicl_helpers import our_model
-    from tabserve.models.tabicl import model as model_module
+    from tabserve.models.tabicl.network import model as model_module
 
     model = our_model()
     gen = torch.Generator().manual_seed(4)

@@ -16,7 +16,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from tabserve.models.tabicl.options import PRESETS, ServingOptions, describe
+from tabserve.models.tabicl.serving.options import PRESETS, ServingOptions, describe
 
 from .workloads import BENCH_EXTRA
 
@@ -42,7 +42,7 @@ class Cell:
             the compile-cache artifacts (:mod:`tabserve.compile_cache`); the measured process
             starts with empty caches and loads them; its cold call is the restart's ready time.
         aot: with ``warm_cache``: the priming process exports the workload's bucket packages
-            (AOTInductor, :mod:`tabserve.models.tabicl.aot`) and the restart loads them.
+            (AOTInductor, :mod:`tabserve.models.tabicl.serving.aot`) and the restart loads them.
         devices: device types the cell can run on.
         baseline: a reference cell (speed-ups are quoted against these; never promoted).
     """

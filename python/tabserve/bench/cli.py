@@ -15,19 +15,19 @@ import time
 from contextlib import nullcontext
 from pathlib import Path
 
-import tabserve
 import torch
+
+import tabserve
+from tabserve.models.tabicl.serving.options import user_promotions_path
 
 from . import report
 from .cells import FP32_CELLS, cell_by_name, cell_table, load_cells_file, select_cells, skip_reason
-from tabserve.models.tabicl.options import user_promotions_path
-
 from .gates import apply_gates
 from .runner import run_ab, run_cell, skipped_result
 from .workloads import (
+    BENCH_EXTRA,
     CHECKPOINT_SEED,
     QUICK_WORKLOADS,
-    BENCH_EXTRA,
     WORKLOADS,
     make_checkpoint,
     workload_by_name,
@@ -108,7 +108,7 @@ def parse_args(argv):
         "--promotions",
         type=Path,
         help="promotions file to merge this run's promotion into (default OUT/promotions.json; "
-        "the one recipe='auto' ships with: python/tabserve/models/tabicl/promotions.json)",
+        "the one recipe='auto' ships with: python/tabserve/models/tabicl/serving/promotions.json)",
     )
     p.add_argument(
         "--no-user-promotions",

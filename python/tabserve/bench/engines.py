@@ -3,7 +3,7 @@
 An :class:`Engine` owns one loaded model. The reference engine drives ``tabicl`` 2.2.0 the way its
 own wrappers do (``InferenceConfig`` with ``use_amp`` for its fp16 path); the tabserve engine
 serves :class:`tabserve.models.tabicl.TabICLv2` through
-:class:`tabserve.models.tabicl.serving.ServedTabICL` with the cell's :class:`ServingOptions`,
+:class:`tabserve.models.tabicl.serving.served.ServedTabICL` with the cell's :class:`ServingOptions`,
 exactly as the estimators do with ``recipe=<the same options>``. Outputs are what a user
 receives: class probabilities (classification) or raw quantiles (regression).
 """
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from tabserve.models.tabicl.options import precision_flags
+from tabserve.models.tabicl.serving.options import precision_flags
 
 from .cells import Cell
 from .workloads import Workload
@@ -147,7 +147,7 @@ class TabserveEngine(Engine):
 
     def _served(self, model, options=None):
         from tabserve.buckets import BucketGrid
-        from tabserve.models.tabicl.serving import ServedTabICL
+        from tabserve.models.tabicl.serving.served import ServedTabICL
 
         return ServedTabICL(model, options or self.cell.options, BucketGrid())
 
@@ -181,7 +181,7 @@ class TabserveEngine(Engine):
         if not (one_shot or kv_graphs):
             return None
         from tabserve.models.tabicl import TabICLv2
-        from tabserve.models.tabicl.options import ServingOptions
+        from tabserve.models.tabicl.serving.options import ServingOptions
 
         plain = TabICLv2.from_checkpoint(self.checkpoint, device=self.device)
         options = self.cell.options

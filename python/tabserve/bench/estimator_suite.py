@@ -451,7 +451,7 @@ def _served_preset(estimator) -> str | None:
     if options is None:
         return None
     try:
-        from tabserve.models.tabicl.options import preset_name
+        from tabserve.models.tabicl.serving.options import preset_name
 
         return preset_name(options) or "custom options"
     except Exception:  # noqa: BLE001
@@ -499,7 +499,7 @@ def _child_suite(job: _Child) -> None:
         job.result["served_preset"] = _served_preset(estimator)
         # A compiled preset compiles in the background while the ready one answers: the steady
         # state starts once it has finished.
-        from tabserve.models.tabicl.background import wait_for_compiles
+        from tabserve.models.tabicl.serving.background import wait_for_compiles
 
         start = time.perf_counter()
         finished = wait_for_compiles(timeout=job.spec.get("compile_timeout_s"))
@@ -597,7 +597,7 @@ def _child_predict_many(job: _Child) -> None:
             first_ms, _ = timing.time_once(lambda X=X: _predict(estimator, kind, X), device)
             if job.result["estimator"]["family"] == "tabserve":
                 # steady state: the cache's compiled half, then the prediction's own compile
-                from tabserve.models.tabicl.background import wait_for_compiles
+                from tabserve.models.tabicl.serving.background import wait_for_compiles
 
                 for _ in range(2):
                     wait_for_compiles(timeout=job.spec.get("compile_timeout_s"))

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from tabserve.models.tabicl.options import WITHOUT_FP8
+from tabserve.models.tabicl.serving.options import WITHOUT_FP8
 
 from .cells import FP32_CELLS, Cell
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from tabserve.models.tabicl.options import PROMOTIONS_SCHEMA
+from tabserve.models.tabicl.serving.options import PROMOTIONS_SCHEMA
 
 from . import targets
 from .gates import promote
@@ -229,7 +229,7 @@ def write_json(path: Path, document: dict) -> Path:
 def write_promotions(path: Path, document: dict) -> Path:
     """Merges this run's promotion into a promotions file, keyed by device, then by workload.
 
-    The file ``recipe="auto"`` reads (:func:`tabserve.models.tabicl.options.auto_options`):
+    The file ``recipe="auto"`` reads (:func:`tabserve.models.tabicl.serving.options.auto_options`):
     ``{"schema", "devices": {<GPU name or "cpu">: {"updated", "torch", "tabserve",
     "capability", "command", "workloads":
     {<workload>: {<route>: {"preset", "median_ms"}, "shape": {...}}}}}}``. Workloads of other

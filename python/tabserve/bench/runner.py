@@ -181,7 +181,7 @@ def run_cell(
 def _prime(cell: Cell, spec: dict, job_dir: Path, timeout_s: float) -> dict:
     """A warm-cache cell's first process: compiles the workload's bucket in fresh caches and saves
     the compile-cache artifacts (:mod:`tabserve.compile_cache`), or for an ``aot`` cell exports
-    its bucket packages (:mod:`tabserve.models.tabicl.aot`); the measured process then starts
+    its bucket packages (:mod:`tabserve.models.tabicl.serving.aot`); the measured process then starts
     from fresh caches too, with only those loaded: a server restart."""
     prime_dir = job_dir / "prime"
     prime_dir.mkdir(exist_ok=True)

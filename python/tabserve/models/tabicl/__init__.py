@@ -1,14 +1,22 @@
-"""TabICLv2 in tabserve: the network by stage, checkpoints, KV cache and sklearn-style estimators.
+"""TabICLv2 in tabserve, in three layers that import only downward (see
+docs/reference/architecture.md):
 
-Stages (mirroring the paper): :mod:`.embedding` (column-wise set transformer), :mod:`.interaction`
-(row-wise transformer with RoPE and CLS tokens), :mod:`.learning` (in-context learning, heads,
-class hierarchy), shared blocks in :mod:`.layers`.
+* :mod:`.sklearn`: ``TabICLClassifier`` / ``TabICLRegressor``, their preprocessing and tabicl's
+  reference arguments;
+* :mod:`.serving`: serving options and presets, the served model, background compiles,
+  ahead-of-time packages, the process-wide model cache;
+* :mod:`.network`: the network by stage (:mod:`.network.embedding`,
+  :mod:`.network.interaction`, :mod:`.network.learning`, shared blocks in
+  :mod:`.network.layers`), its config, checkpoints and quantile head.
+
+The names below stay importable from here; the estimators load on first use (they need
+scikit-learn, the network does not).
 """
 
-from .checkpoint import CheckpointError, load_checkpoint, save_safetensors
-from .config import ConfigError, TabICLv2Config
-from .model import TabICLv2, TabICLv2Cache
-from .quantiles import quantile_stats
+from .network.checkpoint import CheckpointError, load_checkpoint, save_safetensors
+from .network.config import ConfigError, TabICLv2Config
+from .network.model import TabICLv2, TabICLv2Cache
+from .network.quantiles import quantile_stats
 
 _ESTIMATORS = ("TabICLClassifier", "TabICLRegressor")
 
@@ -16,7 +24,7 @@ _ESTIMATORS = ("TabICLClassifier", "TabICLRegressor")
 def __getattr__(name):
     # The estimators need scikit-learn; the network itself does not.
     if name in _ESTIMATORS:
-        from . import estimators
+        from .sklearn import estimators
 
         return getattr(estimators, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -9,7 +9,7 @@ measured fastest for the table's shape on this GPU (:func:`auto_options`), or pa
     attention: ``{stage: backend}`` (stages ``col``, ``row``, ``icl``; backends ``math``,
         ``flash``, ``efficient``, ``cudnn``, applied with ``torch.nn.attention.sdpa_kernel``
         around each stage's SDPA calls, or tabserve's kernels ``head16``, ``head16-short``,
-        ``head16-flash``, ``flash-half``, ``flash-fp8``: :mod:`.stage_kernels`).
+        ``head16-flash``, ``flash-half``, ``flash-fp8``: :mod:`..network.stage_kernels`).
     compile: ``none`` (eager), ``default`` / ``max-autotune-no-cudagraphs`` (whole model,
         ``torch.compile``; static per bucket with ``buckets``) or ``regional`` (every
         transformer block compiled on its own, one compiled code object reused by the blocks).
@@ -23,7 +23,7 @@ measured fastest for the table's shape on this GPU (:func:`auto_options`), or pa
         so padding them changes nothing), and the graph reads the cache in place.
     shape_graphs: without buckets, the one-shot call replays a CUDA graph per table shape (CUDA
         only), the test rows padded onto the grid's test-row buckets; the least recently used
-        graphs are dropped past :data:`tabserve.models.tabicl.serving.MAX_SHAPE_GRAPHS`. Tables
+        graphs are dropped past :data:`tabserve.models.tabicl.serving.served.MAX_SHAPE_GRAPHS`. Tables
         of more than ``max_classes`` classes run as without it (the class hierarchy is
         data-dependent).
     dynamic: ``torch.compile(dynamic=True)`` of the unpadded model (whole-model compile, no
@@ -66,7 +66,7 @@ from pathlib import Path
 
 import torch
 
-from .stage_kernels import (
+from ..network.stage_kernels import (
     ATTENTION_BACKENDS,
     FLASH_BACKENDS,
     KERNEL_BACKENDS,

@@ -33,7 +33,7 @@ from torch.utils._pytree import tree_map
 
 from tabserve.buckets import Bucket
 
-from .model import padded_counts
+from ..network.model import padded_counts
 from .options import describe
 
 MANIFEST = "manifest.json"

@@ -19,7 +19,6 @@ from torch import Tensor, nn
 
 from tabserve.kernels.layout import MAX_GRID_BATCH, to_rows
 
-
 from .stage_kernels import DEFAULT_KERNELS, SHORT_KEYS
 
 #: Value that marks a skipped token in the reference (CLS placeholders, padded features).
@@ -416,7 +415,7 @@ def _norm_linear_kernels():
 def load_kernels() -> None:
     """Loads every kernel module now: a served model whose options may call them does, so that
     their operators are registered before anything traces a call."""
-    from tabserve.kernels import flash_attention, feed_forward, norm_linear  # noqa: F401
+    from tabserve.kernels import feed_forward, flash_attention, norm_linear  # noqa: F401
 
 
 def _flash_attention_op():

@@ -13,9 +13,9 @@ and preprocessing runs as tensor maths on ``device``. A fitted estimator pickles
 network (:meth:`save` / :meth:`load`).
 
 ``recipe``: a serving preset's name (:func:`tabserve.serving_presets`: ``exact``, ``medium``,
-``small``, ``large``, ``large-fp8``), a :class:`~.options.ServingOptions`, ``"auto"``: the
+``small``, ``large``, ``large-fp8``), a :class:`~..serving.options.ServingOptions`, ``"auto"``: the
 preset the benchmark driver measured fastest on this device for the closest workload
-(:func:`~.options.auto_options`), or None (the default): ``"auto"`` on CUDA, like tabicl's own
+(:func:`~..serving.options.auto_options`), or None (the default): ``"auto"`` on CUDA, like tabicl's own
 ``use_amp="auto"``, and ``exact`` on the CPU. ``recipe="exact"`` keeps fp32 parity with the
 reference (within 1e-5) on every device. ``allow_fp8=False``: ``"auto"`` never serves a preset
 that computes in fp8 (on the H200 the promotion for thousands of train rows runs the in-context
@@ -24,8 +24,8 @@ attention in fp8). ``bucket_grid``: the :class:`tabserve.buckets.BucketGrid` of 
 
 A preset that compiles never makes a call wait for its compiler: each kind of call (entry point
 and shapes) is answered by ``medium``, which compiles nothing, until a background thread has
-compiled and captured it (:mod:`.background`); estimators of one configuration share what has
-compiled (:mod:`.model_cache`). :func:`tabserve.wait_for_compiles` waits for the background.
+compiled and captured it (:mod:`..serving.background`); estimators of one configuration share what has
+compiled (:mod:`..serving.model_cache`). :func:`tabserve.wait_for_compiles` waits for the background.
 """
 
 from __future__ import annotations
@@ -38,8 +38,8 @@ import io
 import numbers
 import os
 import pickle
-from dataclasses import dataclass
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -56,10 +56,11 @@ from torch import Tensor
 
 from tabserve.buckets import BucketGrid
 
-from .background import foreground
-from .checkpoint import read_checkpoint
-from .model_cache import served_model
-from .options import auto_options, describe, resolve_options, user_cache_dir
+from ..network.checkpoint import read_checkpoint
+from ..network.engine import Engine
+from ..serving.background import foreground
+from ..serving.model_cache import served_model
+from ..serving.options import auto_options, describe, resolve_options, user_cache_dir
 from .preprocessing import (
     NORM_METHODS,
     SHUFFLE_METHODS,
@@ -300,7 +301,7 @@ class _TabICLBase(BaseEstimator):
             )
         return resolve_options(recipe)
 
-    def _served(self):
+    def _served(self) -> Engine:
         # Shared by every estimator of this checkpoint, device and configuration in the process:
         # loaded, compiled and captured once (model_cache), compiled in the background.
         return served_model(

@@ -1,6 +1,6 @@
 """Which kernels one stage of :class:`~.model.TabICLv2` runs: one frozen object per stage.
 
-A served model (:class:`~.serving.ServedTabICL`) hands each stage module (column embedding, row
+A served model (:class:`~..serving.served.ServedTabICL`) hands each stage module (column embedding, row
 interaction, in-context learning) one :class:`StageKernels` when it is built
 (:func:`use_stage_kernels`), and every module of the stage that has a kernel choice reads it from
 there. The object is frozen: a served model's kernel choices do not change after construction, so

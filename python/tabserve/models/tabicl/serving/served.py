@@ -52,13 +52,19 @@ from torch.utils._pytree import tree_map
 
 from tabserve.buckets import Bucket, BucketGrid
 
+from ..network.layers import SKIP_VALUE, AttentionBlock, load_kernels
+from ..network.learning import HIERARCHY_LOG_EPS
+from ..network.model import (
+    TabICLv2,
+    TabICLv2Cache,
+    TabICLv2ReprCache,
+    eager_host_checks,
+    padded_counts,
+)
+from ..network.quantiles import quantile_stats
+from ..network.stage_kernels import STAGES, use_stage_kernels
 from . import aot
-from .layers import SKIP_VALUE, AttentionBlock, load_kernels
-from .learning import HIERARCHY_LOG_EPS
-from .model import TabICLv2, TabICLv2Cache, TabICLv2ReprCache, eager_host_checks, padded_counts
 from .options import ServingOptions, describe, freezing, resolve_options, sdpa_context
-from .quantiles import quantile_stats
-from .stage_kernels import STAGES, use_stage_kernels
 
 #: Compiled variants one transformer block needs per bucket under regional compile (attention
 #: with / without cached K/V, self-attention, CLS-only queries, ...), with margin.
@@ -725,7 +731,7 @@ class ServedTabICL:
     ) -> dict:
         """Compiles the one-shot forward of each of ``buckets`` for batches of ``tables`` tables
         ahead of time (AOTInductor) into ``directory`` and returns the manifest
-        (:mod:`tabserve.models.tabicl.aot`); with ``kv_cache`` also the bucket's cache build and
+        (:mod:`tabserve.models.tabicl.serving.aot`); with ``kv_cache`` also the bucket's cache build and
         cached forward. About half a minute (CPU, tiny model) to minutes per package: export the
         buckets your tables use (``grid.plan(...)`` of the expected shapes), not a whole default
         grid (tens of thousands of buckets)."""

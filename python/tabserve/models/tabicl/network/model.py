@@ -17,7 +17,13 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from .checkpoint import CheckpointError, PathLike, load_checkpoint, read_checkpoint, save_safetensors
+from .checkpoint import (
+    CheckpointError,
+    PathLike,
+    load_checkpoint,
+    read_checkpoint,
+    save_safetensors,
+)
 from .config import TabICLv2Config
 from .embedding import ColumnEmbedding
 from .interaction import RowInteraction
@@ -536,7 +542,7 @@ class TabICLv2(nn.Module):
         return quantile_stats(self(X, y_train), output_type, alphas)
 
     # ------------------------------------------------------------------ padded (bucketed) core
-    # The serving layer (:mod:`.serving`) checks and pads tables and calls these; they take the
+    # The serving layer (:mod:`..serving.served`) checks and pads tables and calls these; they take the
     # real train-row and feature counts as 0-d device tensors so that one compiled or captured
     # graph serves every table of a bucket. No checks, no host synchronisation in here.
     def padded_representations(

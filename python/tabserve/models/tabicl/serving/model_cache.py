@@ -26,11 +26,16 @@ from collections import OrderedDict
 
 import torch
 
+from ..network.checkpoint import (
+    MAX_CHECKPOINTS,
+    checkpoint_identity,
+    forget_read_checkpoints,
+    read_checkpoints,
+)
+from ..network.model import TabICLv2
 from .background import READY_PRESET, CompilingTabICL
-from .checkpoint import MAX_CHECKPOINTS, checkpoint_identity, forget_read_checkpoints, read_checkpoints
-from .model import TabICLv2
 from .options import resolve_options
-from .serving import ServedTabICL
+from .served import ServedTabICL
 
 #: Served models kept, each with its weights on its device and its graphs.
 MAX_SERVED_MODELS = 4

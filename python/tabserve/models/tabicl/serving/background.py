@@ -41,7 +41,7 @@ from torch import Tensor
 from torch.utils._pytree import tree_map
 
 from .options import describe
-from .serving import exclusive_captures
+from .served import exclusive_captures
 
 #: What serves while a compiled preset compiles: fp16 on padded buckets replayed from CUDA
 #: graphs, nothing compiled (its captures take milliseconds per bucket).
@@ -220,7 +220,7 @@ class CompilingTabICL:
     models' inference API, so the estimators use it in their place.
 
     Args:
-        ready: a :class:`~.serving.ServedTabICL` whose options compile nothing.
+        ready: a :class:`~.served.ServedTabICL` whose options compile nothing.
         target: the compiled one; both serve the same checkpoint on the same device.
         build_target: instead of ``target``, a function that builds it, and its ``options``:
             the first warm-up builds it, in the background (loading the kernels and the

@@ -1,0 +1,1 @@
+"""The TabICLv2 network: config, checkpoints (reading and the process-wide read cache), the stages (embedding, interaction, learning) and their layers, the quantile head, the stage kernels, the model. Imports nothing of serving or the estimators."""

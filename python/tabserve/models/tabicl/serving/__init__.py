@@ -1,0 +1,1 @@
+"""Serving the network: options and presets, the served model (buckets, compiled graphs, CUDA graphs), background compiles, ahead-of-time packages and the process-wide model cache. Imports the network, never the estimators."""

@@ -1,0 +1,1 @@
+"""The scikit-learn layer: the estimators, their preprocessing and tabicl's reference arguments. Imports serving and the network."""
