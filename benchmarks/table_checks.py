@@ -1,6 +1,6 @@
 """table_checks against the ATen checks it replaces, as the model runs them before a forward pass.
 
-Both methods are the model's own `_check_inputs` (the value checks of a call, then the one
+Both methods are the model's own `check_inputs` (the value checks of a call, then the one
 transfer of their verdict to the host): with the operator (one kernel, the default when the
 extension is built) and without it (about fifteen ATen ops: isfinite / all twice, round and
 comparisons, a sort of the labels for the distinct counts, stacks and a concatenation). The
@@ -32,7 +32,7 @@ QUICK_CASES = [("tiny", 2, 40, 8, 5, 3)]
 
 
 def checker(device):
-    """A model whose `_check_inputs` the methods call (its weights play no part)."""
+    """A model whose `check_inputs` the methods call (its weights play no part)."""
     from tabserve.models.tabicl import TabICLv2, TabICLv2Config
 
     config = TabICLv2Config(
@@ -50,10 +50,10 @@ def main(argv=None) -> int:
 
     def aten(X, y):
         with mock.patch.object(model_module, "extension_ops", lambda: None):
-            return torch.tensor([model._check_inputs(X, y)[1]])
+            return torch.tensor([model.check_inputs(X, y)[1]])
 
     def operator(X, y):
-        return torch.tensor([model._check_inputs(X, y)[1]])
+        return torch.tensor([model.check_inputs(X, y)[1]])
 
     methods = {"ATen checks": aten, "tabserve op": operator}
     records, rows = [], []

@@ -671,7 +671,7 @@ def test_the_shipped_promotions_name_only_presets():
     from tabserve.models.tabicl.serving.options import promotions_path
 
     shipped = json.loads(
-        (REPO / "python" / "tabserve" / "models" / "tabicl" / "promotions.json").read_text()
+        (REPO / "python" / "tabserve" / "models" / "tabicl" / "serving" / "promotions.json").read_text()
     )
     assert shipped["schema"] == PROMOTIONS_SCHEMA and shipped["devices"]
     for device, entry in shipped["devices"].items():

@@ -339,9 +339,9 @@ def test_cached_predict_reads_the_finiteness_of_x_test_after_the_model(bad, comp
     monkeypatch.setattr(
         model.icl_predictor, "forward_cached", lambda *a: order.append("icl") or learner(*a)
     )
-    check = model._raise_unless_all_finite
+    check = model.raise_unless_all_finite
     monkeypatch.setattr(
-        model, "_raise_unless_all_finite", lambda *a: order.append("check") or check(*a)
+        model, "raise_unless_all_finite", lambda *a: order.append("check") or check(*a)
     )
     predict = model.forward_with_cache
     if compiled:
@@ -406,11 +406,11 @@ def test_label_checks_equal_the_contract_on_random_labels():
         expected = expected_label_error(y)
         seen.add(expected)
         if expected is None:
-            _, num_classes = model._check_inputs(X, y)
+            _, num_classes = model.check_inputs(X, y)
             assert num_classes == len(set(y[0].tolist()))
         else:
             with pytest.raises(ValueError, match=expected.replace("..", r"\.\.")):
-                model._check_inputs(X, y)
+                model.check_inputs(X, y)
     assert len(seen) == 5  # valid, and each of the four label errors
 
 
@@ -428,7 +428,7 @@ def test_input_checks_read_the_device_once(monkeypatch):
         model = our_model(task, "tiny")
         X, y = random_table(3, 2, 30, 6, 4, classes)
         reads.clear()
-        assert model._check_inputs(X, y)[1] == classes
+        assert model.check_inputs(X, y)[1] == classes
         assert reads == ["tolist"], (task, reads)
 
 
@@ -445,7 +445,7 @@ def test_cuda_input_checks_synchronise_once():
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")
         try:
-            assert model._check_inputs(X, y)[1] == 3
+            assert model.check_inputs(X, y)[1] == 3
         finally:
             torch.cuda.set_sync_debug_mode("default")
     # (torch also warns once that the debug mode is a prototype: not a synchronisation)

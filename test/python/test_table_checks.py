@@ -178,7 +178,7 @@ def test_the_model_accepts_through_the_operator_and_names_faults_through_aten(mo
         raise AssertionError("the ATen checks ran for a valid call")
 
     monkeypatch.setattr(torch, "isfinite", no_aten_checks)
-    _, num_classes = model._check_inputs(X, y)
+    _, num_classes = model.check_inputs(X, y)
     assert num_classes == 3 and called == [True]
     monkeypatch.setattr(torch, "isfinite", original_isfinite)
     assert model_module.extension_ops() is ops
@@ -188,10 +188,10 @@ def test_the_model_accepts_through_the_operator_and_names_faults_through_aten(mo
         (torch.stack([y[0] * 2, y[1] * 2]), "exactly 0..K-1"),
     ]:
         with pytest.raises(ValueError, match=message):
-            model._check_inputs(X, labels)
+            model.check_inputs(X, labels)
     X[0, 3, 1] = math.nan
     with pytest.raises(ValueError, match="NaN"):
-        model._check_inputs(X, y)
+        model.check_inputs(X, y)
 
 
 def _deferred_and_read_first(model, X, y, **kwargs):

@@ -36,8 +36,8 @@ def _not_finite(name: str) -> str:
     return f"{name} contains NaN or infinite values; impute / clean the table first"
 
 
-#: The methods that read check verdicts on the host (see :meth:`TabICLv2._check_inputs`).
-HOST_CHECKS = ("_check_inputs", "_settle_checks")
+#: The methods that read check verdicts on the host (see :meth:`TabICLv2.check_inputs`).
+HOST_CHECKS = ("check_inputs", "settle_checks")
 
 
 def eager_host_checks() -> None:
@@ -141,7 +141,7 @@ class TabICLv2(nn.Module):
     """
 
     #: Whether :meth:`forward` queues the network before it reads the input checks' verdict
-    #: (:meth:`_queue_checks`). What it buys: the network's compiled graph no longer depends on
+    #: (:meth:`queue_checks`). What it buys: the network's compiled graph no longer depends on
     #: the class count K, which the host learns from the verdict, so a table of a new K
     #: recompiles a slice, not the network (under whole-model compile); no device idling
     #: between the checks and the network (the large workload's one-shot latency on the H200
@@ -262,12 +262,12 @@ class TabICLv2(nn.Module):
     def _check_table_later(self, X: Tensor, name: str = "X") -> tuple[Tensor, Tensor]:
         """Validates a table ``(B, rows, features)`` without reading its values: returns it in
         the model's dtype and its finiteness as a 0-d device tensor, which the caller passes to
-        :meth:`_raise_unless_all_finite` once its kernels are queued (no host synchronisation
+        :meth:`raise_unless_all_finite` once its kernels are queued (no host synchronisation
         before them)."""
-        X = self._check_table_shape(X, name)
+        X = self.check_table_shape(X, name)
         return X.to(self._device_dtype()[1]), torch.isfinite(X).all()
 
-    def _check_test_rows_later(self, X_test: Tensor, cache: TabICLv2Cache) -> tuple[Tensor, Tensor]:
+    def check_test_rows_later(self, X_test: Tensor, cache: TabICLv2Cache) -> tuple[Tensor, Tensor]:
         """:meth:`_check_table_later` of test rows for ``cache``, whose table count and
         features they must match."""
         X_test, finite = self._check_table_later(X_test, "X_test")
@@ -279,7 +279,8 @@ class TabICLv2(nn.Module):
         return X_test, finite
 
     @staticmethod
-    def _raise_unless_all_finite(finite: Tensor, name: str) -> None:
+    def raise_unless_all_finite(finite: Tensor, name: str) -> None:
+        """ValueError naming ``name`` unless ``finite`` (a 0-d bool, read on the host) holds."""
         if not finite:
             raise ValueError(_not_finite(name))
 
@@ -288,7 +289,7 @@ class TabICLv2(nn.Module):
         eager_host_checks()
         super().compile(*args, **kwargs)
 
-    def _check_table_shape(self, X: Tensor, name: str) -> Tensor:
+    def check_table_shape(self, X: Tensor, name: str) -> Tensor:
         """The checks of a table that need no look at its values (no host synchronisation)."""
         if not isinstance(X, Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(X).__name__}")
@@ -309,7 +310,7 @@ class TabICLv2(nn.Module):
     # ``K > max_classes`` that names a symbol it never binds (a NameError at the first call of
     # a dynamic-shape compile on the H200). They are marked so by :func:`eager_host_checks`
     # when something compiles the model, not here: that import is Dynamo's (1.6 s).
-    def _check_inputs(self, X: Tensor, y_train: Tensor, name: str = "X") -> tuple[Tensor, int]:
+    def check_inputs(self, X: Tensor, y_train: Tensor, name: str = "X") -> tuple[Tensor, int]:
         """Validate a table and its train labels; returns ``(X in the model's dtype, K)`` with
         K the number of classes (0 for regression).
 
@@ -321,8 +322,8 @@ class TabICLv2(nn.Module):
         (the H200 profile of a small table showed 8 reads and 10 stream synchronisations per
         call before that).
         """
-        X = self._check_table_shape(X, name)
-        self._check_label_shape(X, y_train)
+        X = self.check_table_shape(X, name)
+        self.check_label_shape(X, y_train)
         ops = extension_ops()
         accepted = None
         if ops is not None and y_train.dtype in ops.TABLE_CHECK_LABEL_DTYPES:
@@ -385,15 +386,15 @@ class TabICLv2(nn.Module):
             return None
         return num_classes
 
-    def _queue_checks(self, X: Tensor, y_train: Tensor) -> tuple[Tensor, Tensor, Tensor] | None:
+    def queue_checks(self, X: Tensor, y_train: Tensor) -> tuple[Tensor, Tensor, Tensor] | None:
         """For a table that passed the shape checks: ``(X in the model's dtype, its labels as
         the network reads them, the table_checks verdict on the device)``, without reading the
         verdict, when this call defers it (:attr:`defer_checks`; the extension built; labels of
         a dtype the operator takes; test rows to predict; the last call's K within one
-        output). The caller queues the network, then :meth:`_settle_checks` reads the verdict:
+        output). The caller queues the network, then :meth:`settle_checks` reads the verdict:
         one synchronisation, after every kernel is queued (reading it first left the device
         idle for 1.13 ms in a profiled large call on the H200, though not in unprofiled ones).
-        None: read it first (:meth:`_check_inputs`)."""
+        None: read it first (:meth:`check_inputs`)."""
         ops = extension_ops()
         if (
             not self.defer_checks
@@ -411,7 +412,7 @@ class TabICLv2(nn.Module):
         """The train labels in ``dtype``, made safe for the network to index with before their
         checks are read: classification labels outside ``0..max_classes - 1`` (NaN, inf,
         negative, too large) are moved inside, valid ones stay as they are. A call with such
-        labels raises in :meth:`_settle_checks`, so nothing computed from them is returned;
+        labels raises in :meth:`settle_checks`, so nothing computed from them is returned;
         without this a label past the one-hot width would fault the device."""
         labels = y_train.to(dtype)
         if self.is_regressor:  # regression targets are never indices
@@ -419,15 +420,17 @@ class TabICLv2(nn.Module):
         labels = torch.nan_to_num(labels, nan=0.0, posinf=0.0, neginf=0.0)
         return labels.clamp(0, self.config.max_classes - 1)
 
-    def _settle_checks(self, X: Tensor, y_train: Tensor, verdict: Tensor, name: str = "X") -> int:
-        """Reads a queued verdict (:meth:`_queue_checks`; ``X`` and ``y_train`` as the caller
+    def settle_checks(self, X: Tensor, y_train: Tensor, verdict: Tensor, name: str = "X") -> int:
+        """Reads a queued verdict (:meth:`queue_checks`; ``X`` and ``y_train`` as the caller
         gave them): K (0 for regression), or the ATen checks' precise error."""
         accepted = self._classes_from_verdict(verdict.tolist())
         num_classes = self._checks_in_aten(X, y_train, name) if accepted is None else accepted
         self._last_call_many_classes = num_classes > self.config.max_classes
         return num_classes
 
-    def _check_label_shape(self, X: Tensor, y_train: Tensor) -> None:
+    def check_label_shape(self, X: Tensor, y_train: Tensor) -> None:
+        """TypeError / ValueError unless ``y_train`` is a ``(tables, train rows)`` tensor on
+        ``X``'s device with at least one and at most ``X``'s rows (no look at its values)."""
         if not isinstance(y_train, Tensor):
             raise TypeError(f"y_train must be a torch.Tensor, got {type(y_train).__name__}")
         if y_train.dim() != 2 or y_train.shape[0] != X.shape[0]:
@@ -458,9 +461,11 @@ class TabICLv2(nn.Module):
         E = self.col_embedder(X, y_train, num_classes=num_classes, row_prefix=prefix)
         return self.row_interactor(E, prefixed=prefix is not None)
 
-    def _classify(
+    def classify(
         self, raw: Tensor, num_classes: int, return_logits: bool, temperature: float
     ) -> Tensor:
+        """The classification head's read-out: the first ``num_classes`` of the raw outputs as
+        logits, or their softmax at ``temperature``."""
         logits = raw[..., :num_classes]
         return logits if return_logits else torch.softmax(logits / temperature, dim=-1)
 
@@ -480,7 +485,7 @@ class TabICLv2(nn.Module):
         ``(B, M, num_quantiles)`` (unsorted, as the network outputs them).
 
         The checks that read values are queued with the network and read once it is queued
-        (:meth:`_queue_checks`): a bad table still raises, after its kernels ran on labels made
+        (:meth:`queue_checks`): a bad table still raises, after its kernels ran on labels made
         safe to index with; a table of more classes than one output holds then runs again
         through the class hierarchy, and the next call reads its verdict first.
 
@@ -488,22 +493,22 @@ class TabICLv2(nn.Module):
             TypeError: non-tensor or non-float X / y_train. ValueError: bad shapes, NaN/inf, zero
             train rows, device mismatch, labels that are not 0..K-1 in every table.
         """
-        X = self._check_table_shape(X, "X")
-        self._check_label_shape(X, y_train)
-        queued = self._queue_checks(X, y_train)
+        X = self.check_table_shape(X, "X")
+        self.check_label_shape(X, y_train)
+        queued = self.queue_checks(X, y_train)
         if queued is not None:  # the network first, then the verdict
             raw = self.forward_raw(queued[0], queued[1])
-            num_classes = self._settle_checks(X, y_train, queued[2])
+            num_classes = self.settle_checks(X, y_train, queued[2])
             if num_classes <= self.config.max_classes:
                 return (
                     raw
                     if self.is_regressor
-                    else self._classify(raw, num_classes, return_logits, softmax_temperature)
+                    else self.classify(raw, num_classes, return_logits, softmax_temperature)
                 )
             # More classes than one output holds: the class hierarchy below (raw discarded).
-        X, num_classes = self._check_inputs(X, y_train)
+        X, num_classes = self.check_inputs(X, y_train)
         if X.shape[1] == y_train.shape[1]:  # no test rows: nothing to predict
-            return self._no_predictions(X, num_classes)
+            return self.no_predictions(X, num_classes)
         y_train = y_train.to(X.dtype)
         if num_classes > self.config.max_classes:
             R = self._representations(X, y_train, num_classes)
@@ -517,15 +522,16 @@ class TabICLv2(nn.Module):
         return (
             raw
             if self.is_regressor
-            else self._classify(raw, num_classes, return_logits, softmax_temperature)
+            else self.classify(raw, num_classes, return_logits, softmax_temperature)
         )
 
-    def _no_predictions(self, X: Tensor, num_classes: int) -> Tensor:
+    def no_predictions(self, X: Tensor, num_classes: int) -> Tensor:
         """The output for zero test rows: ``(B, 0, K)``, or ``(B, 0, num_quantiles)``."""
         width = self.config.num_quantiles if self.is_regressor else num_classes
         return X.new_empty((X.shape[0], 0, width))
 
-    def _require_regressor(self) -> None:
+    def require_regressor(self) -> None:
+        """ValueError unless this is a regression checkpoint."""
         if not self.is_regressor:
             raise ValueError("quantile statistics need a regression checkpoint (max_classes == 0)")
 
@@ -538,7 +544,7 @@ class TabICLv2(nn.Module):
         alphas: Sequence[float] | None = None,
     ) -> Tensor | dict[str, Tensor]:
         """Regression statistics of the test rows (see :func:`quantiles.quantile_stats`)."""
-        self._require_regressor()
+        self.require_regressor()
         return quantile_stats(self(X, y_train), output_type, alphas)
 
     # ------------------------------------------------------------------ padded (bucketed) core
@@ -612,7 +618,7 @@ class TabICLv2(nn.Module):
         """
         if mode not in CACHE_MODES:
             raise ValueError(f"mode must be one of {CACHE_MODES}, got {mode!r}")
-        X_train, num_classes = self._check_inputs(X_train, y_train, "X_train")
+        X_train, num_classes = self.check_inputs(X_train, y_train, "X_train")
         if y_train.shape[1] != X_train.shape[1]:
             raise ValueError(
                 f"X_train has {X_train.shape[1]} rows but y_train has {y_train.shape[1]} labels"
@@ -645,9 +651,9 @@ class TabICLv2(nn.Module):
         check and the model (on the H200 the check's read came before the launches and left
         the device idle while they began, one of the gaps of a 24 ms cached predict on the large
         workload)."""
-        X_test, finite = self._check_test_rows_later(X_test, cache)
+        X_test, finite = self.check_test_rows_later(X_test, cache)
         if X_test.shape[1] == 0:
-            out = self._no_predictions(X_test, cache.num_classes)
+            out = self.no_predictions(X_test, cache.num_classes)
         else:
             if isinstance(cache, TabICLv2ReprCache):
                 raw = self.forward_repr_cached_raw(X_test, cache)
@@ -656,9 +662,9 @@ class TabICLv2(nn.Module):
             out = (
                 raw
                 if self.is_regressor
-                else self._classify(raw, cache.num_classes, return_logits, softmax_temperature)
+                else self.classify(raw, cache.num_classes, return_logits, softmax_temperature)
             )
-        self._raise_unless_all_finite(finite, "X_test")
+        self.raise_unless_all_finite(finite, "X_test")
         return out
 
     def forward_raw(self, X: Tensor, y_train: Tensor) -> Tensor:
@@ -698,5 +704,5 @@ class TabICLv2(nn.Module):
         alphas: Sequence[float] | None = None,
     ) -> Tensor | dict[str, Tensor]:
         """Regression statistics from test rows only (cached train side)."""
-        self._require_regressor()
+        self.require_regressor()
         return quantile_stats(self.forward_with_cache(X_test, cache), output_type, alphas)

@@ -3,9 +3,10 @@ graphs, CUDA graphs.
 
 :class:`ServedTabICL` is the one serving path: the estimators serve every preset and options
 through it, and the benchmark driver measures every tabserve cell through it. It wraps a model
-and has its inference API (``__call__`` / ``forward``,
+and implements the :class:`~..network.engine.Engine` interface (``__call__`` / ``forward``,
 ``predict_stats``, ``build_cache``, ``forward_with_cache``, ``predict_stats_with_cache``), so the
-estimators use it in place of the model. With ``buckets`` every table is padded onto the
+estimators use it in place of the model; the wrapped network is ``.model`` (its weights, its
+``state_dict``), and the served model calls only the network's public methods. With ``buckets`` every table is padded onto the
 smallest bucket of a :class:`~tabserve.buckets.BucketGrid` that holds it:
 
 * train rows at ``[0, n_train)`` of a ``train_rows`` block, test rows in their own
@@ -445,19 +446,13 @@ class ServedTabICL:
     def is_regressor(self) -> bool:
         return self.model.is_regressor
 
-    def __getattr__(self, name):
-        # Everything else (state_dict, parameters, ...) is the model's.
-        if name == "model":
-            raise AttributeError(name)
-        return getattr(self.model, name)
-
     def __call__(self, *args, **kwargs):
         return self.forward(*args, **kwargs)
 
     def _finish(self, raw: Tensor, num_classes: int, return_logits: bool, temperature: float):
         if self.is_regressor:
             return raw
-        return self.model._classify(raw, num_classes, return_logits, temperature)
+        return self.model.classify(raw, num_classes, return_logits, temperature)
 
     @torch.no_grad()
     def forward(
@@ -474,12 +469,12 @@ class ServedTabICL:
         if not self.options.buckets:
             with self.options.context(self.device):
                 return model(X, y_train, return_logits, softmax_temperature)
-        X, num_classes = model._check_inputs(X, y_train)
+        X, num_classes = model.check_inputs(X, y_train)
         y_train = y_train.to(X.dtype)
         n_train, n_features = y_train.shape[1], X.shape[2]
         n_test = X.shape[1] - n_train
         if n_test == 0:
-            return model._no_predictions(X, num_classes)
+            return model.no_predictions(X, num_classes)
         chunks = self.grid.plan(n_train, n_test, n_features)
         if chunks[0].bucket is None:  # past the grid: unpadded
             with self.options.context(self.device):
@@ -515,21 +510,21 @@ class ServedTabICL:
         reads them first (so no table that raises, nor one of more classes than one output
         holds, leaves a graph behind)."""
         model = self.model
-        given = model._check_table_shape(X, "X")
-        model._check_label_shape(given, y_train)
+        given = model.check_table_shape(X, "X")
+        model.check_label_shape(given, y_train)
         n_train = y_train.shape[1]
         captured = given.shape[1] > n_train and all(
             key in self._shape_graphs for key, _ in self._shape_chunks(given, n_train)
         )
-        queued = model._queue_checks(given, y_train) if captured else None
+        queued = model.queue_checks(given, y_train) if captured else None
         if queued is not None:
             raw = self._replay_shape_graphs(queued[0], queued[1])
-            num_classes = model._settle_checks(given, y_train, queued[2])
+            num_classes = model.settle_checks(given, y_train, queued[2])
             if num_classes <= self.config.max_classes:
                 return self._finish(raw, num_classes, return_logits, softmax_temperature)
-        X, num_classes = model._check_inputs(given, y_train)
+        X, num_classes = model.check_inputs(given, y_train)
         if X.shape[1] == y_train.shape[1]:
-            return model._no_predictions(X, num_classes)
+            return model.no_predictions(X, num_classes)
         if num_classes > self.config.max_classes:  # the class hierarchy: not capturable
             with self.options.context(self.device):
                 return model(X, y_train, return_logits, softmax_temperature)
@@ -588,7 +583,7 @@ class ServedTabICL:
     @torch.no_grad()
     def predict_stats(self, X, y_train, output_type="mean", alphas=None):
         """As :meth:`TabICLv2.predict_stats`."""
-        self.model._require_regressor()
+        self.model.require_regressor()
         return quantile_stats(self(X, y_train), output_type, alphas)
 
     # ------------------------------------------------------------------ KV cache
@@ -605,7 +600,7 @@ class ServedTabICL:
         if not self.options.buckets:
             with self.options.context(self.device):
                 return model.build_cache(X_train, y_train)
-        X_train, num_classes = model._check_inputs(X_train, y_train, "X_train")
+        X_train, num_classes = model.check_inputs(X_train, y_train, "X_train")
         n_train, n_features = X_train.shape[1], X_train.shape[2]
         if y_train.shape[1] != n_train or num_classes > self.config.max_classes:
             return model.build_cache(X_train, y_train)  # raises the model's error
@@ -645,7 +640,7 @@ class ServedTabICL:
                 return self._unpadded_forward_cached(
                     X_test, cache, return_logits, softmax_temperature
                 )
-        X_test, finite = model._check_test_rows_later(X_test, cache)  # read after the replays
+        X_test, finite = model.check_test_rows_later(X_test, cache)  # read after the replays
         bucket = cache.bucket
         chunks = self.grid.plan(cache.n_train, X_test.shape[1], cache.n_features)
         outputs = []
@@ -668,7 +663,7 @@ class ServedTabICL:
         out = self._finish(
             torch.cat(outputs, 1), cache.num_classes, return_logits, softmax_temperature
         )
-        model._raise_unless_all_finite(finite, "X_test")
+        model.raise_unless_all_finite(finite, "X_test")
         return out
 
     def _graphed_forward_cached(self, X_test, cache, return_logits, softmax_temperature):
@@ -676,10 +671,10 @@ class ServedTabICL:
         test-row buckets (split past the largest), each chunk replayed from the CUDA graph of
         its (cache, test bucket); the train rows and features stay as they are."""
         model = self.model
-        X_test, finite = model._check_test_rows_later(X_test, cache)  # read after the replays
+        X_test, finite = model.check_test_rows_later(X_test, cache)  # read after the replays
         if X_test.shape[1] == 0:
-            model._raise_unless_all_finite(finite, "X_test")
-            return model._no_predictions(X_test, cache.num_classes)
+            model.raise_unless_all_finite(finite, "X_test")
+            return model.no_predictions(X_test, cache.num_classes)
         outputs = []
         with self.options.context(self.device):
             for chunk in self.grid.plan(1, X_test.shape[1], 1):  # test-row buckets only
@@ -693,13 +688,13 @@ class ServedTabICL:
         out = self._finish(
             torch.cat(outputs, 1), cache.num_classes, return_logits, softmax_temperature
         )
-        model._raise_unless_all_finite(finite, "X_test")
+        model.raise_unless_all_finite(finite, "X_test")
         return out
 
     @torch.no_grad()
     def predict_stats_with_cache(self, X_test, cache, output_type="mean", alphas=None):
         """As :meth:`TabICLv2.predict_stats_with_cache`."""
-        self.model._require_regressor()
+        self.model.require_regressor()
         return quantile_stats(self.forward_with_cache(X_test, cache), output_type, alphas)
 
     # ------------------------------------------------------------------ warm-up
