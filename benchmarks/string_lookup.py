@@ -353,9 +353,9 @@ def _peer_lookup(indexes, queries):
 _COMPILED: dict = {}
 
 
-def _compiled(fn):
+def _compiled(fn, options=None):
     if fn not in _COMPILED:
-        _COMPILED[fn] = torch.compile(fn, fullgraph=True)
+        _COMPILED[fn] = torch.compile(fn, fullgraph=True, options=options)
     return _COMPILED[fn]
 
 
@@ -385,7 +385,7 @@ def _peer(compiled: bool):
         vocabularies, queries = data.on(device)
         build = lambda: torch_peer.fit_columns(vocabularies)  # noqa: E731
         indexes = build()
-        fn = _compiled(_peer_lookup) if compiled else _peer_lookup
+        fn = _compiled(_peer_lookup, torch_peer.COMPILE_OPTIONS) if compiled else _peer_lookup
         return Prepared(lambda: fn(indexes, queries), None if compiled else build)
 
     return prepare

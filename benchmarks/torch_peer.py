@@ -37,6 +37,11 @@ from tabserve import StringColumn
 #: Label bytes read per eager block (its int64 temporaries are a few times this).
 DEFAULT_BLOCK_BYTES = {"cpu": 1 << 20, "cuda": 1 << 24}
 MAX_SEEDS = 16
+#: Inductor options to compile :func:`lookup` with (``torch.compile(..., options=...)``). With
+#: 512-bit vectors (a CPU with AVX-512) Inductor's code for the whole lookup returned -1 for
+#: matching rows (Intel Xeon with AVX-512 and AMX, torch 2.14.1), while its 256-bit and scalar
+#: code and every part compiled alone agree with eager; CUDA code ignores the option.
+COMPILE_OPTIONS = {"cpp.simdlen": 256}
 
 
 def _s64(value: int) -> int:

@@ -160,6 +160,6 @@ def test_peer_compiled_fullgraph_matches_eager():
     vocabulary = StringColumn.from_pylist(["abc", "de", "x" * 100, None, "abc", ""])
     query = StringColumn.from_pylist(["abc", "zz", "x" * 100, None, "de", "", "x" * 99])
     index = torch_peer.fit(vocabulary)
-    compiled = torch.compile(torch_peer.lookup, fullgraph=True)
+    compiled = torch.compile(torch_peer.lookup, fullgraph=True, options=torch_peer.COMPILE_OPTIONS)
     assert compiled(index, query).tolist() == torch_peer.lookup(index, query).tolist()
     assert compiled(index, query).tolist() == [4, -1, 2, -1, 1, 5, -1]
