@@ -1,14 +1,18 @@
-"""The regression guard (tabserve.bench.guard): figures read from the committed records, verdicts
+"""The regression guard (benchmarks/guard.py): figures read from the committed records, verdicts
 against a tolerance, and the exit status of a judged run. Nothing here runs a benchmark."""
 
 import copy
 import json
 import shutil
+import sys
+from pathlib import Path
 
 import pytest
+from tabserve.bench import estimator_suite
 
-from tabserve.bench import estimator_suite, guard
-from tabserve.bench.record import DRIVER_SCHEMA, ROOT
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+import guard  # noqa: E402
+from record import DRIVER_SCHEMA, ROOT  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 

@@ -1,16 +1,18 @@
-"""docs/results.md is rendered from the records under benchmarks/results/ (tabserve.bench.record):
+"""docs/results.md is rendered from the records under benchmarks/results/ (benchmarks/record.py):
 a small synthetic record gives the expected table rows, and the committed page is the rendering of
 the committed records."""
 
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
-
 import pytest
-from tabserve.bench import record
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import record  # noqa: E402
+
 MiB = 1024 * 1024
 
 
@@ -132,7 +134,7 @@ def test_the_committed_page_is_rendered_from_the_committed_records():
     if not records:
         pytest.skip("no records in this checkout")
     assert page.read_text() == record.render_results(records), (
-        "docs/results.md is out of date: python -m tabserve.bench.record "
+        "docs/results.md is out of date: python benchmarks/record.py "
         "benchmarks/results/*.json -o docs/results.md"
     )
 

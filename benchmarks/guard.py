@@ -3,10 +3,10 @@ each figure with the committed record of the same device under ``benchmarks/resu
 
 One command on the GPU machine (a few minutes; run it from the repository root)::
 
-    python -m tabserve.bench.guard --out guard-out           # all four benchmarks
-    python -m tabserve.bench.guard --only string_lookup      # some of them
-    python -m tabserve.bench.guard --full                    # also the compiled presets (+6 min)
-    python -m tabserve.bench.guard --compare guard-out       # judge a finished run again
+    python benchmarks/guard.py --out guard-out           # all four benchmarks
+    python benchmarks/guard.py --only string_lookup      # some of them
+    python benchmarks/guard.py --full                    # also the compiled presets (+6 min)
+    python benchmarks/guard.py --compare guard-out       # judge a finished run again
 
 The benchmarks and their headline cases are the table ``HEADLINES``: the string lookup's large
 cases (``benchmarks/string_lookup.py``), AlignCategories on two workloads
@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from .record import DRIVER_SCHEMA, ROOT, SUITE_SCHEMA
+from record import DRIVER_SCHEMA, ROOT, SUITE_SCHEMA
 
 #: (median, p20, p80) of one figure, ms.
 Figure = tuple[float, Optional[float], Optional[float]]

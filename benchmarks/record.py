@@ -18,8 +18,8 @@ reference cells of the same run (``ref-fp16`` / ``ref-fp32``; ``c1-ref-fp16`` / 
 in older records), the peak allocated memory and the accuracy gate's verdict. The sweeps get
 their headline tables.
 
-    python -m tabserve.bench.record benchmarks/results/*.json -o docs/results.md
-    python -m tabserve.bench.record --check benchmarks/results/*.json -o docs/results.md
+    python benchmarks/record.py benchmarks/results/*.json -o docs/results.md
+    python benchmarks/record.py --check benchmarks/results/*.json -o docs/results.md
 
 ``--check`` writes nothing and exits with status 1 when the file differs from what it would
 render (a record changed and the page was not rendered again).
@@ -33,10 +33,11 @@ import sys
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-from .timing import MiB, format_mib, format_ms
+from tabserve.bench import estimator_suite as suite
+from tabserve.bench.timing import MiB, format_mib, format_ms
 
 #: The repository root: paths inside it are printed relative to it.
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = Path(__file__).resolve().parents[1]
 
 DRIVER_SCHEMA = "tabserve.bench.tabiclv2/"
 SUITE_SCHEMA = "tabserve.bench.estimator_suite/"
@@ -63,7 +64,7 @@ HEADER = """\
 This page is generated from the records under `benchmarks/results/`; do not edit it by hand.
 After a record changes:
 
-    python -m tabserve.bench.record benchmarks/results/*.json -o docs/results.md
+    python benchmarks/record.py benchmarks/results/*.json -o docs/results.md
 
 Columns of the TabICLv2 tables: *one-shot* is one call that fits on the train rows and predicts
 the test rows (median, then the 20th-80th percentile range, ms); *KV-cached* predicts the test
@@ -445,9 +446,7 @@ def render_align(path: Path, document: dict) -> str:
 
 
 def render_estimator_suite(path: Path, document: dict) -> str:
-    """The suite's own tables (:mod:`.estimator_suite`), as Markdown."""
-    from . import estimator_suite as suite
-
+    """The suite's own tables (:mod:`tabserve.bench.estimator_suite`), as Markdown."""
     settings = document.get("settings", {})
     lines = _record_header(f"Estimators, fit + predict: {device_name(document)}", path, document)
     if document.get("command"):
@@ -488,7 +487,7 @@ def render_results(paths: Iterable[str | Path]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m tabserve.bench.record", description=__doc__.split("\n\n")[0]
+        prog="python benchmarks/record.py", description=__doc__.split("\n\n")[0]
     )
     parser.add_argument("records", nargs="+", type=Path, help="record JSON files")
     parser.add_argument("-o", "--output", type=Path, help="the page to write (default: stdout)")
@@ -505,7 +504,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         current = args.output.read_text() if args.output.exists() else None
         if current != text:
             print(
-                f"{args.output} is out of date; render it again: python -m tabserve.bench.record "
+                f"{args.output} is out of date; render it again: python benchmarks/record.py "
                 f"{' '.join(str(p) for p in args.records)} -o {args.output}",
                 file=sys.stderr,
             )
