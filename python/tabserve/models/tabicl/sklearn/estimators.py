@@ -310,9 +310,10 @@ class _TabICLBase(BaseEstimator):
 
     # ------------------------------------------------------------------ saving
     def __getstate__(self):
-        """Pickles what was fitted without the network and with every tensor on the CPU (so a
-        file written on a GPU machine loads on any machine): the weights are read again from
-        the checkpoint file when unpickled, unless :meth:`save` embeds them. The KV cache and
+        """Pickles what was fitted without the network, its tensors through ``torch.save`` so
+        that unpickling maps them onto the device it settles (a file written on a GPU machine
+        loads on any machine): the weights are read again from the checkpoint file when
+        unpickled, unless :meth:`save` embeds them. The KV cache and
         the training data are kept (tabicl's defaults); :meth:`save` can leave either out."""
         state = dict(super().__getstate__())  # a copy: object.__getstate__ is the live dict
         keep = state.pop("_save", SaveChoices())
