@@ -328,12 +328,18 @@ def _segments(rows: int, device) -> Tensor:
     return torch.tensor([0, rows], dtype=torch.int64, device=device)
 
 
-def _check_layout(data, offsets, valid) -> None:
-    for name, tensor in (("data", data), ("offsets", offsets), ("valid", valid)):
+def check_dense(**tensors) -> None:
+    """TypeError naming the first of ``tensors`` (name=value) that is a tensor without strided
+    storage (sparse, oneDNN): the columns read their tensors' storage directly."""
+    for name, tensor in tensors.items():
         if isinstance(tensor, Tensor) and tensor.layout != torch.strided:
             raise TypeError(
                 f"{name} must be a dense tensor, got layout {tensor.layout} (.to_dense() makes one)"
             )
+
+
+def _check_layout(data, offsets, valid) -> None:
+    check_dense(data=data, offsets=offsets, valid=valid)
     if not isinstance(data, Tensor) or data.dtype != torch.uint8 or data.dim() != 1:
         raise TypeError(f"data must be a 1-D uint8 tensor, got {_describe(data)}")
     if not isinstance(offsets, Tensor) or offsets.dtype != torch.int64 or offsets.dim() != 1:

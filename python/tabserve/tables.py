@@ -31,7 +31,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor
 
-from .strings import StringColumn
+from .strings import StringColumn, check_dense
 
 Device = Union[str, torch.device, None]
 Categories = Union[StringColumn, Tensor]
@@ -550,11 +550,7 @@ def _check_layout(codes, categories) -> None:
         torch.int64,
     ):
         raise TypeError(f"codes must be a 1-D int32 or int64 tensor, got {_describe(codes)}")
-    for name, tensor in (("codes", codes), ("categories", categories)):
-        if isinstance(tensor, Tensor) and tensor.layout != torch.strided:
-            raise TypeError(
-                f"{name} must be a dense tensor, got layout {tensor.layout} (.to_dense() makes one)"
-            )
+    check_dense(codes=codes, categories=categories)
     category_kind(categories)
     if isinstance(categories, Tensor) and categories.dim() != 1:
         raise TypeError(f"categories must be 1-D, got {_describe(categories)}")
@@ -574,10 +570,7 @@ def _check_table(table: Table) -> None:
     numerical = table.numerical
     if not isinstance(numerical, Tensor) or numerical.dim() != 2 or not numerical.is_floating_point():
         raise TypeError(f"numerical must be a 2-D float tensor, got {_describe(numerical)}")
-    if numerical.layout != torch.strided:
-        raise TypeError(
-            f"numerical must be a dense tensor, got layout {numerical.layout} (.to_dense() makes one)"
-        )
+    check_dense(numerical=numerical)
     if len(table.numerical_names) != numerical.shape[1]:
         raise ValueError(
             f"numerical has {numerical.shape[1]} columns but numerical_names holds "

@@ -111,16 +111,22 @@ def _without_train_rows(preprocessor: MemberPreprocessor) -> MemberPreprocessor:
 
 def _stored_checkpoint(data: bytes, suffix: str) -> Path:
     """A checkpoint embedded in a saved estimator, written once into tabserve's cache
-    directory under its SHA-256 (whole or absent: written under another name, then renamed)."""
+    directory under its SHA-256."""
     folder = user_cache_dir() / "checkpoints"
     path = folder / f"{hashlib.sha256(data).hexdigest()}{suffix or '.ckpt'}"
     if path.is_file() and path.stat().st_size == len(data):
         return path
-    folder.mkdir(parents=True, exist_ok=True)
-    partial = folder / f".{path.name}.{os.getpid()}.partial"
+    _write_whole(path, data)
+    return path
+
+
+def _write_whole(path: Path, data: bytes) -> None:
+    """``data`` at ``path`` (its folders made), whole or not at all: written under a name of
+    this process's, then renamed."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
     partial.write_bytes(data)
     os.replace(partial, path)
-    return path
 
 
 def _resolve_device(device) -> torch.device:
@@ -422,16 +428,12 @@ class _TabICLBase(BaseEstimator):
                 "save_training_data=False needs the KV cache to predict from: fit with "
                 "kv_cache=True and keep save_kv_cache=True, or keep the training data"
             )
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
         self._save = SaveChoices(bool(save_model_weights), bool(save_training_data), bool(save_kv_cache))
         try:
             data = pickle.dumps(self, protocol=pickle.HIGHEST_PROTOCOL)
         finally:
             del self._save
-        partial = path.with_name(f".{path.name}.partial")
-        partial.write_bytes(data)
-        os.replace(partial, path)
+        _write_whole(Path(path), data)
 
     @classmethod
     def load(cls, path, device=None):
