@@ -118,6 +118,39 @@ def test_no_other_thread_captures_while_a_warm_up_runs():
     serving._CAPTURES.release()
 
 
+class _CaptureOnCPU:
+    """Stands in for ``served._BucketGraph`` on the CPU, noting the thread of each capture."""
+
+    threads: list = []
+
+    def __init__(self, fn, inputs, static=(), pool=None):
+        type(self).threads.append(threading.current_thread().name)
+        self.fn, self.static = fn, static
+
+    def __call__(self, *inputs):
+        return self.fn(*inputs, *self.static)
+
+
+def test_a_warm_up_leaves_the_graph_captures_to_the_calling_thread(monkeypatch):
+    """A capture on the worker fails whenever the caller synchronises the whole device meanwhile,
+    so the worker compiles uncaptured and the caller's next call of that shape captures."""
+    from tabserve.buckets import BucketGrid
+    from tabserve.models.tabicl.serving import served as serving
+
+    monkeypatch.setattr(serving, "_BucketGraph", _CaptureOnCPU)
+    monkeypatch.setattr(_CaptureOnCPU, "threads", [])
+    graphed = TRACED.replace(buckets=True)
+    target = ServedTabICL(_model(), graphed, BucketGrid((16, 64), (8, 32), (8, 16)))
+    target.options = target.options.replace(cuda_graphs=True)  # replayed by the stand-in
+    tiered = CompilingTabICL(ServedTabICL(_model(), "exact"), target)
+    X, y = random_table(4, 2, 40, 10, 5, n_classes=3)
+    expected = tiered(X, y)
+    assert wait_for_compiles(timeout=120) and tiered.compiled("forward", X, y)
+    assert _CaptureOnCPU.threads == [] and target.uncaptured == 0
+    torch.testing.assert_close(tiered(X, y), expected, atol=1e-5, rtol=0)
+    assert _CaptureOnCPU.threads == [threading.current_thread().name] and target.captures == 1
+
+
 def test_a_failed_warm_up_leaves_the_call_on_the_ready_model():
     tiered, ready, target = _pair()
 

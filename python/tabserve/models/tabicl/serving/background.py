@@ -12,9 +12,12 @@ A KV cache (:class:`TieredCache`) is built by ``ready`` at once and by ``target`
 background (its warm-up keeps what it built); a prediction against it runs on ``target`` once
 ``target`` has both its cache and a warm-up of that prediction's shapes, on ``ready`` until then.
 
-One worker thread per process runs the warm-ups in order, on its own CUDA stream; while one
-runs, no other thread captures a CUDA graph (``serving.exclusive_captures``): a call of a shape
-the ready model has not captured yet is served uncaptured, and captured at a later call.
+One worker thread per process runs the warm-ups in order, on its own CUDA stream. A warm-up
+compiles and runs its call without capturing CUDA graphs (``served.without_captures``): the
+caller's thread captures them at its next call of that kind, so a ``torch.cuda.synchronize()``
+of the caller's between two calls never meets a capture of ours. While a warm-up runs, no other
+thread captures a CUDA graph (``served.exclusive_captures``: Inductor's autotuning synchronises):
+a call of a shape not captured yet is served uncaptured, and captured at a later call.
 Compiling is mostly Python, which shares the interpreter lock with the caller's thread, so a
 warm-up starts only once no estimator call (:func:`foreground`) has run for :data:`QUIET_S`, or
 :data:`MAX_DEFER_S` after the worker reached it if calls never pause: a one-shot script's first
@@ -41,7 +44,7 @@ from torch import Tensor
 from torch.utils._pytree import tree_map
 
 from .options import describe
-from .served import exclusive_captures
+from .served import exclusive_captures, without_captures
 
 #: What serves while a compiled preset compiles: fp16 on padded buckets replayed from CUDA
 #: graphs, nothing compiled (its captures take milliseconds per bucket).
@@ -326,7 +329,7 @@ class CompilingTabICL:
         def warm_up() -> None:
             try:
                 stream = torch.cuda.Stream(self.ready.device) if copied is not None else None
-                with exclusive_captures():
+                with exclusive_captures(), without_captures():
                     if stream is None:
                         built = getattr(self.target, entry)(*args, **kwargs)
                     else:

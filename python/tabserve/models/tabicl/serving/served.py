@@ -86,12 +86,31 @@ MAX_SHAPE_GRAPHS = 16
 #: compile and invalidated the capture (H200, fresh estimators served while one compiled). A
 #: thread that finds it held serves the call uncaptured (the same kernels) and captures later.
 _CAPTURES = threading.RLock()
+#: Set on a thread whose calls never capture (the background warm-ups): a capture outside the
+#: caller's thread fails and is invalidated whenever the caller synchronises the whole device
+#: meanwhile (``torch.cuda.synchronize()`` between two calls, as timing code does: "operation
+#: not permitted when stream is capturing", H100, fresh estimators served while one compiled),
+#: whatever the capture's error mode. Such a thread compiles and runs the graph's function; the
+#: caller's next call of that shape captures it.
+_NO_CAPTURES = threading.local()
 
 
 def exclusive_captures():
     """``with exclusive_captures():`` no other thread captures a CUDA graph meanwhile (their
     calls run uncaptured); this thread's own captures go ahead."""
     return _CAPTURES
+
+
+@contextlib.contextmanager
+def without_captures():
+    """``with without_captures():`` this thread's calls run their graphs' functions uncaptured
+    (compiling them as a capture would), leaving the captures to the calling threads."""
+    before = getattr(_NO_CAPTURES, "active", False)
+    _NO_CAPTURES.active = True
+    try:
+        yield
+    finally:
+        _NO_CAPTURES.active = before
 
 
 def raise_recompile_limit(entries: int) -> None:
@@ -420,6 +439,8 @@ class ServedTabICL:
             graph = graphs.get(key)
             if graph is None:
                 with freezing(self.options.freeze):  # the capture is where compiled cores trace
+                    if getattr(_NO_CAPTURES, "active", False):
+                        return fn(*inputs, *static)
                     if not _CAPTURES.acquire(blocking=False):  # see _CAPTURES
                         self.uncaptured += 1
                         return fn(*inputs, *static)
