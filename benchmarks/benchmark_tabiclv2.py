@@ -10,6 +10,7 @@ with a JSON result, a table, a plot and the promotions, written under ``--out`` 
     python benchmarks/benchmark_tabiclv2.py --workloads large --cells 'ref-*' large
     python benchmarks/benchmark_tabiclv2.py --cells-file benchmarks/cells/research.json --list
     python benchmarks/benchmark_tabiclv2.py --ab medium small --workloads small
+    python benchmarks/benchmark_tabiclv2.py estimators --kinds mixed   # the estimator suite
 """
 
 import sys

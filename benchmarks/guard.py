@@ -13,7 +13,7 @@ cases (``benchmarks/string_lookup.py``), AlignCategories on two workloads
 (``benchmarks/align_categories.py``), the raw-model presets that compile nothing on the driver's
 small and medium workloads (``python -m tabserve.bench``; ``--full`` adds the compiled ``small``
 and ``large-fp8`` presets), and the estimator suite's ``mixed`` kind
-(``python -m tabserve.bench.estimator_suite``). Each runs in its own process with a time limit
+(``python -m tabserve.bench estimators``). Each runs in its own process with a time limit
 and writes its usual JSON under ``--out``.
 
 A figure (a median time, ms) regresses when ``new / recorded > 1 + tolerance``. The tolerance
@@ -198,7 +198,7 @@ HEADLINES: tuple[Headline, ...] = (
     Headline(
         "estimator_suite",
         "estimator_suite_{device}.json",
-        ("-m", "tabserve.bench.estimator_suite", "--device", "cuda", "--quiet", "--kinds",
+        ("-m", "tabserve.bench", "estimators", "--device", "cuda", "--quiet", "--kinds",
          *SUITE_KINDS, "--recipes", "auto", "--repeats", "3", "--no-predict-many", "--out",
          "{out}"),
         suite_figures,

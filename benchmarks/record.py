@@ -6,7 +6,7 @@ The records are JSON files of three kinds, told apart by their content:
   and ``cpu.json`` (the driver's JSON, merged with ``python -m tabserve.bench --merge``), with its
   plot ``<name>.png`` beside it when there is one;
 * an estimator-suite record (``schema`` ``tabserve.bench.estimator_suite/...``,
-  ``python -m tabserve.bench.estimator_suite``): the estimators' fit + predict, the headline;
+  ``python -m tabserve.bench estimators``): the estimators' fit + predict, the headline;
 * the string-lookup sweep (``benchmarks/string_lookup.py``, ``"benchmark": "string_lookup"``);
 * the category-alignment sweep (``benchmarks/align_categories.py``,
   ``"benchmark": "align_categories"``).
@@ -33,7 +33,8 @@ import sys
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-from tabserve.bench import estimator_suite as suite
+from tabserve.bench import estimator_report as suite
+from tabserve.bench.report import format_x
 from tabserve.bench.timing import MiB, format_mib, format_ms
 
 #: The repository root: paths inside it are printed relative to it.
@@ -130,10 +131,6 @@ def markdown_table(columns: Sequence[str], rows: Sequence[Sequence[object]]) -> 
     return "\n".join(lines)
 
 
-def _x(value: float | None) -> str:
-    return "-" if value is None else f"{value:.2f}x"
-
-
 def _mib(value: int | None) -> str:
     return "-" if value is None else f"{value / MiB:,.0f}"
 
@@ -222,7 +219,7 @@ def _pair(result: dict, label: str, references: dict) -> str:
     kv = speedup(result, "kv", label, references)
     if one is None and kv is None:
         return "-"
-    return f"{_x(one)} / {_x(kv)}"
+    return f"{format_x(one)} / {format_x(kv)}"
 
 
 def workload_rows(results: list, references: dict) -> list:
@@ -259,8 +256,8 @@ def stream_rows(results: list, references: dict) -> list:
                 r["cell"],
                 format_ms(stream.get("median_ms")),
                 format_ms(stream.get("p90_ms")),
-                _x(stream.get("fresh_over_warm_p50")),
-                *(_x(speedup(r, "stream", label, references)) for label, _, _ in REFERENCES),
+                format_x(stream.get("fresh_over_warm_p50")),
+                *(format_x(speedup(r, "stream", label, references)) for label, _, _ in REFERENCES),
                 stream.get("recompiles", "-"),
                 gate_text(r),
             ]
@@ -446,7 +443,7 @@ def render_align(path: Path, document: dict) -> str:
 
 
 def render_estimator_suite(path: Path, document: dict) -> str:
-    """The suite's own tables (:mod:`tabserve.bench.estimator_suite`), as Markdown."""
+    """The suite's own tables (:mod:`tabserve.bench.estimator_report`), as Markdown."""
     settings = document.get("settings", {})
     lines = _record_header(f"Estimators, fit + predict: {device_name(document)}", path, document)
     if document.get("command"):
@@ -461,7 +458,12 @@ def render_estimator_suite(path: Path, document: dict) -> str:
     summary = document.get("summary") or {}
     if summary:
         rows = [
-            [engine, _x(s["warm_vs_tabicl"]), _x(s["cold_vs_tabicl"]), s["warm_vs_tabicl_kinds"]]
+            [
+                engine,
+                format_x(s["warm_vs_tabicl"]),
+                format_x(s["cold_vs_tabicl"]),
+                s["warm_vs_tabicl_kinds"],
+            ]
             for engine, s in summary.items()
         ]
         columns = ("engine", ">warm x tabicl", ">cold x tabicl", ">kinds")

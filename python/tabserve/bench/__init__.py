@@ -1,13 +1,37 @@
 """The TabICLv2 inference benchmark driver (``python -m tabserve.bench``).
 
-Cells (the serving presets and research variants of them, :mod:`.cells`) are measured on workloads (named table shapes,
-:mod:`.workloads`), each (cell, workload) pair in its own subprocess (:mod:`.runner`, measured by
-:mod:`.measure`), checked against the fp32 cell (:mod:`.gates`) and reported as JSON, a table, a
-plot and a promotions file (:mod:`.report`). Timing primitives: :mod:`.timing`.
+Two suites share one child-process harness (:mod:`.runner`), one timing and statistics module
+(:mod:`.timing`) and one report module (:mod:`.report`):
+
+* the raw-model cells: cells (the serving presets and research variants of them, :mod:`.cells`)
+  measured on workloads (named table shapes, :mod:`.workloads`), each (cell, workload) pair in its
+  own subprocess (measured by :mod:`.measure`), checked against the fp32 cell (:mod:`.gates`) and
+  reported as JSON, a table, a plot and a promotions file (:mod:`.report`);
+* the estimator suite (``python -m tabserve.bench estimators``, :mod:`.estimator_suite`): the
+  scikit-learn estimators of tabicl and tabserve on host tables of a few kinds.
+
+The cell and workload tables load on first use: the estimator suite's child process imports this
+package and, for a tabicl engine, must not import tabserve's model code, which :mod:`.cells` does.
 """
 
-from .cells import CELLS, Cell, cell_by_name
-from .workloads import QUICK_WORKLOADS, WORKLOADS, Workload, workload_by_name
+import importlib
+
+_LAZY = {
+    "CELLS": ".cells",
+    "Cell": ".cells",
+    "cell_by_name": ".cells",
+    "QUICK_WORKLOADS": ".workloads",
+    "WORKLOADS": ".workloads",
+    "Workload": ".workloads",
+    "workload_by_name": ".workloads",
+}
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name], __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "CELLS",

@@ -1,11 +1,15 @@
 """Command line of the TabICLv2 benchmark driver (``python -m tabserve.bench``,
 ``benchmarks/benchmark_tabiclv2.py``). ``--help`` lists the options; docs/guide/serving.md
 explains the cells and the output.
+
+The driver has two suites: the raw-model cells (``python -m tabserve.bench [options]``) and the
+estimator suite (``python -m tabserve.bench estimators [options]``, :mod:`.estimator_suite`).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import importlib.util
 import json
 import shutil
@@ -24,14 +28,7 @@ from . import report
 from .cells import FP32_CELLS, cell_by_name, cell_table, load_cells_file, select_cells, skip_reason
 from .gates import apply_gates
 from .runner import run_ab, run_cell, skipped_result
-from .workloads import (
-    BENCH_EXTRA,
-    CHECKPOINT_SEED,
-    QUICK_WORKLOADS,
-    WORKLOADS,
-    make_checkpoint,
-    workload_by_name,
-)
+from .workloads import BENCH_EXTRA, QUICK_WORKLOADS, WORKLOADS, checkpoints_for, workload_by_name
 
 #: Timing settings: full runs, and the reduced ``--quick`` run (CPU machines).
 TIMING = {
@@ -44,9 +41,19 @@ TIMING = {
 #: Phases a run may leave out; the cold call (gate outputs) and one-shot timing always run.
 SKIPPABLE_PHASES = ("kv", "end_to_end")
 
+#: Suites other than the raw-model cells: the first argument that names one, and its module
+#: (its ``main(argv)`` takes the remaining arguments).
+SUITES = {"estimators": "tabserve.bench.estimator_suite"}
+#: The console script's name, in error messages.
+PROG = "tabserve-bench"
+
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(prog="python -m tabserve.bench", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m tabserve.bench",
+        description=__doc__.split("\n")[0],
+        epilog="python -m tabserve.bench estimators --help: the estimator suite's options",
+    )
     p.add_argument("--version", action="version", version=f"tabserve {tabserve.__version__}")
     p.add_argument(
         "--cells", nargs="+", metavar="CELL", help="cell names or patterns (ref-*, large*)"
@@ -159,30 +166,6 @@ def _out_path(device: str, quick: bool, args) -> Path:
     return args.out / f"tabiclv2_{tag}.json"
 
 
-def _checkpoints(args, workloads, run_dir: Path) -> tuple[dict, str]:
-    """Checkpoint path per task and a sentence saying where they came from."""
-    given = {"clf": args.checkpoint, "reg": args.regressor_checkpoint}
-    paths, notes = {}, []
-    for task in sorted({w.task for w in workloads}):
-        if given[task] is not None:
-            paths[task] = given[task]
-            notes.append(f"{task}: {given[task]}")
-        elif importlib.util.find_spec("tabicl") is None:
-            flag = "--checkpoint" if task == "clf" else "--regressor-checkpoint"
-            raise SystemExit(
-                "tabserve-bench: the random-weight checkpoints made without "
-                f"{flag} are built with tabicl 2.2.0's model ({BENCH_EXTRA}); give {flag} "
-                "to benchmark a checkpoint you have"
-            )
-        else:
-            paths[task] = make_checkpoint(task, run_dir / f"random-{task}.ckpt", args.model_size)
-            notes.append(
-                f"{task}: RANDOM weights ({args.model_size} v2 architecture, seed "
-                f"{CHECKPOINT_SEED}; timings are real, accuracy is not)"
-            )
-    return paths, "; ".join(notes)
-
-
 def _progress(quiet: bool, total: int):
     if quiet:
         return nullcontext(None)
@@ -200,7 +183,10 @@ def _progress(quiet: bool, total: int):
 
 
 def main(argv=None) -> int:
-    args = parse_args(sys.argv[1:] if argv is None else argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in SUITES:
+        return importlib.import_module(SUITES[argv[0]]).main(argv[1:])
+    args = parse_args(argv)
     device = (
         args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     )
@@ -229,7 +215,9 @@ def main(argv=None) -> int:
     run_dir = Path(args.work_dir or tempfile.mkdtemp(prefix="tabserve-bench-"))
     run_dir.mkdir(parents=True, exist_ok=True)
     try:
-        checkpoints, note = _checkpoints(args, workloads, run_dir)
+        given = {"clf": args.checkpoint, "reg": args.regressor_checkpoint}
+        tasks = {w.task for w in workloads}
+        checkpoints, note = checkpoints_for(tasks, given, run_dir, args.model_size, PROG)
         settings = {
             "device": device,
             "quick": quick,
@@ -238,7 +226,7 @@ def main(argv=None) -> int:
             "seed": args.seed,
             "checkpoints": {k: str(v) for k, v in checkpoints.items()},
             "checkpoint_note": note,
-            "command": " ".join(["python -m tabserve.bench", *(argv or sys.argv[1:])]),
+            "command": " ".join(["python -m tabserve.bench", *argv]),
         }
         if not args.quiet:
             print(

@@ -57,23 +57,6 @@ def reset_jit_counters() -> None:
     counters.clear()
 
 
-def reset_peak_memory(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-
-
-def peak_memory(device: torch.device):
-    """Peak allocated / reserved bytes since the last reset (None on CPU)."""
-    if device.type != "cuda":
-        return None
-    torch.cuda.synchronize(device)
-    return {
-        "peak_allocated_bytes": int(torch.cuda.max_memory_allocated(device)),
-        "peak_reserved_bytes": int(torch.cuda.max_memory_reserved(device)),
-    }
-
-
 def gate_output(task: str, output: torch.Tensor) -> torch.Tensor:
     """What the gates compare: probabilities, or the mean of the quantiles (regression)."""
     output = output.float()
@@ -282,10 +265,11 @@ def _prime_other_paths(job: Job, engine, X, y) -> dict:
 
 def _cold(job: Job, engine, X, y) -> dict:
     reset_jit_counters()
-    reset_peak_memory(job.device)
+    timing.reset_peak_memory(job.device)
     first_ms, output = timing.time_once(lambda X=X, y=y: engine.one_shot(X, y), job.device)
     job.outputs["one_shot"] = gate_output(job.workload.task, output)
-    return {"first_call_ms": first_ms, "jit": jit_counters(), "memory": peak_memory(job.device)}
+    memory = timing.peak_memory(job.device)
+    return {"first_call_ms": first_ms, "jit": jit_counters(), "memory": memory}
 
 
 def _padding_gates(job: Job, engine, X, y) -> dict:
@@ -329,9 +313,9 @@ def _one_shot(job: Job, engine, X, y) -> dict:
     X2, y2 = model_tables(job.workload, job.spec.get("seed", 0) + 1, job.device)
     inputs = itertools.cycle([(X, y), (X2, y2)])
     frames = jit_counters()["frames_compiled"]
-    reset_peak_memory(job.device)
+    timing.reset_peak_memory(job.device)
     figures = job.timed(lambda: engine.one_shot(*next(inputs)))
-    figures["memory"] = peak_memory(job.device)
+    figures["memory"] = timing.peak_memory(job.device)
     figures["recompiles"] = jit_counters()["frames_compiled"] - frames
     return figures
 
@@ -340,7 +324,7 @@ def _kv(job: Job, engine, X, y) -> dict:
     if not job.workload.cacheable:
         raise SkipPhase("the KV cache does not serve more than max_classes classes")
     n_train = job.workload.n_train
-    reset_peak_memory(job.device)
+    timing.reset_peak_memory(job.device)
     build_ms, cache = timing.time_once(lambda: engine.build_cache(X[:, :n_train], y), job.device)
     # Both test blocks contiguous, as a server's fresh tables are: a slice of X and a new tensor
     # differ in strides, and whole-model compile guards on strides (a whole-model compile on
@@ -355,7 +339,7 @@ def _kv(job: Job, engine, X, y) -> dict:
         build_ms=build_ms,
         first_predict_ms=first_ms,
         recompiles=jit_counters()["frames_compiled"] - frames,
-        memory=peak_memory(job.device),
+        memory=timing.peak_memory(job.device),
     )
     return figures
 
@@ -402,7 +386,7 @@ def _stream(job: Job, engine) -> dict:
     for k, shape in enumerate(stream_warm_shapes(job.cell, job.workload, shapes, seed)):
         engine.one_shot(*model_tables(job.workload, seed + 1000 + k, job.device, shape))
     reset_jit_counters()
-    reset_peak_memory(job.device)
+    timing.reset_peak_memory(job.device)
     captures_before = engine.captures
     times, gate_table = [], stream_gate_table(shapes)
     for k, shape in enumerate(shapes):
@@ -419,7 +403,7 @@ def _stream(job: Job, engine) -> dict:
         recompiles=jit_counters()["frames_compiled"],
         # CUDA graphs captured by the fresh tables (None: the cell captures none).
         captures=None if captures_before is None else engine.captures - captures_before,
-        memory=peak_memory(job.device),
+        memory=timing.peak_memory(job.device),
     )
     # The same tables again, now warm: a fresh table's latency against the warm latency of its
     # own bucket (or shape), the stream target (p50 of fresh / warm <= 1.25).

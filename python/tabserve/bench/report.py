@@ -278,14 +278,18 @@ def format_table(columns: Sequence[str], rows: Sequence[Sequence[object]]) -> st
 fmt_ms = format_ms
 
 
-def _fmt_x(value: float | None) -> str:
+def format_x(value: float | None) -> str:
+    """A speed-up as the tables print it: ``"2.35x"``, ``"-"`` for None."""
     return "-" if value is None else f"{value:.2f}x"
 
 
-def _fmt_mib(memory: dict | None) -> str:
+def format_peak_mib(memory: dict | None, reserved: bool = True) -> str:
+    """Peak allocated MiB of a :func:`.timing.peak_memory` figure, ``"/<reserved MiB>"`` after it
+    with ``reserved``; ``"-"`` without a figure (CPU)."""
     if not memory:
         return "-"
-    return f"{memory['peak_allocated_bytes'] / MiB:.0f}/{memory['peak_reserved_bytes'] / MiB:.0f}"
+    allocated = f"{memory['peak_allocated_bytes'] / MiB:.0f}"
+    return f"{allocated}/{memory['peak_reserved_bytes'] / MiB:.0f}" if reserved else allocated
 
 
 def _gate_text(gate: dict | None) -> str:
@@ -370,11 +374,11 @@ def main_rows(results: list) -> list:
                 fmt_ms(one.get("median_ms")),
                 spread,
                 "NOISY" if one.get("noisy") else "",
-                _fmt_x(r.get("speedup", {}).get("one_shot", {}).get("ref16")),
-                _fmt_x(r.get("speedup", {}).get("one_shot", {}).get("ref32")),
+                format_x(r.get("speedup", {}).get("one_shot", {}).get("ref16")),
+                format_x(r.get("speedup", {}).get("one_shot", {}).get("ref32")),
                 fmt_ms(_get(r, "kv", "median_ms")),
                 fmt_ms(_get(r, "end_to_end", "median_ms")),
-                _fmt_mib(one.get("memory")),
+                format_peak_mib(one.get("memory")),
                 one.get("recompiles", "-"),
                 jit.get("graph_breaks", "-"),
                 _gate_text(r.get("gate")),
@@ -396,11 +400,11 @@ def stream_rows(results: list) -> list:
                 r["status"] if r["status"] == "ok" else r["status"].upper(),
                 fmt_ms(stream.get("median_ms")),
                 fmt_ms(stream.get("p90_ms")),
-                _fmt_x(stream.get("fresh_over_warm_p50")),
-                _fmt_x(r.get("speedup", {}).get("stream", {}).get("ref16")),
+                format_x(stream.get("fresh_over_warm_p50")),
+                format_x(r.get("speedup", {}).get("stream", {}).get("ref16")),
                 stream.get("recompiles", "-"),
                 "-" if stream.get("captures") is None else stream["captures"],
-                _fmt_mib(stream.get("memory")),
+                format_peak_mib(stream.get("memory")),
                 _gate_text(r.get("gate")),
             ]
         )

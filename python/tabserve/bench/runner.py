@@ -2,9 +2,11 @@
 
 A fresh process means a fresh CUDA context, allocator, cuDNN plan cache and Dynamo state; each job
 also gets its own Inductor / Triton cache folder unless its cell is about warm caches. The child
-(:mod:`.measure`) writes its result JSON as it goes; :func:`run_isolated` turns whatever happened
-into a result: the child's own status, or ``timeout`` (process group killed), ``oom`` or
-``crashed`` (non-zero exit, e.g. a signal), keeping the phases measured before the end.
+(:mod:`.measure` for the raw-model cells, :mod:`.estimator_child` for the estimator suite) is a
+module run as ``python -m <module> SPEC.json`` (:func:`run_child`); it writes its result JSON as
+it goes, and :func:`run_isolated` turns whatever happened into a result: the child's own status,
+or ``timeout`` (process group killed), ``oom`` or ``crashed`` (non-zero exit, e.g. a signal),
+keeping the phases measured before the end.
 """
 
 from __future__ import annotations
@@ -98,8 +100,18 @@ def child_env(job_dir: Path) -> dict:
     return env
 
 
-def measure_command(spec_path: Path) -> list:
-    return [sys.executable, "-m", "tabserve.bench.measure", str(spec_path)]
+#: The raw-model cells' child module.
+MEASURE = "tabserve.bench.measure"
+
+
+def run_child(module: str, spec: dict, spec_path: Path, timeout_s: float, env: dict) -> dict:
+    """Writes ``spec`` to ``spec_path`` with ``spawned_at`` (the child's cold figures count from
+    it), then runs ``python -m <module> <spec_path>`` through :func:`run_isolated`, reading the
+    result the child writes to ``spec["result"]``."""
+    spec_path = Path(spec_path)
+    spec_path.write_text(json.dumps({**spec, "spawned_at": time.time()}, indent=1))
+    command = [sys.executable, "-m", module, str(spec_path)]
+    return run_isolated(command, Path(spec["result"]), timeout_s, env)
 
 
 def skipped_result(cell: Cell, workload: Workload, reason: str) -> dict:
@@ -158,10 +170,7 @@ def run_cell(
         # restarted process and are measured by the presets' own cells.
         spec["skip_phases"] = sorted({*spec.get("skip_phases", ()), "kv", "end_to_end"})
         spec["skip_reason"] = "a warm-cache cell measures the restart's first answer and one-shot"
-    spec_path = job_dir / "spec.json"
-    env = child_env(job_dir)
-    spec_path.write_text(json.dumps({**spec, "spawned_at": time.time()}, indent=1))
-    result = run_isolated(measure_command(spec_path), job_dir / "result.json", timeout_s, env)
+    result = run_child(MEASURE, spec, job_dir / "spec.json", timeout_s, child_env(job_dir))
     result.setdefault("cell", cell.name)
     result.setdefault("workload", workload.name)
     result["outputs"] = spec["outputs"] if Path(spec["outputs"]).exists() else None
@@ -194,10 +203,7 @@ def _prime(cell: Cell, spec: dict, job_dir: Path, timeout_s: float) -> dict:
         compile_cache_mode="save",
     )
     spec_path = prime_dir / "spec.json"
-    spec_path.write_text(json.dumps({**prime_spec, "spawned_at": time.time()}, indent=1))
-    result = run_isolated(
-        measure_command(spec_path), prime_dir / "result.json", timeout_s, child_env(prime_dir)
-    )
+    result = run_child(MEASURE, prime_spec, spec_path, timeout_s, child_env(prime_dir))
     return {**result, "spec": prime_spec}
 
 
@@ -236,7 +242,4 @@ def run_ab(
         "ab_calls": calls,
         "result": str(job_dir / "result.json"),
     }
-    spec_path = job_dir / "spec.json"
-    spec_path.write_text(json.dumps(spec, indent=1))
-    env = child_env(job_dir)
-    return run_isolated(measure_command(spec_path), job_dir / "result.json", timeout_s, env)
+    return run_child(MEASURE, spec, job_dir / "spec.json", timeout_s, child_env(job_dir))

@@ -1,5 +1,6 @@
-"""The timing harness of every tabserve benchmark: the driver (``python -m tabserve.bench``) and
-the kernel micro-benchmarks under ``benchmarks/``.
+"""The timing harness and statistics of every tabserve benchmark: the driver's raw-model cells
+and estimator suite (``python -m tabserve.bench [estimators]``) and the kernel micro-benchmarks
+under ``benchmarks/``.
 
 CUDA: every timed call is bracketed by its own pair of CUDA events on the current stream, and the
 events are read after one final synchronisation, so calls queue back to back as in serving. CPU:
@@ -8,7 +9,8 @@ events are read after one final synchronisation, so calls queue back to back as 
 
 A :class:`Timing` keeps every sample and reports the median, p20 / p80 and the interquartile
 spread; ``noisy`` is set when IQR / median exceeds :data:`NOISE_THRESHOLD` (the threshold
-``torch.utils.benchmark`` warns at).
+``torch.utils.benchmark`` warns at). :func:`geometric_mean` summarises speed-ups across tables;
+:func:`reset_peak_memory` / :func:`peak_memory` bracket a phase's peak GPU memory.
 
 :func:`measure` (the micro-benchmarks' entry point) times a call the same way and adds its peak
 extra memory, from one more call apart from the timed ones:
@@ -25,6 +27,7 @@ extra memory, from one more call apart from the timed ones:
 from __future__ import annotations
 
 import ctypes
+import math
 import os
 import statistics
 import threading
@@ -51,6 +54,15 @@ def percentile(values: Sequence[float], q: float) -> float:
     low = int(rank)
     high = min(low + 1, len(ordered) - 1)
     return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+def geometric_mean(values: Sequence[float | None]) -> float | None:
+    """Geometric mean of the positive values (None and non-positive ones left out), or None when
+    there are none: the mean of speed-up ratios across tables."""
+    values = [v for v in values if v is not None and v > 0]
+    if not values:
+        return None
+    return math.exp(sum(math.log(v) for v in values) / len(values))
 
 
 @dataclass
@@ -87,6 +99,25 @@ def synchronize(device: torch.device | str) -> None:
     device = torch.device(device)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    """Starts a phase's peak-memory window on a CUDA ``device`` (no-op on CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_memory(device: torch.device) -> dict | None:
+    """``{"peak_allocated_bytes", "peak_reserved_bytes"}`` on a CUDA ``device`` since the last
+    :func:`reset_peak_memory` (None on CPU)."""
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize(device)
+    return {
+        "peak_allocated_bytes": int(torch.cuda.max_memory_allocated(device)),
+        "peak_reserved_bytes": int(torch.cuda.max_memory_reserved(device)),
+    }
 
 
 def time_cpu(fn: Callable[[], object], min_repeats: int, max_repeats: int, budget_s: float) -> list:

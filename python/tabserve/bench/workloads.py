@@ -219,3 +219,37 @@ def make_checkpoint(
     }
     torch.save(payload, path)
     return path
+
+
+def checkpoints_for(
+    tasks, given: dict, run_dir: Path, size: str, prog: str
+) -> tuple[dict[str, Path], str]:
+    """The checkpoint of each task in ``tasks`` (``"clf"``, ``"reg"``) and a sentence saying where
+    they came from.
+
+    ``given``: ``{task: path or None}`` from ``--checkpoint`` / ``--regressor-checkpoint``; a task
+    without one gets a random-weight checkpoint of ``size`` (:func:`make_checkpoint`) in
+    ``run_dir``. Raises SystemExit, naming ``prog`` and the flag, when such a checkpoint is needed
+    and tabicl is not installed.
+    """
+    import importlib.util
+
+    paths, notes = {}, []
+    for task in sorted(tasks):
+        if given.get(task) is not None:
+            paths[task] = Path(given[task])
+            notes.append(f"{task}: {given[task]}")
+            continue
+        if importlib.util.find_spec("tabicl") is None:
+            flag = "--checkpoint" if task == "clf" else "--regressor-checkpoint"
+            raise SystemExit(
+                f"{prog}: the random-weight checkpoints made without {flag} are built with "
+                f"tabicl 2.2.0's model ({BENCH_EXTRA}); give {flag} to benchmark a checkpoint "
+                "you have"
+            )
+        paths[task] = make_checkpoint(task, Path(run_dir) / f"random-{task}.ckpt", size)
+        notes.append(
+            f"{task}: RANDOM weights ({size} v2 architecture, seed {CHECKPOINT_SEED}; timings "
+            "are real, accuracy is agreement only)"
+        )
+    return paths, "; ".join(notes)

@@ -1,13 +1,17 @@
-"""The estimator-level benchmark suite (``python -m tabserve.bench.estimator_suite``).
+"""The estimator-level benchmark suite (``python -m tabserve.bench estimators``): its kinds,
+engines, child process, report and record (``tabserve.bench.estimator_*``).
 
 CPU only, a tiny random-weight model, ``--quick`` tables and one warm repeat: one end-to-end run
-on a numeric and a regression kind (shared by the tests that read its document), one run whose
-checkpoint does not exist (every job an error row), and unit tests of the tables and figures.
+through the driver's command line on a numeric and a regression kind (shared by the tests that
+read its document), one run whose checkpoint does not exist (every job an error row), the child
+processes' imports, and unit tests of the tables and figures.
 """
 
 import copy
 import json
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -17,7 +21,17 @@ import pytest
 pytest.importorskip("tabicl")
 pytest.importorskip("sklearn")
 
+from tabserve.bench import cli, estimator_engines, estimator_report, runner
 from tabserve.bench import estimator_suite as suite
+from tabserve.bench.estimator_kinds import (
+    KINDS,
+    MIXED_STRING_CATEGORIES,
+    Kind,
+    kind_by_name,
+    make_table,
+)
+from tabserve.bench.timing import geometric_mean
+from tabserve.bench.workloads import make_checkpoint
 
 QUICK = ["--device", "cpu", "--quick", "--model-size", "tiny", "--repeats", "1", "--quiet"]
 
@@ -32,7 +46,7 @@ def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("suite")
     argv = QUICK + ["--kinds", "small", "regression", "--recipes", "exact", "--out", str(out)]
     argv += ["--work-dir", str(out / "work")]
-    assert suite.main(argv) == 0
+    assert cli.main(["estimators", *argv]) == 0
     return out, _document(out)
 
 
@@ -46,7 +60,7 @@ def test_end_to_end_writes_a_result_per_engine_and_kind(run):
     engines = ["tabicl", "tabicl-fp32", "tabserve-exact"]
     assert document["settings"]["engines"] == engines
     assert document["environment"]["tabicl"].startswith("2.2")
-    assert document["command"].startswith("python -m tabserve.bench.estimator_suite")
+    assert document["command"].startswith("python -m tabserve.bench estimators --device cpu")
     assert sorted((r["kind"], r["engine"]) for r in document["results"]) == sorted(
         (k, e) for k in ("small", "regression") for e in engines
     )
@@ -77,7 +91,7 @@ def test_exact_matches_tabicl_fp32_on_the_numeric_kind(run):
 
 def test_the_table_renders_and_is_saved(run):
     out, document = run
-    text = suite.render(document)
+    text = estimator_report.render(document)
     (saved,) = out.glob("estimator_suite_*.txt")
     assert saved.read_text().strip() == text.strip()
     lines = text.splitlines()
@@ -101,17 +115,79 @@ def test_a_failing_engine_is_an_error_row(tmp_path):
         assert r["status"] == "failed"
         assert r["error"]["stage"].startswith("cold")
         assert r["speedup"]["warm"]["tabicl"] is None and r["accuracy"] is None
-    text = suite.render(document)
+    text = estimator_report.render(document)
     assert "FAILED" in text and "Errors (recorded as results, not fatal):" in text
     assert "small / tabserve-exact: failed:" in text
 
 
+#: Runs one child job (the spec file ``argv[1]``) as the child module's ``main`` does, then prints
+#: the tabserve.models modules the process has loaded.
+CHILD_PROBE = """
+import json, sys
+from tabserve.bench import estimator_child
+assert estimator_child.main(sys.argv[1:]) == 0
+print(json.dumps(sorted(m for m in sys.modules if m.startswith("tabserve.models"))))
+"""
+
+
+@pytest.mark.parametrize(
+    ("engine", "imports_models"),
+    [("tabicl", False), ("tabicl-fp32", False), ("tabserve-exact", True)],
+)
+def test_a_tabicl_child_never_imports_tabserve_models(tmp_path, engine, imports_models):
+    """A tabicl engine's process loads tabserve's base and the suite's modules, never its model
+    code; a tabserve engine's process does (the probe sees model imports)."""
+    checkpoint = make_checkpoint("clf", tmp_path / "tiny.ckpt", size="tiny")
+    spec = {"engine": engine, "kind": "small", "mode": "suite", "device": "cpu", "quick": True,
+            "seed": 0, "repeats": 1, "checkpoint": str(checkpoint),
+            "result": str(tmp_path / "result.json"),
+            "outputs": str(tmp_path / "result.npy")}  # fmt: skip
+    spec_path = tmp_path / "spec.json"
+    spec_path.write_text(json.dumps(spec))
+    done = subprocess.run(
+        [sys.executable, "-c", CHILD_PROBE, str(spec_path)],
+        env=runner.child_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["status"] == "ok", result.get("reason")
+    assert result["estimator"]["family"] == engine.split("-")[0]
+    loaded = json.loads(done.stdout.strip().splitlines()[-1])
+    assert bool(loaded) == imports_models, loaded
+
+
+def test_the_child_is_a_module_the_runner_starts(tmp_path):
+    """``python -m tabserve.bench.estimator_child SPEC.json`` through the driver's harness: a spec
+    the child cannot run is a failed result with its stage, not a crash."""
+    spec = {"engine": "tabicl", "kind": "small", "device": "cpu", "quick": True, "seed": 0,
+            "repeats": 1, "checkpoint": str(tmp_path / "missing.ckpt")}  # fmt: skip
+    result = suite.run_job(spec, tmp_path / "job", timeout_s=300)
+    assert result["status"] == "failed" and result["returncode"] == 0
+    assert result["error"]["stage"].startswith("cold")
+    assert json.loads((tmp_path / "job" / "result-spec.json").read_text())["spawned_at"] > 0
+
+
+def test_the_driver_offers_the_estimator_suite(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["--help"])
+    assert "python -m tabserve.bench estimators --help" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        cli.main(["estimators", "--help"])
+    usage = capsys.readouterr().out
+    assert usage.startswith("usage: python -m tabserve.bench estimators")
+    assert "--kinds" in usage and "--merge" in usage
+
+
 def test_tables_are_seeded_and_shaped():
-    for kind in suite.KINDS:
-        a, b = suite.make_table(kind, quick=True), suite.make_table(kind, quick=True)
+    for kind in KINDS:
+        a, b = make_table(kind, quick=True), make_table(kind, quick=True)
         n_train, n_test, n_features = kind.shape(quick=True)
         if kind.name == "mixed":  # its numeric columns, then the string ones
-            n_features += len(suite.MIXED_STRING_CATEGORIES)
+            n_features += len(MIXED_STRING_CATEGORIES)
         assert a["X_train"].shape == (n_train, n_features)
         assert a["X_test"].shape == (n_test, n_features)
         assert len(a["y_train"]) == n_train
@@ -123,15 +199,15 @@ def test_tables_are_seeded_and_shaped():
                 np.testing.assert_array_equal(left, right)
         if kind.task == "clf":
             assert len(set(a["y_train"])) == kind.n_classes
-    assert suite.kind_by_name("wide").shape(quick=False) == (4000, 1000, 150)
-    pool = suite.make_table(suite.kind_by_name("wide-rows"), quick=True, n_test=1000)
-    base = suite.make_table(suite.kind_by_name("wide-rows"), quick=True)
+    assert kind_by_name("wide").shape(quick=False) == (4000, 1000, 150)
+    pool = make_table(kind_by_name("wide-rows"), quick=True, n_test=1000)
+    base = make_table(kind_by_name("wide-rows"), quick=True)
     assert pool["X_test"].shape[0] == 1000
     np.testing.assert_array_equal(pool["X_train"], base["X_train"])
 
 
 def test_mixed_and_categories_columns():
-    mixed = suite.make_table(suite.kind_by_name("mixed"))
+    mixed = make_table(kind_by_name("mixed"))
     X_train, X_test = mixed["X_train"], mixed["X_test"]
     assert set(mixed["y_train"]) == {"alpha", "beta", "gamma"}
     assert 0.08 < X_train.filter(like="num_").isna().to_numpy().mean() < 0.12
@@ -140,7 +216,7 @@ def test_mixed_and_categories_columns():
     unseen = np.mean([X_test[c].astype(str).str.contains("unseen").mean() for c in strings])
     assert 0.01 < unseen < 0.03
     assert not X_train["str_0"].astype(str).str.contains("unseen").any()
-    cats = suite.make_table(suite.kind_by_name("categories"))["X_train"]
+    cats = make_table(kind_by_name("categories"))["X_train"]
     assert list(cats.columns) == list(range(11))
     assert [str(cats[c].dtype) for c in range(6, 11)] == ["category"] * 3 + ["bool"] * 2
     assert cats[6].isna().any()
@@ -153,8 +229,8 @@ def test_accuracy_and_speedup_figures():
     reg = suite.accuracy("reg", np.array([1.0, 2.5]), np.array([1.0, 2.0]), target_std=2.0)
     assert reg["max_mean_diff_over_std"] == pytest.approx(0.25)
     assert "error" in suite.accuracy("clf", ref[:1], ref)
-    assert suite.geometric_mean([2.0, 8.0, None]) == pytest.approx(4.0)
-    assert suite.geometric_mean([]) is None
+    assert geometric_mean([2.0, 8.0, None]) == pytest.approx(4.0)
+    assert geometric_mean([]) is None
 
 
 def test_speedups_and_geometric_means(tmp_path):
@@ -180,7 +256,7 @@ def test_speedups_and_geometric_means(tmp_path):
         {"kind": "b", "engine": "tabicl-fp32", "status": "failed", "reason": "x"},
         row("b", "tabserve-exact", 10.0, 500.0),
     ]
-    kinds = [suite.Kind("a", 1, 1, 1, 2, (1, 1, 1), ""), suite.Kind("b", 1, 1, 1, 2, (1, 1, 1), "")]
+    kinds = [Kind(name, 1, 1, 1, 2, (1, 1, 1), "") for name in "ab"]
     suite.add_accuracy_and_speedups(results, kinds)
     mine = results[2]
     assert mine["speedup"]["warm"] == {"tabicl": 2.0, "tabicl-fp32": 4.0}
@@ -191,23 +267,23 @@ def test_speedups_and_geometric_means(tmp_path):
     assert summary["warm_vs_tabicl-fp32"] == pytest.approx(4.0)
     assert summary["warm_vs_tabicl-fp32_kinds"] == 1  # kind b's fp32 failed
     assert summary["cold_vs_tabicl"] == pytest.approx(2.0)
-    rows = suite.suite_rows(results)
-    x_tabicl = suite.SUITE_COLUMNS.index(">x tabicl")
+    rows = estimator_report.suite_rows(results)
+    x_tabicl = estimator_report.SUITE_COLUMNS.index(">x tabicl")
     assert rows[2][x_tabicl : x_tabicl + 2] == ["2.00x", "4.00x"] and rows[4][2] == "FAILED"
 
 
 def test_engine_specs():
-    fp32 = suite.estimator_spec("tabicl-fp32", "clf", "m.ckpt", "cpu")
+    fp32 = estimator_engines.estimator_spec("tabicl-fp32", "clf", "m.ckpt", "cpu")
     assert fp32["family"] == "tabicl" and fp32["class"] == "TabICLClassifier"
     assert fp32["params"]["use_amp"] is False and fp32["params"]["use_fa3"] is False
     assert fp32["params"]["allow_auto_download"] is False and fp32["params"]["n_estimators"] == 8
-    default = suite.estimator_spec("tabicl", "reg", "m.ckpt", "cuda")["params"]
+    default = estimator_engines.estimator_spec("tabicl", "reg", "m.ckpt", "cuda")["params"]
     assert "use_amp" not in default and "use_fa3" not in default
-    mine = suite.estimator_spec("tabserve-auto", "reg", "m.ckpt", "cpu", kv_cache=True)
+    mine = estimator_engines.estimator_spec("tabserve-auto", "reg", "m.ckpt", "cpu", kv_cache=True)
     assert mine["class"] == "TabICLRegressor" and mine["params"]["recipe"] == "auto"
     assert mine["params"]["kv_cache"] is True
     with pytest.raises(ValueError):
-        suite.estimator_spec("other", "clf", "m.ckpt", "cpu")
+        estimator_engines.estimator_spec("other", "clf", "m.ckpt", "cpu")
 
 
 RECORD = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "estimator_suite_cpu.json"
@@ -249,8 +325,9 @@ def test_merging_a_record_split_by_kind_gives_back_its_results_and_summary(tmp_p
     assert merged["command"] == "run b ; then run a"
     assert merged["environment"] == original["environment"]
     assert merged["settings"]["merged_from"] == [str(b), str(a)]
-    assert (out / "estimator_suite_cpu-quick.txt").read_text().strip() == suite.render(merged)
-    assert "Fit once (kv_cache=True), predict many" in suite.render(merged)
+    text = estimator_report.render(merged)
+    assert (out / "estimator_suite_cpu-quick.txt").read_text().strip() == text
+    assert "Fit once (kv_cache=True), predict many" in text
 
 
 def test_merge_names_each_runs_commit_once(tmp_path):
@@ -279,7 +356,7 @@ def test_a_predict_many_job_that_timed_out_keeps_the_sizes_it_measured():
     assert mine["1"]["tabicl"] == pytest.approx(10.0) and mine["100"]["tabicl-fp32"] == pytest.approx(5.0)
     assert "10000" not in mine
     document = {"settings": {"predict_sizes": [1, 100, 10000]}, "predict_many": rows}
-    columns, table = suite.predict_many_table(document)
+    columns, table = estimator_report.predict_many_table(document)
     assert columns[3:6] == [">1 rows ms", ">100 rows ms", ">10000 rows ms"]
     assert table[2][1] == "TIMEOUT" and table[2][-3:] == ["10.00x", "4.00x", "-"]
 
