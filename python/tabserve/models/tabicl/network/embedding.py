@@ -177,8 +177,13 @@ class ColumnEmbedding(nn.Module):
         # Clamped into [1, H]: every index stays inside X whatever the tensor holds (AOTInductor
         # autotunes the compiled kernels with random inputs; n = 0 or < 0 read out of bounds).
         modulus = X.shape[-1] if n_features is None else n_features.clamp(1, X.shape[-1])
-        index = (torch.arange(X.shape[-1], device=X.device)[:, None] + offsets) % modulus
-        grouped = X.transpose(1, 2)[:, index]  # (B, H, 3, T)
+        positions = torch.arange(X.shape[-1], device=X.device)[:, None] + offsets
+        if n_features is not None and n_features.dim() == 1:  # a count per table
+            index = positions % modulus[:, None, None]  # (B, H, 3)
+            tables = torch.arange(X.shape[0], device=X.device)[:, None, None]
+            grouped = X.transpose(1, 2)[tables, index]  # (B, H, 3, T)
+        else:
+            grouped = X.transpose(1, 2)[:, positions % modulus]  # (B, H, 3, T)
         return sentinel_linear(self.in_linear, grouped.transpose(-1, -2))
 
     def _group_chunks(self, cells: Tensor) -> list:
@@ -219,8 +224,10 @@ class ColumnEmbedding(nn.Module):
         if n_real is not None:
             # Padded train rows keep their (sentinel) cells, so a column whose real cells are
             # all sentinels is still skipped by the ISAB blocks, as without padding.
-            real = torch.arange(n_train, device=cells.device) < n_real
-            labelled = torch.where(real[:, None], labelled, cells[:, :, :n_train])
+            real = torch.arange(n_train, device=cells.device) < n_real[..., None]
+            if real.dim() == 2:  # a count per table: (B, N) -> (B, 1, N)
+                real = real[:, None]
+            labelled = torch.where(real[..., None], labelled, cells[:, :, :n_train])
         return torch.cat([labelled, cells[:, :, n_train:]], dim=2)
 
     def forward(

@@ -562,7 +562,9 @@ class TabICLv2(nn.Module):
         """Row representations ``(B, Nb + Mb, D)`` of a padded table.
 
         ``X (B, Nb + Mb, Hb)``: train rows at ``[0, n_train)``, test rows from ``Nb``, features at
-        ``[0, n_features)``; ``y_train (B, Nb)`` with any valid label in the padded slots.
+        ``[0, n_features)``; ``y_train (B, Nb)`` with any valid label in the padded slots. The
+        counts are 0-d (every table of the batch one size) or ``(B,)`` int64: tables of several
+        sizes on one bucket, each attending only to its own real rows and features.
         ``num_classes`` only matters past ``max_classes`` (mixed-radix column embedding).
         """
         if num_classes is None:

@@ -270,6 +270,10 @@ class CompilingTabICL:
     def predict_stats(self, *args, **kwargs):
         return self._serve("predict_stats", args, kwargs)
 
+    def padded_forward(self, *args):
+        """The ready model's: packed tables of many sizes compile nothing worth waiting for."""
+        return self.ready.padded_forward(*args)
+
     def build_cache(self, *args, mode: str = "kv", **kwargs):
         if mode != "kv":  # representation caches: unpadded and uncompiled on either model
             return self.ready.build_cache(*args, mode=mode, **kwargs)

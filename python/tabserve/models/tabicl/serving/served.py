@@ -602,6 +602,14 @@ class ServedTabICL:
         return temperature * torch.log(probs + HIERARCHY_LOG_EPS) if return_logits else probs
 
     @torch.no_grad()
+    def padded_forward(self, X, y_train, n_train, n_features):
+        """As :meth:`TabICLv2.padded_forward`, under the options' precision, uncompiled and
+        uncaptured: its callers pack tables of many sizes, whose batch and bucket rarely
+        recur."""
+        with self.options.context(self.device):
+            return self.model.padded_forward(X, y_train, n_train, n_features)
+
+    @torch.no_grad()
     def predict_stats(self, X, y_train, output_type="mean", alphas=None):
         """As :meth:`TabICLv2.predict_stats`."""
         self.model.require_regressor()

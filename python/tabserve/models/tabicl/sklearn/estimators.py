@@ -58,9 +58,11 @@ from tabserve.buckets import BucketGrid
 
 from ..network.checkpoint import read_checkpoint
 from ..network.engine import Engine
+from ..network.quantiles import quantile_stats
 from ..serving.background import foreground
 from ..serving.model_cache import served_model
 from ..serving.options import auto_options, describe, resolve_options, user_cache_dir
+from . import many
 from .preprocessing import (
     NORM_METHODS,
     SHUFFLE_METHODS,
@@ -505,6 +507,35 @@ class _TabICLBase(BaseEstimator):
             part = members[start : start + step]
             yield member_tables(rows, part).float(), member_labels(self.y_train_, part).float()
 
+    def _member_chunks(self, X_test: Tensor) -> list:
+        """The member tables of every normalisation group for ``X_test`` (preprocessed), in
+        plan order: ``(X (members, N + M, H), y_train (members, N))`` pairs."""
+        return [chunk for method in self.plan_ for chunk in self._chunks(method, X_test)]
+
+    def fit_predict_many(self, tasks, method: str = "predict", *, errors: str = "raise", **params) -> list:
+        """Fits and predicts many tables in one call: for each task ``(X_train, y_train,
+        X_test)`` of ``tasks``, what ``clone(self).fit(X_train, y_train).<method>(X_test,
+        **params)`` answers, in order, the tables' ensemble members packed into shared padded
+        buckets (:mod:`.many`). ``method``: ``"predict"``, or ``"predict_proba"`` for the
+        classifier; ``params``: the regressor's ``output_type`` / ``alphas``. Each task keeps its
+        own columns, dtypes, classes and sizes; a regressor's tasks are regression tasks, a
+        classifier's classification tasks (a continuous target is that task's error).
+
+        ``errors="raise"``: the first refused task raises :class:`~.many.TaskError` naming its
+        index; ``errors="return"``: its slot holds the :class:`~.many.TaskError` and the others
+        are answered. This estimator is neither fitted nor changed.
+
+        Raises:
+            ValueError / TypeError: a bad ``method``, ``errors`` or constructor argument,
+            before any task is read.
+        """
+        return list(self.fit_predict_iter(tasks, method, errors=errors, **params))
+
+    def fit_predict_iter(self, tasks, method: str = "predict", *, errors: str = "raise", **params):
+        """As :meth:`fit_predict_many`, yielding the answers in order while reading ``tasks``
+        (any iterable) :data:`~.many.GROUP_TASKS` at a time: for more tasks than memory holds."""
+        return many.fit_predict_iter(self, tasks, method, errors, params)
+
     def _test_table(self, X) -> Tensor:
         check_is_fitted(self, "plan_")
         X = self._validate_X(X, reset=False)
@@ -666,26 +697,44 @@ class TabICLClassifier(ClassifierMixin, _TabICLBase):
             "return_logits": bool(self.average_logits),
             "softmax_temperature": self.softmax_temperature,
         }
-        patterns = torch.tensor(
-            [p for members in self.plan_.values() for _, p in members], device=self.device_
-        )
 
         def probabilities(rows: Tensor) -> Tensor:
-            outputs = torch.cat(
-                self._member_outputs(
-                    rows,
-                    lambda X_m, y_m: self.model_(X_m, y_m, **kwargs),
-                    lambda X_m, cache: self.model_.forward_with_cache(X_m, cache, **kwargs),
+            return self._probabilities(
+                torch.cat(
+                    self._member_outputs(
+                        rows,
+                        lambda X_m, y_m: self.model_(X_m, y_m, **kwargs),
+                        lambda X_m, cache: self.model_.forward_with_cache(X_m, cache, **kwargs),
+                    )
                 )
             )
-            # Member i saw original class c as label pattern_i[c]: read its column back.
-            aligned = outputs.gather(2, patterns[:, None, :].expand(-1, outputs.shape[1], -1))
-            avg = aligned.mean(dim=0)
-            if self.average_logits:
-                avg = torch.softmax(avg / self.softmax_temperature, dim=-1)
-            return avg / avg.sum(dim=1, keepdim=True)
 
         return self._by_test_chunks(X_test, probabilities).cpu().numpy()
+
+    def _probabilities(self, outputs: Tensor) -> Tensor:
+        """The ensemble's probabilities ``(rows, n_classes)`` from the members' outputs
+        ``(members, rows, n_classes)`` in plan order (logits with ``average_logits``, else
+        probabilities)."""
+        patterns = torch.tensor(
+            [p for members in self.plan_.values() for _, p in members], device=outputs.device
+        )
+        # Member i saw original class c as label pattern_i[c]: read its column back.
+        aligned = outputs.gather(2, patterns[:, None, :].expand(-1, outputs.shape[1], -1))
+        avg = aligned.mean(dim=0)
+        if self.average_logits:
+            avg = torch.softmax(avg / self.softmax_temperature, dim=-1)
+        return avg / avg.sum(dim=1, keepdim=True)
+
+    def _from_raw(self, raw: Tensor, method: str, params: dict):
+        """``method``'s answer from the members' raw head outputs (the packed path)."""
+        logits = raw[..., : self.n_classes_]
+        if not self.average_logits:
+            logits = torch.softmax(logits / self.softmax_temperature, dim=-1)
+        proba = self._probabilities(logits).cpu().numpy()
+        return proba if method == "predict_proba" else self.classes_[proba.argmax(axis=1)]
+
+    def _packable(self) -> bool:
+        return self.n_classes_ <= self.model_.config.max_classes
 
     def predict(self, X) -> np.ndarray:
         """Most probable class label of each row."""
@@ -786,17 +835,35 @@ class TabICLRegressor(RegressorMixin, _TabICLBase):
         kinds = [output_type] if isinstance(output_type, str) else list(output_type)
 
         def statistics(rows: Tensor) -> dict:
-            outputs = self._member_outputs(
-                rows,
-                lambda X_m, y_m: self.model_.predict_stats(X_m, y_m, kinds, alphas),
-                lambda X_m, cache: self.model_.predict_stats_with_cache(X_m, cache, kinds, alphas),
+            return self._statistics(
+                self._member_outputs(
+                    rows,
+                    lambda X_m, y_m: self.model_.predict_stats(X_m, y_m, kinds, alphas),
+                    lambda X_m, cache: self.model_.predict_stats_with_cache(X_m, cache, kinds, alphas),
+                ),
+                kinds,
             )
-            outputs = [o if isinstance(o, dict) else {kinds[0]: o} for o in outputs]
-            return {
-                kind: (torch.cat([o[kind] for o in outputs]).double() * self.y_scale_ + self.y_mean_)
-                .mean(dim=0)
-                for kind in kinds
-            }
 
         results = {k: v.cpu().numpy() for k, v in self._by_test_chunks(X_test, statistics).items()}
         return results[kinds[0]] if isinstance(output_type, str) else results
+
+    def _statistics(self, outputs: list, kinds: list) -> dict:
+        """``kind -> (rows, ...)`` in target units: the member average of each statistic, from
+        the members' statistics in plan order (a tensor or a dict of them per call)."""
+        outputs = [o if isinstance(o, dict) else {kinds[0]: o} for o in outputs]
+        return {
+            kind: (torch.cat([o[kind] for o in outputs]).double() * self.y_scale_ + self.y_mean_)
+            .mean(dim=0)
+            for kind in kinds
+        }
+
+    def _from_raw(self, raw: Tensor, method: str, params: dict):
+        """``predict(**params)``'s answer from the members' raw quantiles (the packed path)."""
+        output_type = params.get("output_type", "mean")
+        kinds = [output_type] if isinstance(output_type, str) else list(output_type)
+        stats = self._statistics([quantile_stats(raw, kinds, params.get("alphas"))], kinds)
+        results = {kind: value.cpu().numpy() for kind, value in stats.items()}
+        return results[kinds[0]] if isinstance(output_type, str) else results
+
+    def _packable(self) -> bool:
+        return True

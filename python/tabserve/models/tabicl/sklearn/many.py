@@ -1,0 +1,288 @@
+"""Many tables in one call: the estimators' ``fit_predict_many`` and ``fit_predict_iter``.
+
+A task is ``(X_train, y_train, X_test)``. Each is fitted as a fresh estimator with the caller's
+arguments would be (a :func:`sklearn.base.clone`: its own columns, dtypes, classes, ensemble plan
+and preprocessing, the same ``random_state``), then the members of every task (one table per
+feature permutation and class shift) are padded onto shared buckets and run together, a few
+calls for hundreds of tables where a loop makes a few calls per table. The answers are each
+task's own estimator's: padding is exact (each table attends only to its own real rows and
+features, the counts per table in the batch), so the exact recipe agrees with a loop within
+1e-6; a reduced-precision recipe runs its packs on the engine's ready preset (``medium`` under
+the compiling default), within the driver's accuracy gate of the loop.
+
+Packing (:func:`pack`): each normalisation group of a task has its bucket on the estimator's
+:class:`~tabserve.buckets.BucketGrid` (train rows, test rows, features); largest first, a group
+joins the pack it adds the fewest padded cells to, where the pack, padded to the bucket that holds
+all of its groups, keeps at most :data:`MAX_PACK_CELLS` cells and its padded cells within
+:data:`MAX_WASTE` of its groups' own buckets; else it opens a pack. A group larger than the cell
+bound runs alone, as its own estimator's call would. Tasks past the grid, or of more classes than the
+checkpoint's ``max_classes``, run alone through their estimator.
+
+Tasks are read from the iterable :data:`GROUP_TASKS` at a time: ``fit_predict_iter`` holds one
+group's tables, so it serves more tasks than memory holds and yields the answers in order.
+
+Errors: a task whose data is refused (a NaN label, a column count its test rows do not share, a
+classifier given continuous targets) raises :class:`TaskError` naming its index
+(``errors="raise"``, after the answers before it have been yielded), or stands in its slot
+(``errors="return"``) while the other tasks are answered. The estimator's own arguments are
+checked first: a bad one raises before any task is read. The estimator itself is never fitted
+or changed.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+from sklearn.base import clone
+from torch import Tensor
+
+from tabserve import ops
+from tabserve.buckets import Bucket, BucketGrid
+
+from ..serving.background import foreground
+from ..serving.served import SKIP_VALUE
+from .reference_args import torch_threads
+
+#: Tasks read from the iterable and answered together.
+GROUP_TASKS = 256
+#: Cells (tables x padded rows x padded features) of one packed call at most: the row stage
+#: holds a 128-wide float token per cell and per CLS token, about 1 GiB of activations here.
+MAX_PACK_CELLS = 1 << 20
+#: A pack's padded cells are at most this share above the cells of its groups' own buckets.
+MAX_WASTE = 0.25
+ERRORS = ("raise", "return")
+
+
+class TaskError(ValueError):
+    """Task ``index`` was refused: ``error`` is what its own estimator raised."""
+
+    def __init__(self, index: int, error: BaseException):
+        super().__init__(f"task {index}: {type(error).__name__}: {error}")
+        self.index = index
+        self.error = error
+
+
+@dataclass(eq=False)
+class _Group:
+    """One normalisation group of one task: its members as a batch of tables."""
+
+    task: int
+    X: Tensor  # (members, n_train + n_test, features)
+    y: Tensor  # (members, n_train)
+    bucket: Bucket
+    output: Tensor | None = None
+
+    @property
+    def n_train(self) -> int:
+        return self.y.shape[1]
+
+    @property
+    def n_test(self) -> int:
+        return self.X.shape[1] - self.y.shape[1]
+
+    @property
+    def own_cells(self) -> int:
+        return self.X.shape[0] * self.bucket.rows * self.bucket.features
+
+
+@dataclass
+class Pack:
+    """Groups run in one call, on the bucket that holds each of them."""
+
+    groups: list = field(default_factory=list)
+    bucket: Bucket | None = None
+
+    @property
+    def tables(self) -> int:
+        return sum(g.X.shape[0] for g in self.groups)
+
+    @property
+    def cells(self) -> int:
+        return self.tables * self.bucket.rows * self.bucket.features
+
+    @property
+    def own_cells(self) -> int:
+        return sum(g.own_cells for g in self.groups)
+
+    @property
+    def real_cells(self) -> int:
+        return sum(g.X.shape[0] * g.X.shape[1] * g.X.shape[2] for g in self.groups)
+
+
+def _covering(a: Bucket, b: Bucket) -> Bucket:
+    return Bucket(
+        max(a.train_rows, b.train_rows), max(a.test_rows, b.test_rows), max(a.features, b.features)
+    )
+
+
+def pack(groups: list) -> list:
+    """Packs of ``groups`` (see the module docstring): largest first, each group joins the pack
+    it adds the fewest padded cells to within the bounds, or opens a pack of its own."""
+    packs: list = []
+    for group in sorted(groups, key=lambda g: g.own_cells, reverse=True):
+        best, best_extra = None, None
+        for candidate in packs:
+            bucket = _covering(candidate.bucket, group.bucket)
+            cells = (candidate.tables + group.X.shape[0]) * bucket.rows * bucket.features
+            own = candidate.own_cells + group.own_cells
+            if cells > MAX_PACK_CELLS or cells > (1 + MAX_WASTE) * own:
+                continue
+            extra = cells - candidate.cells
+            if best is None or extra < best_extra:
+                best, best_extra = candidate, extra
+        if best is None:
+            packs.append(Pack([group], group.bucket))
+        else:
+            best.groups.append(group)
+            best.bucket = _covering(best.bucket, group.bucket)
+    return packs
+
+
+def _run_pack(engine, pack: Pack) -> None:
+    """One call of ``engine`` on the pack's groups; each group's raw outputs of its real test
+    rows land in ``group.output``."""
+    bucket = pack.bucket
+    tables, labels, n_train, n_features = [], [], [], []
+    for g in pack.groups:
+        tables.append(
+            ops.pad_to_bucket(
+                g.X, g.n_train, bucket.train_rows, bucket.test_rows, bucket.features, SKIP_VALUE
+            )
+        )
+        labels.append(ops.pad_labels(g.y, bucket.train_rows))
+        n_train += [g.n_train] * g.X.shape[0]
+        n_features += [g.X.shape[2]] * g.X.shape[0]
+    device = tables[0].device
+    with torch.no_grad():
+        raw = engine.padded_forward(
+            torch.cat(tables),
+            torch.cat(labels),
+            torch.tensor(n_train, dtype=torch.int64, device=device),
+            torch.tensor(n_features, dtype=torch.int64, device=device),
+        )
+    start = 0
+    for g in pack.groups:
+        stop = start + g.X.shape[0]
+        g.output = raw[start:stop, : g.n_test].float()
+        start = stop
+
+
+def _split(task, index: int):
+    try:
+        X_train, y_train, X_test = task
+    except (TypeError, ValueError):
+        raise TypeError(
+            f"task {index}: a task is a tuple (X_train, y_train, X_test), got "
+            f"{type(task).__name__}"
+        ) from None
+    return X_train, y_train, X_test
+
+
+@dataclass
+class _Task:
+    index: int
+    estimator: object | None = None
+    groups: list = field(default_factory=list)
+    answer: object = None
+    error: TaskError | None = None
+
+
+def _prepare(template, task, index: int, method: str, params: dict, grid: BucketGrid) -> _Task:
+    """Fits task ``index`` and lays out its member groups; a task that cannot be packed is
+    answered here, by its estimator."""
+    prepared = _Task(index)
+    try:
+        X_train, y_train, X_test = _split(task, index)
+        estimator = clone(template).fit(X_train, y_train)
+        X = estimator._test_table(X_test)
+        groups = [
+            _Group(index, X_m, y_m, grid.bucket_for(y_m.shape[1], X_m.shape[1] - y_m.shape[1], X_m.shape[2]))
+            for X_m, y_m in estimator._member_chunks(X)
+        ]
+        if estimator._packable() and all(g.bucket is not None for g in groups):
+            prepared.estimator, prepared.groups = estimator, groups
+        else:
+            prepared.answer = getattr(estimator, method)(X_test, **params)
+    except Exception as error:  # the task's own refusal, reported per task
+        prepared.error = error if isinstance(error, TaskError) else TaskError(index, error)
+    return prepared
+
+
+def _finish(prepared: _Task, method: str, params: dict) -> None:
+    if prepared.estimator is None:
+        return
+    try:
+        raw = torch.cat([g.output for g in prepared.groups])
+        prepared.answer = prepared.estimator._from_raw(raw, method, params)
+    except Exception as error:
+        prepared.error = TaskError(prepared.index, error)
+    prepared.estimator = prepared.groups = None
+
+
+def _answer_group(
+    template, tasks: list, first: int, method: str, params: dict, report: dict | None
+) -> list:
+    grid = template.bucket_grid or BucketGrid()
+    prepared = [_prepare(template, t, first + i, method, params, grid) for i, t in enumerate(tasks)]
+    by_engine: dict = {}  # tasks served by one engine pack together
+    for p in prepared:
+        if p.estimator is not None:
+            by_engine.setdefault(id(p.estimator.model_), (p.estimator.model_, []))[1].extend(p.groups)
+    for engine, groups in by_engine.values():
+        for one in pack(groups):
+            _run_pack(engine, one)
+            if report is not None:
+                _count(report, one)
+    for p in prepared:
+        _finish(p, method, params)
+    return prepared
+
+
+def check_call(estimator, method: str, errors: str) -> None:
+    """The call's own arguments, and the estimator's, before any task is read."""
+    methods = ("predict", "predict_proba") if estimator._classification else ("predict",)
+    if method not in methods:
+        raise ValueError(f"method must be one of {methods}, got {method!r}")
+    if errors not in ERRORS:
+        raise ValueError(f"errors must be one of {ERRORS}, got {errors!r}")
+    estimator._check_params()
+
+
+def fit_predict_iter(
+    estimator, tasks: Iterable, method: str, errors: str, params: dict, report: dict | None = None
+) -> Iterator:
+    """The answers of ``tasks``, in order (see the module docstring). ``report``: a dict that
+    counts the packs and their padding (:func:`_count`)."""
+    check_call(estimator, method, errors)  # now, not at the first answer
+    return _answers(estimator, iter(tasks), method, errors, params, report)
+
+
+def _answers(estimator, source: Iterator, method: str, errors: str, params: dict, report) -> Iterator:
+    first = 0
+    while True:
+        group = list(itertools.islice(source, GROUP_TASKS))
+        if not group:
+            return
+        with torch_threads(estimator.n_jobs), foreground():
+            answered = _answer_group(estimator, group, first, method, params, report)
+        for p in answered:
+            if p.error is not None and errors == "raise":
+                raise p.error
+            yield p.error if p.error is not None else p.answer
+        first += len(group)
+
+
+def _count(report: dict, one: Pack) -> None:
+    """Adds a pack to ``report``: packed calls, tables, real and padded cells, the largest
+    call's cells (what the benchmark reports of the padding)."""
+    report["packs"] = report.get("packs", 0) + 1
+    report["tables"] = report.get("tables", 0) + one.tables
+    report["real_cells"] = report.get("real_cells", 0) + one.real_cells
+    report["padded_cells"] = report.get("padded_cells", 0) + one.cells
+    report["largest_pack_cells"] = max(report.get("largest_pack_cells", 0), one.cells)
+
+
+__all__ = ["GROUP_TASKS", "MAX_PACK_CELLS", "MAX_WASTE", "Pack", "TaskError", "pack"]
