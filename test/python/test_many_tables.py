@@ -11,7 +11,7 @@ import torch
 from sklearn.base import clone
 from tabicl_helpers import our_model, random_table, reference_checkpoint
 from tabserve import ops
-from tabserve.buckets import Bucket, BucketGrid
+from tabserve.buckets import Bucket
 from tabserve.models.tabicl import TabICLClassifier, TabICLRegressor
 from tabserve.models.tabicl.serving.served import SKIP_VALUE
 from tabserve.models.tabicl.sklearn import many
@@ -273,21 +273,19 @@ def test_bad_call_arguments_raise_before_any_task_is_read(call, match):
 
 
 # ---------------------------------------------------------------------------- packing
-def _group(tables: int, n_train: int, n_test: int, features: int, bucket: Bucket) -> many._Group:
-    return many._Group(
-        0, torch.zeros(tables, n_train + n_test, features), torch.zeros(tables, n_train), bucket
-    )
+def _group(tables: int, n_train: int, n_test: int, features: int) -> many._Group:
+    X, y = torch.zeros(tables, n_train + n_test, features), torch.zeros(tables, n_train)
+    return many._Group(0, X, y, Bucket(n_train, n_test, features))
 
 
 def test_packs_hold_every_group_once_within_their_bounds(monkeypatch):
     monkeypatch.setattr(many, "MAX_PACK_CELLS", 40_000)
     rs = np.random.RandomState(0)
-    grid = BucketGrid()
     groups = []
     for _ in range(200):
         n, m, h = int(rs.randint(1, 300)), int(rs.randint(1, 60)), int(rs.randint(1, 40))
-        groups.append(_group(int(rs.choice([1, 4, 8])), n, m, h, grid.bucket_for(n, m, h)))
-    big = _group(8, 1000, 100, 30, grid.bucket_for(1000, 100, 30))  # past the cell bound alone
+        groups.append(_group(int(rs.choice([1, 4, 8])), n, m, h))
+    big = _group(8, 1000, 100, 30)  # past the cell bound alone
     packs = many.pack([*groups, big])
     packed = [g for p in packs for g in p.groups]
     assert sorted(map(id, packed)) == sorted(map(id, [*groups, big]))
@@ -295,9 +293,12 @@ def test_packs_hold_every_group_once_within_their_bounds(monkeypatch):
     for p in packs:
         if len(p.groups) > 1:
             assert p.cells <= many.MAX_PACK_CELLS
-            assert p.cells <= (1 + many.MAX_WASTE) * sum(g.own_cells for g in p.groups)
+            assert p.cells <= (1 + many.MAX_WASTE) * p.real_cells
         for g in p.groups:  # every group fits its pack's bucket
             assert g.n_train <= p.bucket.train_rows and g.n_test <= p.bucket.test_rows
             assert g.X.shape[2] <= p.bucket.features
+    # Tables of one shape, or of shapes within the waste bound, share one call.
     monkeypatch.setattr(many, "MAX_PACK_CELLS", 1 << 20)
-    assert len(many.pack(groups)) < len(groups) / 3  # small tables share calls
+    alike = [_group(4, 50, 10, 5) for _ in range(30)] + [_group(4, 52, 10, 5) for _ in range(30)]
+    assert len(many.pack(alike)) == 1
+    assert len(many.pack(alike + [_group(4, 50, 10, 9)])) == 2
