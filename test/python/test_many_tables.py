@@ -278,27 +278,27 @@ def _group(tables: int, n_train: int, n_test: int, features: int) -> many._Group
     return many._Group(0, X, y, Bucket(n_train, n_test, features))
 
 
-def test_packs_hold_every_group_once_within_their_bounds(monkeypatch):
-    monkeypatch.setattr(many, "MAX_PACK_CELLS", 40_000)
+@pytest.mark.parametrize("waste", [0.1, 1.0])
+def test_packs_hold_every_group_once_within_their_bounds(waste):
+    limits = many.PackLimits(cells=40_000, waste=waste)
     rs = np.random.RandomState(0)
     groups = []
     for _ in range(200):
         n, m, h = int(rs.randint(1, 300)), int(rs.randint(1, 60)), int(rs.randint(1, 40))
         groups.append(_group(int(rs.choice([1, 4, 8])), n, m, h))
     big = _group(8, 1000, 100, 30)  # past the cell bound alone
-    packs = many.pack([*groups, big])
+    packs = many.pack([*groups, big], limits)
     packed = [g for p in packs for g in p.groups]
     assert sorted(map(id, packed)) == sorted(map(id, [*groups, big]))
     assert any(p.groups == [big] for p in packs)
     for p in packs:
         if len(p.groups) > 1:
-            assert p.cells <= many.MAX_PACK_CELLS
-            assert p.cells <= (1 + many.MAX_WASTE) * p.real_cells
+            assert p.cells <= limits.cells and p.cells <= (1 + limits.waste) * p.real_cells
         for g in p.groups:  # every group fits its pack's bucket
             assert g.n_train <= p.bucket.train_rows and g.n_test <= p.bucket.test_rows
             assert g.X.shape[2] <= p.bucket.features
     # Tables of one shape, or of shapes within the waste bound, share one call.
-    monkeypatch.setattr(many, "MAX_PACK_CELLS", 1 << 20)
     alike = [_group(4, 50, 10, 5) for _ in range(30)] + [_group(4, 52, 10, 5) for _ in range(30)]
-    assert len(many.pack(alike)) == 1
-    assert len(many.pack(alike + [_group(4, 50, 10, 9)])) == 2
+    assert len(many.pack(alike, many.CPU_LIMITS)) == 1
+    assert len(many.pack(alike + [_group(4, 50, 10, 9)], many.CPU_LIMITS)) == 2
+    assert len(many.pack(alike + [_group(4, 50, 10, 9)], many.CUDA_LIMITS)) == 1

@@ -12,8 +12,10 @@ the compiling default), within the driver's accuracy gate of the loop.
 
 Packing (:func:`pack`): largest first, each normalisation group of a task (its shape: train
 rows, test rows, features) joins the pack it adds the fewest padded cells to, where the pack,
-padded to the shape that holds all of its groups, keeps at most :data:`MAX_PACK_CELLS` cells and
-its padded cells within :data:`MAX_WASTE` of its groups' real cells; else it opens a pack. A
+padded to the shape that holds all of its groups, keeps a bound on its cells and
+its padded cells within a share of its groups' real cells (:func:`limits_for`: tight on the CPU,
+where time follows cells, loose on a GPU, where a small call's time is its launches); else it
+opens a pack. A
 group larger than the cell bound runs alone, as its own estimator's call would. Packs run
 uncompiled and uncaptured, so their shapes need not recur: they pad to the largest of their
 groups, not to a grid. Tasks past the estimator's :class:`~tabserve.buckets.BucketGrid` (the
@@ -50,13 +52,28 @@ from .reference_args import torch_threads
 
 #: Tasks read from the iterable and answered together.
 GROUP_TASKS = 256
-#: Cells (tables x padded rows x padded features) of one packed call at most: the row stage
-#: holds a 128-wide float token per cell and per CLS token, about 1 GiB of activations here.
-MAX_PACK_CELLS = 1 << 20
-#: A pack's padded cells are at most this share above its groups' real cells. On the CPU a
-#: call's time follows its padded cells (full-size model, 2 cores: 16 tables packed at 1.34x
-#: their cells took 19.1 s where their loop took 16.3 s).
-MAX_WASTE = 0.1
+
+
+@dataclass(frozen=True)
+class PackLimits:
+    """How large a packed call grows: ``cells`` (tables x padded rows x padded features) at
+    most, and padded cells at most ``waste`` above its tables' real cells."""
+
+    cells: int
+    waste: float
+
+
+#: On the CPU a call's time follows its padded cells (full-size model, 2 cores: 16 tables
+#: packed at 1.34x their cells took 19.1 s where their loop took 16.3 s); 2**20 cells hold about
+#: 1 GiB of the row stage's fp32 activations.
+CPU_LIMITS = PackLimits(cells=1 << 20, waste=0.1)
+#: On a GPU a small pack's time is its launches (H100, the ready preset: 57 packs of 60 tables
+#: at 1.01x their cells, 1.4 s of 2.1 s in the packed calls), so packs grow larger and looser.
+CUDA_LIMITS = PackLimits(cells=1 << 22, waste=1.0)
+
+
+def limits_for(device: torch.device) -> PackLimits:
+    return CUDA_LIMITS if device.type == "cuda" else CPU_LIMITS
 ERRORS = ("raise", "return")
 
 
@@ -118,9 +135,9 @@ def _covering(a: Bucket, b: Bucket) -> Bucket:
     )
 
 
-def pack(groups: list) -> list:
+def pack(groups: list, limits: PackLimits = CPU_LIMITS) -> list:
     """Packs of ``groups`` (see the module docstring): largest first, each group joins the pack
-    it adds the fewest padded cells to within the bounds, or opens a pack of its own."""
+    it adds the fewest padded cells to within ``limits``, or opens a pack of its own."""
     packs: list = []
     for group in sorted(groups, key=lambda g: g.real_cells, reverse=True):
         best, best_extra = None, None
@@ -128,7 +145,7 @@ def pack(groups: list) -> list:
             bucket = _covering(candidate.bucket, group.bucket)
             cells = (candidate.tables + group.X.shape[0]) * bucket.rows * bucket.features
             real = candidate.real_cells + group.real_cells
-            if cells > MAX_PACK_CELLS or cells > (1 + MAX_WASTE) * real:
+            if cells > limits.cells or cells > (1 + limits.waste) * real:
                 continue
             extra = cells - candidate.cells
             if best is None or extra < best_extra:
@@ -235,14 +252,23 @@ def _answer_group(
     for p in prepared:
         if p.estimator is not None:
             by_engine.setdefault(id(p.estimator.model_), (p.estimator.model_, []))[1].extend(p.groups)
+    limits = limits_for(template_device(prepared))
     for engine, groups in by_engine.values():
-        for one in pack(groups):
+        for one in pack(groups, limits):
             _run_pack(engine, one)
             if report is not None:
                 _count(report, one)
     for p in prepared:
         _finish(p, method, params)
     return prepared
+
+
+def template_device(prepared: list) -> torch.device:
+    """The device the fitted tasks serve on (the CPU when none was fitted)."""
+    for p in prepared:
+        if p.estimator is not None:
+            return p.estimator.device_
+    return torch.device("cpu")
 
 
 def check_call(estimator, method: str, errors: str) -> None:
@@ -289,4 +315,4 @@ def _count(report: dict, one: Pack) -> None:
     report["largest_pack_cells"] = max(report.get("largest_pack_cells", 0), one.cells)
 
 
-__all__ = ["GROUP_TASKS", "MAX_PACK_CELLS", "MAX_WASTE", "Pack", "TaskError", "pack"]
+__all__ = ["CPU_LIMITS", "CUDA_LIMITS", "GROUP_TASKS", "Pack", "PackLimits", "TaskError", "pack"]
