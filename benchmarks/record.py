@@ -7,6 +7,9 @@ The records are JSON files of three kinds, told apart by their content:
   plot ``<name>.png`` beside it when there is one;
 * an estimator-suite record (``schema`` ``tabserve.bench.estimator_suite/...``,
   ``python -m tabserve.bench estimators``): the estimators' fit + predict, the headline;
+* a many-tables record (``schema`` ``tabserve.bench.many_tables/...``,
+  ``python -m tabserve.bench many-tables``): a population of small tables answered by loops of
+  estimators and by ``fit_predict_many``;
 * the string-lookup sweep (``benchmarks/string_lookup.py``, ``"benchmark": "string_lookup"``);
 * the category-alignment sweep (``benchmarks/align_categories.py``,
   ``"benchmark": "align_categories"``).
@@ -34,6 +37,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from tabserve.bench import estimator_report as suite
+from tabserve.bench import many_tables_report as many
 from tabserve.bench.report import format_x
 from tabserve.bench.timing import MiB, format_mib, format_ms
 
@@ -42,6 +46,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 DRIVER_SCHEMA = "tabserve.bench.tabiclv2/"
 SUITE_SCHEMA = "tabserve.bench.estimator_suite/"
+MANY_TABLES_SCHEMA = "tabserve.bench.many_tables/"
 #: The reference cells speed-ups are quoted against: (column label, cell names, speed-up keys).
 REFERENCES = (
     ("ref-fp16", ("ref-fp16", "c1-ref-fp16"), ("ref-fp16", "ref16")),
@@ -92,17 +97,25 @@ def load(paths: Iterable[str | Path]) -> list[tuple[Path, dict]]:
         document = json.loads(path.read_text())
         if kind(document) is not None:
             records.append((path, document))
-    order = {"estimator_suite": 0, "driver": 1, "string_lookup": 2, "align_categories": 3}
+    order = {
+        "estimator_suite": 0,
+        "many_tables": 1,
+        "driver": 2,
+        "string_lookup": 3,
+        "align_categories": 4,
+    }
     return sorted(records, key=lambda item: (order[kind(item[1])], item[0].name))
 
 
 def kind(document: object) -> str | None:
-    """``"estimator_suite"``, ``"driver"``, ``"string_lookup"``, ``"align_categories"`` or None
-    (not a record)."""
+    """``"estimator_suite"``, ``"many_tables"``, ``"driver"``, ``"string_lookup"``,
+    ``"align_categories"`` or None (not a record)."""
     if not isinstance(document, dict):
         return None
     if str(document.get("schema", "")).startswith(SUITE_SCHEMA):
         return "estimator_suite"
+    if str(document.get("schema", "")).startswith(MANY_TABLES_SCHEMA):
+        return "many_tables"
     if str(document.get("schema", "")).startswith(DRIVER_SCHEMA):
         return "driver"
     if document.get("benchmark") in ("string_lookup", "align_categories"):
@@ -471,8 +484,35 @@ def render_estimator_suite(path: Path, document: dict) -> str:
     return "\n".join(lines)
 
 
+def render_many_tables(path: Path, document: dict) -> str:
+    """The many-tables suite's tables (:mod:`tabserve.bench.many_tables_report`), as Markdown."""
+    settings = document.get("settings", {})
+    lines = _record_header(f"Many tables: {device_name(document)}", path, document)
+    if document.get("command"):
+        lines.append(f"- command: `{document['command']}`")
+    lines += [f"- {line}" for line in many.population_lines(document)]
+    if settings.get("checkpoint_note"):
+        lines.append(f"- checkpoints: {settings['checkpoint_note']}")
+    lines.append(f"- accuracy reference: {many.reference_text(settings)}")
+    lines += ["", many.THROUGHPUT_LEGEND + ":", ""]
+    lines.append(markdown_table(many.THROUGHPUT_COLUMNS, many.throughput_rows(document)))
+    columns, rows = many.speedup_table(document)
+    if rows:
+        lines += ["", many.SPEEDUP_TITLE + ":", "", markdown_table(columns, rows)]
+    lines += ["", many.ACCURACY_TITLE + ":", ""]
+    lines.append(markdown_table(many.ACCURACY_COLUMNS, many.accuracy_rows(document)))
+    padding = many.padding_rows(document)
+    if padding:
+        lines += ["", many.PADDING_TITLE + ":", "", markdown_table(many.PADDING_COLUMNS, padding)]
+    failed = [r for r in document.get("results", []) if r.get("status") != "ok"]
+    if failed:
+        lines += ["", "Errors: " + "; ".join(f"{r['engine']}: {r.get('reason')}" for r in failed)]
+    return "\n".join(lines)
+
+
 RENDERERS = {
     "estimator_suite": render_estimator_suite,
+    "many_tables": render_many_tables,
     "driver": render_driver,
     "string_lookup": render_string_lookup,
     "align_categories": render_align,

@@ -1,6 +1,6 @@
 """The TabICLv2 inference benchmark driver (``python -m tabserve.bench``).
 
-Two suites share one child-process harness (:mod:`.runner`), one timing and statistics module
+Three suites share one child-process harness (:mod:`.runner`), one timing and statistics module
 (:mod:`.timing`) and one report module (:mod:`.report`):
 
 * the raw-model cells: cells (the serving presets and research variants of them, :mod:`.cells`)
@@ -8,10 +8,14 @@ Two suites share one child-process harness (:mod:`.runner`), one timing and stat
   own subprocess (measured by :mod:`.measure`), checked against the fp32 cell (:mod:`.gates`) and
   reported as JSON, a table, a plot and a promotions file (:mod:`.report`);
 * the estimator suite (``python -m tabserve.bench estimators``, :mod:`.estimator_suite`): the
-  scikit-learn estimators of tabicl and tabserve on host tables of a few kinds.
+  scikit-learn estimators of tabicl and tabserve on host tables of a few kinds;
+* the many-tables suite (``python -m tabserve.bench many-tables``, :mod:`.many_tables_suite`): a
+  seeded population of small tables, answered by a loop of fresh estimators and by
+  ``fit_predict_many``.
 
-The cell and workload tables load on first use: the estimator suite's child process imports this
-package and, for a tabicl engine, must not import tabserve's model code, which :mod:`.cells` does.
+The cell and workload tables load on first use: the estimator and many-tables suites' child
+processes import this package and, for a tabicl engine, must not import tabserve's model code,
+which :mod:`.cells` does.
 """
 
 import importlib

@@ -2,8 +2,10 @@
 ``benchmarks/benchmark_tabiclv2.py``). ``--help`` lists the options; docs/guide/serving.md
 explains the cells and the output.
 
-The driver has two suites: the raw-model cells (``python -m tabserve.bench [options]``) and the
-estimator suite (``python -m tabserve.bench estimators [options]``, :mod:`.estimator_suite`).
+The driver has three suites: the raw-model cells (``python -m tabserve.bench [options]``), the
+estimator suite (``python -m tabserve.bench estimators [options]``, :mod:`.estimator_suite`) and
+the many-tables suite (``python -m tabserve.bench many-tables [options]``,
+:mod:`.many_tables_suite`).
 """
 
 from __future__ import annotations
@@ -28,7 +30,14 @@ from . import report
 from .cells import FP32_CELLS, cell_by_name, cell_table, load_cells_file, select_cells, skip_reason
 from .gates import apply_gates
 from .runner import run_ab, run_cell, skipped_result
-from .workloads import BENCH_EXTRA, QUICK_WORKLOADS, WORKLOADS, checkpoints_for, workload_by_name
+from .workloads import (
+    BENCH_EXTRA,
+    QUICK_WORKLOADS,
+    WORKLOADS,
+    add_checkpoint_arguments,
+    checkpoints_for,
+    workload_by_name,
+)
 
 #: Timing settings: full runs, and the reduced ``--quick`` run (CPU machines).
 TIMING = {
@@ -43,7 +52,10 @@ SKIPPABLE_PHASES = ("kv", "end_to_end")
 
 #: Suites other than the raw-model cells: the first argument that names one, and its module
 #: (its ``main(argv)`` takes the remaining arguments).
-SUITES = {"estimators": "tabserve.bench.estimator_suite"}
+SUITES = {
+    "estimators": "tabserve.bench.estimator_suite",
+    "many-tables": "tabserve.bench.many_tables_suite",
+}
 #: The console script's name, in error messages.
 PROG = "tabserve-bench"
 
@@ -52,7 +64,9 @@ def parse_args(argv):
     p = argparse.ArgumentParser(
         prog="python -m tabserve.bench",
         description=__doc__.split("\n")[0],
-        epilog="python -m tabserve.bench estimators --help: the estimator suite's options",
+        epilog="the other suites' options:\n  python -m tabserve.bench estimators --help\n"
+        "  python -m tabserve.bench many-tables --help",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--version", action="version", version=f"tabserve {tabserve.__version__}")
     p.add_argument(
@@ -71,14 +85,7 @@ def parse_args(argv):
         help="reduced workloads and timing (the default without a GPU)",
     )
     p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
-    p.add_argument("--checkpoint", type=Path, help="classifier checkpoint (.ckpt / .safetensors)")
-    p.add_argument("--regressor-checkpoint", type=Path, help="regressor checkpoint")
-    p.add_argument(
-        "--model-size",
-        choices=("full", "tiny"),
-        default="full",
-        help="size of the random-weight checkpoints made without --checkpoint",
-    )
+    add_checkpoint_arguments(p)
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per (cell, workload) job")
     p.add_argument(
         "--deadline",

@@ -47,17 +47,16 @@ class Job:
     def __init__(self, spec: dict, entered: float):
         self.spec = spec
         self.path = Path(spec["result"])
-        self.result: dict = {
-            "engine": spec["engine"],
-            "kind": spec["kind"],
-            "mode": spec.get("mode", "suite"),
-            "status": "running",
-            "pid": os.getpid(),
-        }
+        self.result: dict = {**self.labels(spec), "status": "running", "pid": os.getpid()}
         self.spawned = spec.get("spawned_at")
         if self.spawned is not None:
             self.result["spawn_to_start_ms"] = (entered - self.spawned) * 1e3
         self.save()
+
+    @staticmethod
+    def labels(spec: dict) -> dict:
+        """What names the job in its result (a suite's parent reads its results by these)."""
+        return {"engine": spec["engine"], "kind": spec["kind"], "mode": spec.get("mode", "suite")}
 
     def save(self) -> None:
         tmp = self.path.with_suffix(".tmp")

@@ -66,7 +66,7 @@ from .estimator_kinds import KINDS, PREDICT_MANY_KIND, PREDICT_SIZES, Kind, kind
 from .estimator_report import render
 from .runner import child_env, run_child
 from .timing import geometric_mean
-from .workloads import checkpoints_for
+from .workloads import add_checkpoint_arguments, checkpoints_for
 
 SCHEMA = "tabserve.bench.estimator_suite/1"
 #: The suite's command, as records name it.
@@ -328,14 +328,7 @@ def merge(paths: list) -> dict:
 
 def _publish(document: dict, out: Path, say) -> int:
     """Writes ``estimator_suite_<device>[-quick].json`` and its table (``.txt``) to ``out``."""
-    settings = document["settings"]
-    stem = f"estimator_suite_{settings['device']}{'-quick' if settings['quick'] else ''}"
-    text = render(document)
-    path = report.write_json(out / f"{stem}.json", document)
-    (out / f"{stem}.txt").write_text(text + "\n")
-    say("")
-    say(text)
-    say(f"\nwritten: {path} and {path.with_suffix('.txt')}")
+    report.write_record(out, "estimator_suite", document, render(document), say)
     return 0
 
 
@@ -365,12 +358,7 @@ def parse_args(argv):
         help="tabserve recipes, one engine each (default: exact auto)",
     )  # fmt: skip
     p.add_argument("--out", type=Path, default=Path("tabserve-results"))
-    p.add_argument("--checkpoint", type=Path, help="classifier checkpoint")
-    p.add_argument("--regressor-checkpoint", type=Path, help="regressor checkpoint")
-    p.add_argument(
-        "--model-size", choices=("full", "tiny"), default="full",
-        help="size of the random-weight checkpoints made without --checkpoint",
-    )  # fmt: skip
+    add_checkpoint_arguments(p)
     p.add_argument("--repeats", type=int, help="warm repeats (default 5; --quick: 3)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per (engine, kind) job")
     p.add_argument("--seed", type=int, default=0, help="table seed")

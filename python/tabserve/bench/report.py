@@ -226,6 +226,20 @@ def write_json(path: Path, document: dict) -> Path:
     return path
 
 
+def write_record(out: Path, suite: str, document: dict, text: str, say) -> Path:
+    """Writes a suite's record ``out/<suite>_<device>[-quick].json`` (from the record's
+    settings) and its printed table ``text`` beside it as ``.txt``, then says the table and where
+    both went; the JSON's path."""
+    settings = document["settings"]
+    stem = f"{suite}_{settings['device']}{'-quick' if settings['quick'] else ''}"
+    path = write_json(Path(out) / f"{stem}.json", document)
+    path.with_suffix(".txt").write_text(text + "\n")
+    say("")
+    say(text)
+    say(f"\nwritten: {path} and {path.with_suffix('.txt')}")
+    return path
+
+
 def write_promotions(path: Path, document: dict) -> Path:
     """Merges this run's promotion into a promotions file, keyed by device, then by workload.
 

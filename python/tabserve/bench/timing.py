@@ -1,6 +1,6 @@
-"""The timing harness and statistics of every tabserve benchmark: the driver's raw-model cells
-and estimator suite (``python -m tabserve.bench [estimators]``) and the kernel micro-benchmarks
-under ``benchmarks/``.
+"""The timing harness and statistics of every tabserve benchmark: the driver's raw-model cells,
+estimator suite and many-tables suite (``python -m tabserve.bench [estimators | many-tables]``)
+and the kernel micro-benchmarks under ``benchmarks/``.
 
 CUDA: every timed call is bracketed by its own pair of CUDA events on the current stream, and the
 events are read after one final synchronisation, so calls queue back to back as in serving. CPU:
@@ -10,7 +10,8 @@ events are read after one final synchronisation, so calls queue back to back as 
 A :class:`Timing` keeps every sample and reports the median, p20 / p80 and the interquartile
 spread; ``noisy`` is set when IQR / median exceeds :data:`NOISE_THRESHOLD` (the threshold
 ``torch.utils.benchmark`` warns at). :func:`geometric_mean` summarises speed-ups across tables;
-:func:`reset_peak_memory` / :func:`peak_memory` bracket a phase's peak GPU memory.
+:func:`reset_peak_memory` / :func:`peak_memory` bracket a phase's peak GPU memory;
+:func:`peak_memory_of` brackets a long stretch's peak memory on either device.
 
 :func:`measure` (the micro-benchmarks' entry point) times a call the same way and adds its peak
 extra memory, from one more call apart from the timed ones:
@@ -33,7 +34,8 @@ import statistics
 import threading
 import time
 import tracemalloc
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -118,6 +120,33 @@ def peak_memory(device: torch.device) -> dict | None:
         "peak_allocated_bytes": int(torch.cuda.max_memory_allocated(device)),
         "peak_reserved_bytes": int(torch.cuda.max_memory_reserved(device)),
     }
+
+
+@contextmanager
+def peak_memory_of(device: torch.device | str, period_s: float = 2e-3) -> Iterator[dict]:
+    """Brackets a stretch of work: the dict it yields holds, once the stretch ended, the work's
+    peak memory: on CUDA :func:`peak_memory`'s figures (the allocator's peak since the start); on
+    the CPU ``peak_rss_bytes`` and ``rss_before_bytes``, the process's resident set size sampled
+    every ``period_s`` by an :class:`RssSampler` after :func:`malloc_trim` (long stretches of
+    work: a period of milliseconds keeps the sampler off the cores the work uses, and misses only
+    allocations shorter than it). Empty on a CPU without /proc/self/statm."""
+    device = torch.device(device)
+    figures: dict = {}
+    sampler, before = None, 0
+    if device.type == "cuda":
+        reset_peak_memory(device)
+    elif os.path.exists("/proc/self/statm"):
+        malloc_trim()
+        before = rss_bytes()
+        sampler = RssSampler(period_s)
+        sampler.start()
+    try:
+        yield figures
+    finally:
+        if device.type == "cuda":
+            figures.update(peak_memory(device))
+        elif sampler is not None:
+            figures.update(peak_rss_bytes=int(sampler.stop()), rss_before_bytes=int(before))
 
 
 def time_cpu(fn: Callable[[], object], min_repeats: int, max_repeats: int, budget_s: float) -> list:

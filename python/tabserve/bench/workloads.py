@@ -221,6 +221,21 @@ def make_checkpoint(
     return path
 
 
+def add_checkpoint_arguments(parser) -> None:
+    """The driver's checkpoint options, every suite's: ``--checkpoint``,
+    ``--regressor-checkpoint`` (the ``given`` of :func:`checkpoints_for`) and ``--model-size``."""
+    parser.add_argument(
+        "--checkpoint", type=Path, help="classifier checkpoint (.ckpt / .safetensors)"
+    )
+    parser.add_argument("--regressor-checkpoint", type=Path, help="regressor checkpoint")
+    parser.add_argument(
+        "--model-size",
+        choices=tuple(MODEL_SIZES),
+        default="full",
+        help="size of the random-weight checkpoints made without --checkpoint",
+    )
+
+
 def checkpoints_for(
     tasks, given: dict, run_dir: Path, size: str, prog: str
 ) -> tuple[dict[str, Path], str]:
