@@ -59,7 +59,8 @@ def test_every_reference_argument_is_taken_with_the_reference_default(ours, thei
     [
         ({"use_amp": "yes"}, "use_amp must be True, False or 'auto'"),
         ({"use_fa3": 1}, "use_fa3 must be True, False or 'auto'"),
-        ({"offload_mode": "cpu"}, "offload_mode='cpu': tabserve keeps"),
+        ({"offload_mode": "cpu", "kv_cache": True}, "offload_mode='cpu' offloads one-shot"),
+        ({"offload_mode": "disk"}, "offload_mode='disk' needs disk_offload_dir"),
         ({"offload_mode": "tape"}, "offload_mode must be one of"),
         ({"inference_config": {"COL_CONFIG": {}}}, "inference_config is tabicl's"),
         ({"n_jobs": 0}, "n_jobs must be None or a non-zero integer"),

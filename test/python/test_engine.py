@@ -9,6 +9,7 @@ import inspect
 import torch
 from tabicl_helpers import our_model, random_table
 from tabserve.models.tabicl.network.engine import Engine
+from tabserve.models.tabicl.network.offload import host_store
 from tabserve.models.tabicl.serving.background import CompilingTabICL
 from tabserve.models.tabicl.serving.options import ServingOptions
 from tabserve.models.tabicl.serving.served import SKIP_VALUE, ServedTabICL
@@ -29,6 +30,9 @@ def test_every_way_of_running_the_model_is_an_engine_and_answers_alike():
         torch.testing.assert_close(engine(X, y), expected, rtol=0, atol=1e-6)
         cache = engine.build_cache(X[:, :12], y)
         torch.testing.assert_close(engine.forward_with_cache(X[:, 12:], cache), expected, rtol=0, atol=1e-5)
+        torch.testing.assert_close(
+            engine.forward_offloaded(X, y, host_store("cpu")), expected, rtol=0, atol=1e-6
+        )
         # Two tables of other sizes on one bucket: a count per table.
         padded = torch.full((2, 16 + 8, 6), SKIP_VALUE)
         padded[:, :12, :4], padded[:, 16:21, :4] = X[:, :12], X[:, 12:]

@@ -437,3 +437,35 @@ def test_cuda_default_serves_at_once_then_compiled_within_the_gate(task):
         assert second.model_ is first.model_  # shared, with what it compiled
         np.testing.assert_allclose(answer(second), expected, atol=2e-2 * spread, rtol=0)
         assert any(state == "compiled" for state in second.model_._state.values())
+
+
+@pytest.mark.parametrize("mode", ["cpu", True, "disk"])
+def test_offload_modes_match_the_reference_and_leave_no_files(mode, tmp_path, monkeypatch, request):
+    """tabicl's offload_mode: the column stage's output on the host or in a file, streamed back
+    in chunks (small chunk budgets here, so that several chunks run), the same answers."""
+    from tabserve import clear_model_cache
+    from tabserve.models.tabicl.network import embedding, interaction
+
+    monkeypatch.setattr(embedding, "COLUMN_STAGE_MAX_CELLS", 2_000)
+    monkeypatch.setattr(interaction, "ROW_STAGE_MAX_TOKENS", 3_000)
+    clear_model_cache()  # served models built from here on take the small budgets
+    request.addfinalizer(clear_model_cache)
+    frame, y = _mixed_frame()
+    X_train, y_train, X_test = frame.iloc[:130], y[:130], frame.iloc[130:]
+    folder = tmp_path / "offload"
+    params = {"offload_mode": mode, "disk_offload_dir": str(folder), "n_estimators": 4}
+    ref, ours = _classifiers("tiny", **params)
+    expected = ref.fit(X_train, y_train).predict_proba(X_test)
+    got = ours.fit(X_train, y_train).predict_proba(X_test)
+    np.testing.assert_allclose(got, expected, atol=ATOL, rtol=0)
+    on_device = clone(ours).set_params(offload_mode="auto").fit(X_train, y_train)
+    np.testing.assert_allclose(got, on_device.predict_proba(X_test), atol=1e-6, rtol=0)
+    assert list(folder.glob("*")) == []  # the disk store's files are removed after each call
+    X, target = datasets.load_diabetes(return_X_y=True)
+    reg = TabICLRegressor(model_path=reference_checkpoint("reg", "tiny"), device="cpu", **params)
+    reg.fit(X[:150], target[:150])
+    plain = clone(reg).set_params(offload_mode=False).fit(X[:150], target[:150])
+    kinds = ["mean", "quantiles"]
+    got, want = reg.predict(X[150:200], kinds), plain.predict(X[150:200], kinds)
+    for kind in kinds:
+        np.testing.assert_allclose(got[kind], want[kind], atol=1e-6 * np.std(target), rtol=0)

@@ -653,3 +653,20 @@ print("symbolic shapes loaded:", "torch.fx.experimental.symbolic_shapes" in sys.
     assert "probabilities: (10, 3)" in child.stdout
     assert "dynamo loaded: False" in child.stdout
     assert "symbolic shapes loaded: False" in child.stdout
+
+
+@pytest.mark.parametrize("task, classes", [("clf", 3), ("clf", 13), ("reg", 0)])
+def test_offloaded_call_equals_the_call_on_the_device(task, classes, tmp_path):
+    """The column stage's output on the host or in a file, written by chunks of feature groups
+    and read back by chunks of rows (small budgets: several of each), gives the same numbers."""
+    from tabserve.models.tabicl.network.offload import DiskStore, host_store
+
+    model = our_model(task, "tiny")
+    model.col_embedder.max_cells, model.row_interactor.max_tokens = 500, 300
+    X, y = random_table(0, 2, 40, 10, 9, n_classes=classes)
+    expected = model(X, y)
+    torch.testing.assert_close(model.forward_offloaded(X, y, host_store("cpu")), expected, rtol=0, atol=0)
+    with DiskStore(tmp_path) as store:
+        torch.testing.assert_close(model.forward_offloaded(X, y, store), expected, rtol=0, atol=0)
+        assert store.path.is_file()
+    assert list(tmp_path.glob("*")) == []

@@ -165,7 +165,9 @@ class ColumnEmbedding(nn.Module):
         self.max_cells = COLUMN_STAGE_MAX_CELLS
         self.y_encoder = nn.Linear(max_classes if max_classes > 0 else 1, dim)
 
-    def cells(self, X: Tensor, n_features: Tensor | None = None) -> Tensor:
+    def cells(
+        self, X: Tensor, n_features: Tensor | None = None, groups: slice | None = None
+    ) -> Tensor:
         """Group features and embed every cell: ``(B, T, H) -> (B, H, T, E)``.
 
         ``n_features`` (padded serving, 0-d tensor): the real feature count, clamped into
@@ -183,7 +185,10 @@ class ColumnEmbedding(nn.Module):
             tables = torch.arange(X.shape[0], device=X.device)[:, None, None]
             grouped = X.transpose(1, 2)[tables, index]  # (B, H, 3, T)
         else:
-            grouped = X.transpose(1, 2)[:, positions % modulus]  # (B, H, 3, T)
+            index = positions % modulus
+            if groups is not None:  # these feature groups only (offloaded calls)
+                index = index[groups]
+            grouped = X.transpose(1, 2)[:, index]  # (B, H, 3, T)
         return sentinel_linear(self.in_linear, grouped.transpose(-1, -2))
 
     def _group_chunks(self, cells: Tensor) -> list:
@@ -264,6 +269,31 @@ class ColumnEmbedding(nn.Module):
             labelled = self._with_labels(cells, digit, n_train)
             out = out + self._set_transformer(labelled, rows, n_train)[0]
         return _as_rows(out / len(bases), row_prefix)
+
+    def offloaded(self, X: Tensor, y_train: Tensor, num_classes: int, store) -> Tensor:
+        """The stage's output ``(B, H, T, E)`` in a tensor of ``store`` (:mod:`.offload`),
+        computed and written a chunk of feature groups at a time (at most ``max_cells`` cells of
+        a chunk on the device): the numbers of :meth:`forward`, whose groups never interact."""
+        batch, rows, features = X.shape
+        n_train = y_train.shape[1]
+        bases = None
+        if num_classes > self.max_classes:
+            bases = mixed_radix_bases(num_classes, self.max_classes)
+            digits = list(mixed_radix_digits(y_train, bases))
+        out = None
+        for groups in chunk_slices(features, batch * rows, self.max_cells):
+            cells = self.cells(X, groups=groups)
+            if bases is None:
+                part = self.tf_col(self._with_labels(cells, y_train), n_train)[0]
+            else:
+                part = torch.zeros_like(cells)
+                for digit in digits:
+                    part = part + self.tf_col(self._with_labels(cells, digit), n_train)[0]
+                part = part / len(bases)
+            if out is None:
+                out = store((batch, features, rows, part.shape[-1]), part.dtype)
+            out[:, groups].copy_(part)
+        return out
 
     def build_cache(
         self,

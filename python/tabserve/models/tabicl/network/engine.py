@@ -40,6 +40,17 @@ class Engine(Protocol):
     ) -> Tensor | dict[str, Tensor]:
         """A regressor's statistics of the predicted distribution (:mod:`.quantiles`)."""
 
+    def forward_offloaded(
+        self,
+        X: Tensor,
+        y_train: Tensor,
+        store: Any,
+        return_logits: bool = True,
+        softmax_temperature: float = 0.9,
+    ) -> Tensor:
+        """As ``__call__``, the column stage's output kept in ``store`` (:mod:`.offload`) and
+        streamed back to the device a chunk of rows at a time."""
+
     def padded_forward(
         self, X: Tensor, y_train: Tensor, n_train: Tensor, n_features: Tensor
     ) -> Tensor:

@@ -27,7 +27,7 @@ from .checkpoint import (
 from .config import TabICLv2Config
 from .embedding import ColumnEmbedding
 from .interaction import RowInteraction
-from .layers import KeyValue, extension_ops
+from .layers import KeyValue, chunk_slices, extension_ops
 from .learning import HIERARCHY_LOG_EPS, InContextLearner
 from .quantiles import quantile_stats
 
@@ -519,6 +519,47 @@ class TabICLv2(nn.Module):
                 else probs
             )
         raw = self.forward_raw(X, y_train)
+        return (
+            raw
+            if self.is_regressor
+            else self.classify(raw, num_classes, return_logits, softmax_temperature)
+        )
+
+    @torch.no_grad()
+    def forward_offloaded(
+        self,
+        X: Tensor,
+        y_train: Tensor,
+        store,
+        return_logits: bool = True,
+        softmax_temperature: float = 0.9,
+    ) -> Tensor:
+        """As :meth:`forward`, the column stage's output kept in ``store`` (:mod:`.offload`:
+        host memory or a file) instead of on the device, and streamed back to the row stage a
+        chunk of rows at a time: the device holds one chunk of either stage (tabicl's
+        ``offload_mode="cpu"`` / ``"disk"``). The same numbers as :meth:`forward`."""
+        X, num_classes = self.check_inputs(X, y_train)
+        if X.shape[1] == y_train.shape[1]:
+            return self.no_predictions(X, num_classes)
+        y_train = y_train.to(X.dtype)
+        cells = self.col_embedder.offloaded(X, y_train, num_classes, store)  # (B, H, T, E)
+        batch, features, rows = cells.shape[:3]
+        tokens = batch * (features + self.config.row_num_cls)
+        R = torch.cat(
+            [
+                self.row_interactor(cells[:, :, part].to(X.device).transpose(1, 2))
+                for part in chunk_slices(rows, tokens, self.row_interactor.max_tokens)
+            ],
+            dim=1,
+        )
+        if num_classes > self.config.max_classes:
+            probs = self.icl_predictor.hierarchical_probs(R, y_train)
+            return (
+                softmax_temperature * torch.log(probs + HIERARCHY_LOG_EPS)
+                if return_logits
+                else probs
+            )
+        raw = self.icl_predictor(R, y_train)
         return (
             raw
             if self.is_regressor

@@ -270,6 +270,10 @@ class CompilingTabICL:
     def predict_stats(self, *args, **kwargs):
         return self._serve("predict_stats", args, kwargs)
 
+    def forward_offloaded(self, *args, **kwargs):
+        """The ready model's: offloaded calls compile nothing (see ``ServedTabICL``)."""
+        return self.ready.forward_offloaded(*args, **kwargs)
+
     def padded_forward(self, *args):
         """The ready model's: packed tables of many sizes compile nothing worth waiting for."""
         return self.ready.padded_forward(*args)

@@ -602,6 +602,15 @@ class ServedTabICL:
         return temperature * torch.log(probs + HIERARCHY_LOG_EPS) if return_logits else probs
 
     @torch.no_grad()
+    def forward_offloaded(self, X, y_train, store, return_logits=True, softmax_temperature=0.9):
+        """As :meth:`TabICLv2.forward_offloaded`, under the options' precision, unpadded and
+        uncompiled: a call that needs the column stage off the device is one large table."""
+        with self.options.context(self.device):
+            return self.model.forward_offloaded(
+                X, y_train, store, return_logits, softmax_temperature
+            )
+
+    @torch.no_grad()
     def padded_forward(self, X, y_train, n_train, n_features):
         """As :meth:`TabICLv2.padded_forward`, under the options' precision, uncompiled and
         uncaptured: its callers pack tables of many sizes, whose batch and bucket rarely

@@ -6,7 +6,9 @@ our model. They take every tabicl 2.2.0 constructor argument (:mod:`.reference_a
 ``model_path=None`` finds the released checkpoint (``checkpoint_version``) through the Hugging
 Face Hub cache, downloading it where ``allow_auto_download``; ``use_amp=False`` serves ``exact``
 (fp32); ``use_fa3`` is accepted (tabserve's presets bring their own attention kernels);
-``offload_mode`` takes the values that keep the column stage's output on the device; ``n_jobs``
+``offload_mode`` ``"cpu"`` / True keep the column stage's output in host memory and ``"disk"`` in
+a file under ``disk_offload_dir``, streamed back a chunk of rows at a time (one-shot
+predictions; ``"auto"``, ``"gpu"``, False keep it on the device); ``n_jobs``
 sets PyTorch's CPU threads for each call; ``verbose`` logs on the ``tabserve`` logger;
 ``inference_config`` is refused in favour of ``recipe``. Inference runs the serving ``recipe``
 and preprocessing runs as tensor maths on ``device``. A fitted estimator pickles without the
@@ -73,7 +75,13 @@ from .preprocessing import (
     member_labels,
     member_tables,
 )
-from .reference_args import check_reference_args, checkpoint_path, say, torch_threads
+from .reference_args import (
+    check_reference_args,
+    checkpoint_path,
+    offload_store,
+    say,
+    torch_threads,
+)
 
 DEFAULT_NORM_METHODS = ("none", "power")
 
@@ -507,6 +515,14 @@ class _TabICLBase(BaseEstimator):
             part = members[start : start + step]
             yield member_tables(rows, part).float(), member_labels(self.y_train_, part).float()
 
+    def _one_shot(self, X: Tensor, y_train: Tensor, **kwargs) -> Tensor:
+        """The engine's one-shot call, or its offloaded call where ``offload_mode`` keeps the
+        column stage's output on the host or on disk."""
+        with offload_store(self) as store:
+            if store is None:
+                return self.model_(X, y_train, **kwargs)
+            return self.model_.forward_offloaded(X, y_train, store, **kwargs)
+
     def _member_chunks(self, X_test: Tensor) -> list:
         """The member tables of every normalisation group for ``X_test`` (preprocessed), in
         plan order: ``(X (members, N + M, H), y_train (members, N))`` pairs."""
@@ -703,7 +719,7 @@ class TabICLClassifier(ClassifierMixin, _TabICLBase):
                 torch.cat(
                     self._member_outputs(
                         rows,
-                        lambda X_m, y_m: self.model_(X_m, y_m, **kwargs),
+                        lambda X_m, y_m: self._one_shot(X_m, y_m, **kwargs),
                         lambda X_m, cache: self.model_.forward_with_cache(X_m, cache, **kwargs),
                     )
                 )
@@ -838,7 +854,7 @@ class TabICLRegressor(RegressorMixin, _TabICLBase):
             return self._statistics(
                 self._member_outputs(
                     rows,
-                    lambda X_m, y_m: self.model_.predict_stats(X_m, y_m, kinds, alphas),
+                    lambda X_m, y_m: quantile_stats(self._one_shot(X_m, y_m), kinds, alphas),
                     lambda X_m, cache: self.model_.predict_stats_with_cache(X_m, cache, kinds, alphas),
                 ),
                 kinds,

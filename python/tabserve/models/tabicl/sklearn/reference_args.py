@@ -15,6 +15,8 @@ from pathlib import Path
 
 import torch
 
+from ..network.offload import DiskStore, host_store
+
 #: The Hugging Face Hub repository of the released checkpoints (tabicl's).
 HF_REPO = "jingang/TabICL"
 #: The released TabICLv2 checkpoints, by task: the versions this model reads (v1 checkpoints
@@ -23,8 +25,10 @@ CHECKPOINT_VERSIONS = {
     "clf": ("tabicl-classifier-v2-20260212.ckpt",),
     "reg": ("tabicl-regressor-v2-20260212.ckpt",),
 }
-#: tabicl's ``offload_mode`` values that keep the column stage's output on the device, which is
-#: what tabserve does; the offloading ones are refused.
+#: tabicl's ``offload_mode`` values that keep the column stage's output on the device (tabicl's
+#: "auto" offloads past a share of the GPU's free memory; tabserve's keeps it on the device and
+#: bounds memory by member and test-row chunks); "cpu" / True keep it in host memory and "disk"
+#: in a file under ``disk_offload_dir`` (:mod:`..network.offload`).
 ON_DEVICE_OFFLOAD_MODES = ("auto", "gpu", False)
 OFFLOAD_MODES = (*ON_DEVICE_OFFLOAD_MODES, "cpu", True, "disk")
 AUTO_FLAGS = (True, False, "auto")
@@ -32,9 +36,20 @@ AUTO_FLAGS = (True, False, "auto")
 logger = logging.getLogger("tabserve")
 
 
+def offload_store(estimator):
+    """A context giving the store of one offloaded call (:mod:`..network.offload`), or None
+    where ``offload_mode`` keeps the column stage's output on the device."""
+    offload = estimator.offload_mode
+    if _one_of(offload, ("cpu", True)):
+        return contextlib.nullcontext(host_store(estimator.device_))
+    if _one_of(offload, ("disk",)):
+        return DiskStore(estimator.disk_offload_dir)
+    return contextlib.nullcontext(None)
+
+
 def check_reference_args(estimator, task: str) -> None:
     """Raises ValueError / TypeError naming the argument for a value tabicl would refuse, or one
-    tabserve cannot serve (offloading, ``inference_config``)."""
+    tabserve cannot serve (offloading with a KV cache, ``inference_config``)."""
     for name in ("use_amp", "use_fa3"):
         value = getattr(estimator, name)
         if not _one_of(value, AUTO_FLAGS):
@@ -48,10 +63,18 @@ def check_reference_args(estimator, task: str) -> None:
     offload = estimator.offload_mode
     if not _one_of(offload, OFFLOAD_MODES):
         raise ValueError(f"offload_mode must be one of {OFFLOAD_MODES}, got {offload!r}")
-    if not _one_of(offload, ON_DEVICE_OFFLOAD_MODES):
+    if _one_of(offload, ("disk",)) and estimator.disk_offload_dir is None:
+        raise ValueError("offload_mode='disk' needs disk_offload_dir, the folder of its files")
+    if estimator.disk_offload_dir is not None and not isinstance(
+        estimator.disk_offload_dir, (str, os.PathLike)
+    ):
+        raise TypeError(
+            f"disk_offload_dir must be None or a path, got {type(estimator.disk_offload_dir).__name__}"
+        )
+    if not _one_of(offload, ON_DEVICE_OFFLOAD_MODES) and estimator.kv_cache:
         raise ValueError(
-            f"offload_mode={offload!r}: tabserve keeps the column stage's output on the device "
-            f"(offload_mode 'auto', 'gpu' or False); bound memory with batch_size instead"
+            f"offload_mode={offload!r} offloads one-shot predictions; with kv_cache the cache "
+            "stays on the device: use one of them"
         )
     if estimator.inference_config is not None:
         raise ValueError(

@@ -1,0 +1,66 @@
+"""Where an offloaded call keeps the column stage's output (tabicl's ``offload_mode``).
+
+The column stage's output ``(tables, features, rows, embedding)`` is the largest tensor of a
+call (512 MiB for one table of 10,000 rows and 100 features in fp32). An offloaded call
+(:meth:`~.model.TabICLv2.forward_offloaded`) computes it a chunk of feature groups at a time,
+keeps it in a store, and streams it back a chunk of rows at a time to the row stage, so the
+device holds one chunk of either. A store is a function ``(shape, dtype) -> Tensor``:
+
+* :func:`host_store`: host memory, pinned when the model runs on CUDA (copies to the device
+  then overlap the host).
+* :class:`DiskStore`: a file in a folder, mapped into memory (``torch.from_file``), removed when
+  the store closes; for outputs larger than the host's memory.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+
+def host_store(device: torch.device):
+    """A store in host memory (pinned for a CUDA ``device``)."""
+    pin = torch.device(device).type == "cuda"
+
+    def store(shape: tuple, dtype: torch.dtype) -> Tensor:
+        return torch.empty(shape, dtype=dtype, pin_memory=pin)
+
+    return store
+
+
+class DiskStore:
+    """A store in a memory-mapped file under ``folder`` (made if missing), removed on
+    :meth:`close` (``with DiskStore(folder) as store: ...``)."""
+
+    def __init__(self, folder):
+        self.folder = Path(folder)
+        self.path: Path | None = None
+
+    def __enter__(self) -> DiskStore:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __call__(self, shape: tuple, dtype: torch.dtype) -> Tensor:
+        if self.path is not None:
+            raise RuntimeError("a DiskStore holds one tensor; open another for the next")
+        self.folder.mkdir(parents=True, exist_ok=True)
+        handle, name = tempfile.mkstemp(prefix="tabserve-offload-", suffix=".bin", dir=self.folder)
+        os.close(handle)
+        self.path = Path(name)
+        size = math.prod(shape)
+        return torch.from_file(str(self.path), shared=True, size=size, dtype=dtype).view(shape)
+
+    def close(self) -> None:
+        if self.path is not None:
+            self.path.unlink(missing_ok=True)
+            self.path = None
+
+
+__all__ = ["DiskStore", "host_store"]
