@@ -510,20 +510,19 @@ class TabICLv2(nn.Module):
         if X.shape[1] == y_train.shape[1]:  # no test rows: nothing to predict
             return self.no_predictions(X, num_classes)
         y_train = y_train.to(X.dtype)
+        R = self._representations(X, y_train, max(num_classes, self.config.max_classes))
+        return self._read_out(R, y_train, num_classes, return_logits, softmax_temperature)
+
+    def _read_out(
+        self, R: Tensor, y_train: Tensor, num_classes: int, return_logits: bool, temperature: float
+    ) -> Tensor:
+        """The in-context stage and the head's read-out from the row representations: the class
+        hierarchy past ``max_classes`` classes, else one output."""
         if num_classes > self.config.max_classes:
-            R = self._representations(X, y_train, num_classes)
             probs = self.icl_predictor.hierarchical_probs(R, y_train)
-            return (
-                softmax_temperature * torch.log(probs + HIERARCHY_LOG_EPS)
-                if return_logits
-                else probs
-            )
-        raw = self.forward_raw(X, y_train)
-        return (
-            raw
-            if self.is_regressor
-            else self.classify(raw, num_classes, return_logits, softmax_temperature)
-        )
+            return temperature * torch.log(probs + HIERARCHY_LOG_EPS) if return_logits else probs
+        raw = self.icl_predictor(R, y_train)
+        return raw if self.is_regressor else self.classify(raw, num_classes, return_logits, temperature)
 
     @torch.no_grad()
     def forward_offloaded(
@@ -552,19 +551,7 @@ class TabICLv2(nn.Module):
             ],
             dim=1,
         )
-        if num_classes > self.config.max_classes:
-            probs = self.icl_predictor.hierarchical_probs(R, y_train)
-            return (
-                softmax_temperature * torch.log(probs + HIERARCHY_LOG_EPS)
-                if return_logits
-                else probs
-            )
-        raw = self.icl_predictor(R, y_train)
-        return (
-            raw
-            if self.is_regressor
-            else self.classify(raw, num_classes, return_logits, softmax_temperature)
-        )
+        return self._read_out(R, y_train, num_classes, return_logits, softmax_temperature)
 
     def no_predictions(self, X: Tensor, num_classes: int) -> Tensor:
         """The output for zero test rows: ``(B, 0, K)``, or ``(B, 0, num_quantiles)``."""
