@@ -151,6 +151,43 @@ def test_a_warm_up_leaves_the_graph_captures_to_the_calling_thread(monkeypatch):
     assert _CaptureOnCPU.threads == [threading.current_thread().name] and target.captures == 1
 
 
+def test_replays_of_compiled_shapes_do_not_wait_for_a_warm_up_of_another(monkeypatch):
+    """While the worker compiles one shape of the target, the caller's calls of a shape the
+    target serves already go on (they waited for the whole compile on the graphs' lock)."""
+    from tabserve.buckets import BucketGrid
+    from tabserve.models.tabicl.serving import served as serving
+
+    monkeypatch.setattr(serving, "_BucketGraph", _CaptureOnCPU)
+    target = ServedTabICL(_model(), TRACED.replace(buckets=True), BucketGrid((16, 64), (8, 32), (8, 16)))
+    target.options = target.options.replace(cuda_graphs=True)
+    tiered = CompilingTabICL(ServedTabICL(_model(), "exact"), target)
+    X, y = random_table(5, 2, 40, 10, 5, n_classes=3)
+    expected = tiered(X, y)
+    assert wait_for_compiles(timeout=120)
+    tiered(X, y)  # the target's, captured by this thread
+    compiling, release = threading.Event(), threading.Event()
+    forward = target._forward
+
+    def slow_compile(*args):  # the worker's warm-up of the other shape, held
+        if threading.current_thread().name == "tabserve-compile":
+            compiling.set()
+            release.wait(60)
+        return forward(*args)
+
+    monkeypatch.setattr(target, "_forward", slow_compile)
+    X2, y2 = random_table(6, 2, 12, 4, 5, n_classes=3)  # another bucket
+    tiered(X2, y2)
+    assert compiling.wait(60)
+    answered = []
+    caller = threading.Thread(target=lambda: answered.append(tiered(X, y)))
+    caller.start()
+    caller.join(30)
+    release.set()
+    assert answered, "the caller waited for the warm-up"
+    torch.testing.assert_close(answered[0], expected, atol=1e-5, rtol=0)
+    assert wait_for_compiles(timeout=120)
+
+
 def test_a_failed_warm_up_leaves_the_call_on_the_ready_model():
     tiered, ready, target = _pair()
 

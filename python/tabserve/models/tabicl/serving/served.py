@@ -430,6 +430,12 @@ class ServedTabICL:
         """
         if not (self.options.cuda_graphs if graphed is None else graphed):
             return fn(*inputs, *static)
+        if getattr(_NO_CAPTURES, "active", False):
+            # Outside the graphs' lock: a background warm-up compiles here for tens of seconds
+            # (25-155 s on the H200), and a caller's replay of a shape already captured must not
+            # wait for it.
+            with freezing(self.options.freeze):
+                return fn(*inputs, *static)
         with self._graph_lock:
             on_cuda = self.device.type == "cuda"  # (a CPU stand-in replays in the tests)
             stream = torch.cuda.current_stream(self.device) if on_cuda else None
@@ -439,8 +445,6 @@ class ServedTabICL:
             graph = graphs.get(key)
             if graph is None:
                 with freezing(self.options.freeze):  # the capture is where compiled cores trace
-                    if getattr(_NO_CAPTURES, "active", False):
-                        return fn(*inputs, *static)
                     if not _CAPTURES.acquire(blocking=False):  # see _CAPTURES
                         self.uncaptured += 1
                         return fn(*inputs, *static)
