@@ -9,7 +9,7 @@ import pandas as pd
 import pytest
 import torch
 from sklearn.base import clone
-from tabicl_helpers import our_model, random_table, reference_checkpoint
+from tabicl_helpers import our_model, random_table, reference_checkpoint, requires_cuda
 from tabserve import ops
 from tabserve.buckets import Bucket
 from tabserve.models.tabicl import TabICLClassifier, TabICLRegressor
@@ -302,3 +302,17 @@ def test_packs_hold_every_group_once_within_their_bounds(waste):
     assert len(many.pack(alike, many.CPU_LIMITS)) == 1
     assert len(many.pack(alike + [_group(4, 50, 10, 9)], many.CPU_LIMITS)) == 2
     assert len(many.pack(alike + [_group(4, 50, 10, 9)], many.CUDA_LIMITS)) == 1
+
+
+# ---------------------------------------------------------------------------- CUDA
+@requires_cuda
+@pytest.mark.parametrize("recipe, tolerance", [("exact", 1e-5), (None, 2e-2)])
+def test_cuda_packed_answers_are_each_tasks_own_estimators(recipe, tolerance):
+    """On the GPU: the exact recipe packs in fp32 (the memory-efficient kernels with a count per
+    table), the default packs on the ready fp16 preset, within the driver's gate of the loop."""
+    tasks = classification_tasks(8, seed=9)
+    path = reference_checkpoint("clf", "tiny")
+    estimator = TabICLClassifier(model_path=path, device="cuda", n_estimators=4, recipe=recipe)
+    got = estimator.fit_predict_many(tasks, "predict_proba")
+    for i, (want, answer) in enumerate(zip(_loop(estimator, tasks), got)):
+        np.testing.assert_allclose(answer, want, atol=tolerance, rtol=0, err_msg=f"task {i}")
