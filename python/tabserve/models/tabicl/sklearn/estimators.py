@@ -65,6 +65,7 @@ from ..serving.background import foreground
 from ..serving.model_cache import served_model
 from ..serving.options import auto_options, describe, resolve_options, user_cache_dir
 from . import many
+from .devices import resolve_devices, spread
 from .preprocessing import (
     NORM_METHODS,
     SHUFFLE_METHODS,
@@ -98,6 +99,13 @@ class SaveChoices:
     model_weights: bool = False
     training_data: bool = True
     kv_cache: bool = True
+
+
+@dataclass(frozen=True)
+class _Kept:
+    """A result that stays where it was made (a KV cache on its device)."""
+
+    value: object
 
 
 def _check_count(name: str, value, allow_none: bool = True) -> None:
@@ -140,9 +148,9 @@ def _write_whole(path: Path, data: bytes) -> None:
 
 
 def _resolve_device(device) -> torch.device:
-    if device is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+    """The device that preprocesses and answers: the first of ``device``'s
+    (:func:`.devices.resolve_devices`)."""
+    return resolve_devices(device)[0]
 
 
 def _atomic_fit(fit):
@@ -254,10 +262,7 @@ class _TabICLBase(BaseEstimator):
             raise TypeError(
                 f"model_path must be None or a path, got {type(self.model_path).__name__}"
             )
-        try:
-            _resolve_device(self.device)
-        except (RuntimeError, TypeError, ValueError) as error:
-            raise ValueError(f"device must name a torch device, got {self.device!r}: {error}") from None
+        resolve_devices(self.device)  # ValueError naming the entry that is no device
         if self.bucket_grid is not None and not isinstance(self.bucket_grid, BucketGrid):
             raise TypeError(
                 f"bucket_grid must be a tabserve.BucketGrid or None, got "
@@ -317,12 +322,24 @@ class _TabICLBase(BaseEstimator):
             )
         return resolve_options(recipe)
 
-    def _served(self) -> Engine:
+    def _served(self, device: torch.device | None = None) -> Engine:
         # Shared by every estimator of this checkpoint, device and configuration in the process:
         # loaded, compiled and captured once (model_cache), compiled in the background.
         return served_model(
-            self.model_path_, self.device_, self.served_options_, self.bucket_grid, background=True
+            self.model_path_,
+            device or self.device_,
+            self.served_options_,
+            self.bucket_grid,
+            background=True,
         )
+
+    def _engines(self) -> list:
+        """The engine of each of ``devices_`` (``model_`` the first's)."""
+        return [self.model_] + [self._served(d) for d in self.devices_[1:]]
+
+    def _spread(self, jobs: list) -> list:
+        """``job(engine, device)`` of each job over ``devices_`` (:func:`.devices.spread`)."""
+        return spread(jobs, self.devices_, self._engines() if len(self.devices_) > 1 else [self.model_])
 
     # ------------------------------------------------------------------ saving
     def __getstate__(self):
@@ -364,14 +381,15 @@ class _TabICLBase(BaseEstimator):
         override = _load_device.get()
         if override is not None:
             self.device = override
-        device = _resolve_device(self.device)
+        devices = resolve_devices(self.device)
+        device = devices[0]
         if device.type == "cuda" and not torch.cuda.is_available():
             raise RuntimeError(
                 f"this {type(self).__name__} serves on device={self.device!r}, and this machine "
                 f"has no CUDA GPU: load it with {type(self).__name__}.load(path, device='cpu')"
             )
         self.__dict__.update(torch.load(io.BytesIO(fitted), map_location=device, weights_only=False))
-        fitted_on, self.device_ = self.device_, device
+        fitted_on, self.device_, self.devices_ = self.device_, device, devices
         self.encoder_.device = device
         if embedded is not None:
             self.model_path_ = _stored_checkpoint(embedded, Path(self.model_path_).suffix)
@@ -493,13 +511,26 @@ class _TabICLBase(BaseEstimator):
         """``method -> [KV cache of each chunk of batch_size members]`` (``kv_cache="repr"``:
         representation caches)."""
         mode = "repr" if self.kv_cache == "repr" else "kv"
-        return {
-            method: [
-                self.model_.build_cache(X_m, y_m, mode=mode)
-                for X_m, y_m in self._chunks(method, None)
-            ]
-            for method in self.plan_
-        }
+        jobs, methods = [], []
+        for method in self.plan_:
+            for X_m, y_m in self._chunks(method, None):
+                jobs.append(
+                    lambda engine, device, X_m=X_m, y_m=y_m: engine.build_cache(
+                        X_m.to(device), y_m.to(device), mode=mode
+                    )
+                )
+                methods.append(method)
+        # A chunk's cache stays on the device that built it (job i on devices_[i % n]; the
+        # predictions number their chunks alike): only its outputs travel.
+        caches = spread(
+            [lambda engine, device, job=job: _Kept(job(engine, device)) for job in jobs],
+            self.devices_,
+            self._engines() if len(self.devices_) > 1 else [self.model_],
+        )
+        built: dict = {method: [] for method in self.plan_}
+        for method, cache in zip(methods, caches):
+            built[method].append(cache.value)
+        return built
 
     def _chunks(self, method: str, X_test: Tensor | None):
         """Member tables of one normalisation group, ``batch_size`` members at a time.
@@ -510,18 +541,18 @@ class _TabICLBase(BaseEstimator):
         members = self.plan_[method]
         prep = self.preprocessors_[method]
         rows = prep.train_ if X_test is None else torch.cat([prep.train_, prep.transform(X_test)])
-        step = self.batch_size or len(members)
+        step = self._step(members)
         for start in range(0, len(members), step):
             part = members[start : start + step]
             yield member_tables(rows, part).float(), member_labels(self.y_train_, part).float()
 
-    def _one_shot(self, X: Tensor, y_train: Tensor, **kwargs) -> Tensor:
-        """The engine's one-shot call, or its offloaded call where ``offload_mode`` keeps the
+    def _one_shot(self, engine: Engine, X: Tensor, y_train: Tensor, **kwargs) -> Tensor:
+        """``engine``'s one-shot call, or its offloaded call where ``offload_mode`` keeps the
         column stage's output on the host or on disk."""
         with offload_store(self) as store:
             if store is None:
-                return self.model_(X, y_train, **kwargs)
-            return self.model_.forward_offloaded(X, y_train, store, **kwargs)
+                return engine(X, y_train, **kwargs)
+            return engine.forward_offloaded(X, y_train, store, **kwargs)
 
     def _member_chunks(self, X_test: Tensor) -> list:
         """The member tables of every normalisation group for ``X_test`` (preprocessed), in
@@ -557,20 +588,34 @@ class _TabICLBase(BaseEstimator):
         X = self._validate_X(X, reset=False)
         return self.filter_.transform(self.encoder_.transform(X))
 
+    def _step(self, members) -> int:
+        """Members per model call: ``batch_size``, and fewer where several devices share the
+        members of a normalisation group (every device gets a chunk)."""
+        step = self.batch_size or len(members)
+        devices = len(getattr(self, "devices_", ()) or (None,))
+        return min(step, -(-len(members) // devices))
+
     def _member_outputs(self, X_test: Tensor, run, run_cached) -> list:
-        """Per-member outputs in plan order, from ``run(X, y)`` or ``run_cached(X_test, cache)``."""
-        outputs = []
+        """Per-member outputs in plan order, from ``run(engine, X, y)`` or
+        ``run_cached(engine, X_test, cache)``, chunks spread over ``devices_``."""
+        jobs = []
         for method, members in self.plan_.items():
             if self.cache_ is None:
-                outputs.extend(run(X_m, y_m) for X_m, y_m in self._chunks(method, X_test))
+                jobs.extend(
+                    lambda engine, device, X_m=X_m, y_m=y_m: run(engine, X_m.to(device), y_m.to(device))
+                    for X_m, y_m in self._chunks(method, X_test)
+                )
                 continue
             X_members = member_tables(
                 self.preprocessors_[method].transform(X_test), members
             ).float()
-            step = self.batch_size or len(members)
+            step = self._step(members)
             for start, cache in zip(range(0, len(members), step), self.cache_[method]):
-                outputs.append(run_cached(X_members[start : start + step], cache))
-        return outputs
+                part = X_members[start : start + step]
+                jobs.append(
+                    lambda engine, device, part=part, cache=cache: run_cached(engine, part.to(device), cache)
+                )
+        return self._spread(jobs)
 
     def _by_test_chunks(self, X_test: Tensor, predict_rows):
         """``predict_rows(rows)`` on ``test_chunk_rows`` test rows at a time, concatenated along
@@ -689,7 +734,8 @@ class TabICLClassifier(ClassifierMixin, _TabICLBase):
                 f"classification needs at least 2 classes; y has 1 class ({self.classes_[0]!r})"
             )
         self.n_classes_ = len(self.classes_)
-        self.device_ = _resolve_device(self.device)
+        self.devices_ = resolve_devices(self.device)
+        self.device_ = self.devices_[0]
         self.model_ = self._load_model(X.shape[0], self.n_classes_)
         max_classes = self.model_.config.max_classes
         if self.n_classes_ > max_classes and self.kv_cache:
@@ -719,8 +765,8 @@ class TabICLClassifier(ClassifierMixin, _TabICLBase):
                 torch.cat(
                     self._member_outputs(
                         rows,
-                        lambda X_m, y_m: self._one_shot(X_m, y_m, **kwargs),
-                        lambda X_m, cache: self.model_.forward_with_cache(X_m, cache, **kwargs),
+                        lambda engine, X_m, y_m: self._one_shot(engine, X_m, y_m, **kwargs),
+                        lambda engine, X_m, cache: engine.forward_with_cache(X_m, cache, **kwargs),
                     )
                 )
             )
@@ -832,7 +878,8 @@ class TabICLRegressor(RegressorMixin, _TabICLBase):
         self.y_mean_ = float(np.mean(y, dtype=np.float64))
         std = float(np.std(y, dtype=np.float64))
         self.y_scale_ = std if std >= 10 * np.finfo(np.float64).eps else 1.0
-        self.device_ = _resolve_device(self.device)
+        self.devices_ = resolve_devices(self.device)
+        self.device_ = self.devices_[0]
         self.model_ = self._load_model(X.shape[0])
         y_scaled = ((y - np.float32(self.y_mean_)) / np.float32(self.y_scale_)).astype(np.float32)
         self._fit_members(X, torch.as_tensor(y_scaled, dtype=torch.float64, device=self.device_), 0)
@@ -854,8 +901,8 @@ class TabICLRegressor(RegressorMixin, _TabICLBase):
             return self._statistics(
                 self._member_outputs(
                     rows,
-                    lambda X_m, y_m: quantile_stats(self._one_shot(X_m, y_m), kinds, alphas),
-                    lambda X_m, cache: self.model_.predict_stats_with_cache(X_m, cache, kinds, alphas),
+                    lambda engine, X_m, y_m: quantile_stats(self._one_shot(engine, X_m, y_m), kinds, alphas),
+                    lambda engine, X_m, cache: engine.predict_stats_with_cache(X_m, cache, kinds, alphas),
                 ),
                 kinds,
             )

@@ -158,21 +158,21 @@ def pack(groups: list, limits: PackLimits = CPU_LIMITS) -> list:
     return packs
 
 
-def _run_pack(engine, pack: Pack) -> None:
-    """One call of ``engine`` on the pack's groups; each group's raw outputs of its real test
-    rows land in ``group.output``."""
+def _run_pack(engine, device: torch.device, pack: Pack) -> list:
+    """One call of ``engine`` on ``device`` for the pack's groups: each group's raw outputs of
+    its real test rows."""
     bucket = pack.bucket
     tables, labels, n_train, n_features = [], [], [], []
     for g in pack.groups:
         tables.append(
             ops.pad_to_bucket(
-                g.X, g.n_train, bucket.train_rows, bucket.test_rows, bucket.features, SKIP_VALUE
+                g.X.to(device), g.n_train, bucket.train_rows, bucket.test_rows, bucket.features,
+                SKIP_VALUE,
             )
-        )
-        labels.append(ops.pad_labels(g.y, bucket.train_rows))
+        )  # fmt: skip
+        labels.append(ops.pad_labels(g.y.to(device), bucket.train_rows))
         n_train += [g.n_train] * g.X.shape[0]
         n_features += [g.X.shape[2]] * g.X.shape[0]
-    device = tables[0].device
     with torch.no_grad():
         raw = engine.padded_forward(
             torch.cat(tables),
@@ -180,11 +180,12 @@ def _run_pack(engine, pack: Pack) -> None:
             torch.tensor(n_train, dtype=torch.int64, device=device),
             torch.tensor(n_features, dtype=torch.int64, device=device),
         )
-    start = 0
+    outputs, start = [], 0
     for g in pack.groups:
         stop = start + g.X.shape[0]
-        g.output = raw[start:stop, : g.n_test].float()
+        outputs.append(raw[start:stop, : g.n_test].float())
         start = stop
+    return outputs
 
 
 def _split(task, index: int):
@@ -251,11 +252,15 @@ def _answer_group(
     by_engine: dict = {}  # tasks served by one engine pack together
     for p in prepared:
         if p.estimator is not None:
-            by_engine.setdefault(id(p.estimator.model_), (p.estimator.model_, []))[1].extend(p.groups)
+            by_engine.setdefault(id(p.estimator.model_), (p.estimator, []))[1].extend(p.groups)
     limits = limits_for(template_device(prepared))
-    for engine, groups in by_engine.values():
-        for one in pack(groups, limits):
-            _run_pack(engine, one)
+    for fitted, groups in by_engine.values():
+        packs = pack(groups, limits)
+        # Packs go to the estimator's devices in turn (:func:`.devices.spread`).
+        jobs = [lambda engine, device, one=one: _run_pack(engine, device, one) for one in packs]
+        for one, outputs in zip(packs, fitted._spread(jobs)):
+            for group, output in zip(one.groups, outputs):
+                group.output = output
             if report is not None:
                 _count(report, one)
     for p in prepared:
