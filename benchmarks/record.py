@@ -494,6 +494,8 @@ def render_many_tables(path: Path, document: dict) -> str:
     if settings.get("checkpoint_note"):
         lines.append(f"- checkpoints: {settings['checkpoint_note']}")
     lines.append(f"- accuracy reference: {many.reference_text(settings)}")
+    if settings.get("note"):
+        lines.append(f"- note: {settings['note']}")
     lines += ["", many.THROUGHPUT_LEGEND + ":", ""]
     lines.append(markdown_table(many.THROUGHPUT_COLUMNS, many.throughput_rows(document)))
     columns, rows = many.speedup_table(document)

@@ -34,6 +34,7 @@ from tabserve.bench.workloads import make_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
 QUICK = ["--device", "cpu", "--quick", "--model-size", "tiny", "--quiet"]
+NOTE = "a test run"
 
 
 def _record_module():
@@ -48,7 +49,7 @@ def _record_module():
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("many-tables")
-    argv = QUICK + ["--out", str(out), "--work-dir", str(out / "work")]
+    argv = QUICK + ["--out", str(out), "--work-dir", str(out / "work"), "--note", NOTE]
     assert cli.main(["many-tables", *argv]) == 0
     (path,) = out.glob("many_tables_*.json")
     assert path.name == "many_tables_cpu-quick.json"
@@ -178,7 +179,7 @@ def test_the_table_is_saved_and_renders_every_section(run):
     for title in ("Tables per second", many_report.SPEEDUP_TITLE, many_report.ACCURACY_TITLE,
                   many_report.PADDING_TITLE):  # fmt: skip
         assert title in text
-    assert "Errors" not in text
+    assert "Errors" not in text and f"note: {NOTE}" in text
     rows = [line for line in text.splitlines() if line.startswith(TABSERVE_PACKED)]
     assert len(rows) == 3  # two passes and the accuracy row
 
@@ -189,7 +190,7 @@ def test_record_py_renders_a_many_tables_section(run, tmp_path):
     page = record.render_results([path])
     assert "## Many tables: " in page
     assert "| tabserve-packed | ok | 2 warm |" in page
-    assert "Padding of tabserve-packed" in page
+    assert "Padding of tabserve-packed" in page and f"- note: {NOTE}" in page
     output = tmp_path / "results.md"
     assert record.main([str(path), "-o", str(output)]) == 0
     assert record.main(["--check", str(path), "-o", str(output)]) == 0

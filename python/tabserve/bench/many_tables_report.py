@@ -215,6 +215,7 @@ def header(document: dict) -> list:
         *population_lines(document),
         f"checkpoints: {settings['checkpoint_note']}",
         f"accuracy reference: {reference_text(settings)}",
+        *([f"note: {settings['note']}"] if settings.get("note") else []),
     ]
 
 

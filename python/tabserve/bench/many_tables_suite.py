@@ -4,7 +4,7 @@ A loop of fresh estimators and ``fit_predict_many`` answer the same tasks, timed
 
 ``python -m tabserve.bench many-tables [--device cpu|cuda|auto] [--tables N] [--quick]
 [--engines ...] [--model-size full|tiny] [--out DIR] [--seed S] [--checkpoint CLF
---regressor-checkpoint REG] [--timeout S] [--compile-timeout S]``
+--regressor-checkpoint REG] [--timeout S] [--compile-timeout S] [--note TEXT]``
 
 The population (:mod:`.many_tables_population`, seeded with ``numpy.random.RandomState(seed)``):
 1,000 tasks with a GPU, train rows 32-2,048 and test rows 8-512 drawn log-uniformly, 3-60
@@ -221,6 +221,9 @@ def parse_args(argv):
     add_checkpoint_arguments(p)
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds per engine job")
     p.add_argument("--compile-timeout", type=float, help="seconds a job waits for compiles")
+    p.add_argument(
+        "--note", help="a sentence the record keeps and shows (what else ran on the machine, say)"
+    )
     p.add_argument("--work-dir", type=Path, help="keep job folders here (default: temporary)")
     p.add_argument("--quiet", action="store_true")
     args = p.parse_args(argv)
@@ -252,6 +255,7 @@ def _settings(args, run_dir: Path, tasks: set) -> dict:
         "timeout_s": args.timeout,
         "compile_timeout_s": args.compile_timeout,
         "work_dir": str(run_dir) if args.work_dir else None,
+        "note": args.note,
     }
 
 
@@ -270,6 +274,8 @@ def _measure(args, argv: list, say: Callable) -> dict:
 def _run(args, argv: list, say: Callable, run_dir: Path, specs: list) -> dict:
     tasks = {s.index: s.task for s in specs}
     settings = _settings(args, run_dir, set(tasks.values()))
+    # the commit and versions the engines start from: the tree may change while they run
+    environment = report.environment(("pandas",))
     say(
         f"[many-tables] {settings['device']}{' (quick)' if args.quick else ''}: {len(specs)} "
         f"tables ({settings['population']['name']} population); checkpoints: "
@@ -285,7 +291,7 @@ def _run(args, argv: list, say: Callable, run_dir: Path, specs: list) -> dict:
     return {
         "schema": SCHEMA,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "environment": report.environment(("pandas",)),
+        "environment": environment,
         "settings": settings,
         "command": " ".join([COMMAND, *argv]),
         "population": describe(specs),
