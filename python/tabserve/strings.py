@@ -394,4 +394,7 @@ def _buffer_tensor(buffer, dtype: torch.dtype, start: int, count: Optional[int])
         return torch.empty(0, dtype=dtype)
     with warnings.catch_warnings():  # Arrow buffers are read-only; tabserve never writes them
         warnings.simplefilter("ignore", UserWarning)
-        return torch.frombuffer(buffer, dtype=dtype, count=count, offset=start * itemsize)
+        # Through a memoryview: an immutable Arrow buffer (over bytes, a memory-mapped file or
+        # Ray's object store) refuses the buffer request torch.frombuffer makes of it directly.
+        view = memoryview(buffer)
+        return torch.frombuffer(view, dtype=dtype, count=count, offset=start * itemsize)

@@ -106,6 +106,15 @@ def test_from_arrow_chunked_and_empty():
         StringColumn.from_arrow(pa.array([1, 2]))
 
 
+def test_from_arrow_reads_immutable_buffers_without_a_copy():
+    offsets = pa.py_buffer(np.array([0, 3, 3, 5], dtype=np.int64).tobytes())
+    data = pa.py_buffer(b"abcde")  # immutable, as in a memory-mapped file or Ray's object store
+    array = pa.LargeStringArray.from_buffers(3, offsets, data)
+    column = StringColumn.from_arrow(array)
+    assert column.to_pylist() == ["abc", "", "de"]
+    assert column.data.data_ptr() == data.address
+
+
 def test_to_gives_own_storage_at_offset_zero():
     values = ["abc", "de", None, "f"]
     column = StringColumn.from_arrow(pa.array(values, type=pa.large_string()).slice(1, 3))
