@@ -510,8 +510,13 @@ class TabICLv2(nn.Module):
         if X.shape[1] == y_train.shape[1]:  # no test rows: nothing to predict
             return self.no_predictions(X, num_classes)
         y_train = y_train.to(X.dtype)
-        R = self._representations(X, y_train, max(num_classes, self.config.max_classes))
-        return self._read_out(R, y_train, num_classes, return_logits, softmax_temperature)
+        if num_classes > self.config.max_classes:
+            R = self._representations(X, y_train, num_classes)
+            return self._read_out(R, y_train, num_classes, return_logits, softmax_temperature)
+        raw = self.forward_raw(X, y_train)  # the one-output network's single entry point
+        if self.is_regressor:
+            return raw
+        return self.classify(raw, num_classes, return_logits, softmax_temperature)
 
     def _read_out(
         self, R: Tensor, y_train: Tensor, num_classes: int, return_logits: bool, temperature: float
