@@ -61,7 +61,8 @@ ensure_python_packages() {
   local pairs=(numpy:numpy pandas:pandas pyarrow:pyarrow sklearn:scikit-learn pytest:pytest
                platformdirs:platformdirs huggingface_hub:huggingface_hub
                safetensors:safetensors rich:rich matplotlib:matplotlib ninja:ninja
-               setuptools:setuptools tabicl:tabicl==2.2.0)
+               setuptools:setuptools tabicl:tabicl==2.2.0
+               'ray.data:ray[data]>=2.59,<2.64')
   local wanted=()
   for pair in "${pairs[@]}"; do
     "$PY" -c "import ${pair%%:*}" 2>/dev/null || wanted+=("${pair#*:}")
