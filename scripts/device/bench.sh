@@ -19,6 +19,9 @@
 #   soak      benchmarks/soak.py (SOAK_PRESET: serve through a preset; SOAK_SECONDS)
 #   soak-estimators  benchmarks/soak.py --estimators: fresh classifiers with the default recipe,
 #             background compiles included (SOAK_SIZE, default tiny; SOAK_SECONDS)
+#   estimators  the estimator suite (`python -m tabserve.bench estimators`, tabicl in the same
+#             run) with ESTIMATOR_ARGS (default: every kind, recipe auto, 3 repeats), in $OUT/estimators
+#   many-tables  the many-tables suite with MANY_ARGS (default: 60 tables), in $OUT/many-tables
 #   pytest    PYTEST_ARGS (default: the CUDA tests, -m cuda test/python)
 #   sanitize  compute-sanitizer over the kernels' CUDA tests (check.sh's sanitize stage)
 #   ncu       Nsight Compute over scripts/device/ncu_probe.py (NCU_ARGS, NCU_KERNELS)
@@ -103,6 +106,17 @@ for part in "$@"; do
         --size "${SOAK_SIZE:-tiny}" --max-seconds "${SOAK_SECONDS:-$(left $((LIMIT - 60)))}" \
         --json "$OUT/soak-estimators-cuda.json" >"$LOG/soak-estimators.log" 2>&1
       echo "soak-estimators rc=$?"; tail -30 "$LOG/soak-estimators.log" ;;
+    estimators)
+      # shellcheck disable=SC2086  # ESTIMATOR_ARGS is a word list
+      timeout "$(left "$LIMIT")" python3 -m tabserve.bench estimators --device cuda --quiet \
+        ${ESTIMATOR_ARGS:---recipes auto --repeats 3} --out "$OUT/estimators" \
+        >"$LOG/estimators.log" 2>&1
+      echo "estimators rc=$?"; tail -40 "$LOG/estimators.log" | cut -c1-220 ;;
+    many-tables)
+      # shellcheck disable=SC2086  # MANY_ARGS is a word list
+      timeout "$(left "$LIMIT")" python3 -m tabserve.bench many-tables --device cuda \
+        ${MANY_ARGS:---tables 60} --out "$OUT/many-tables" >"$LOG/many-tables.log" 2>&1
+      echo "many-tables rc=$?"; tail -30 "$LOG/many-tables.log" | cut -c1-220 ;;
     pytest)
       # shellcheck disable=SC2086
       tests pytest "$(left $((LIMIT - 30)))" ${PYTEST_ARGS:--m cuda test/python} ;;
@@ -118,7 +132,7 @@ for part in "$@"; do
       grep -n "Duration\|Registers Per\|Achieved Occupancy\|Compute (SM) Throughput\|DRAM Throughput" \
         "$OUT/ncu-details.txt" | head -40 ;;
     *) echo "unknown argument $part: a workload ($WORKLOADS) or kernels, profile, align, soak, soak-estimators," \
-         "pytest, sanitize, ncu"; exit 2 ;;
+         "estimators, many-tables, pytest, sanitize, ncu"; exit 2 ;;
   esac
 done
 echo "== done (${SECONDS}s)"

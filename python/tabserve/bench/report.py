@@ -106,8 +106,11 @@ def cpu_name() -> str:
 
 def git_commit() -> str | None:
     """Short commit of the checkout this package runs from, with ``+dirty`` when tracked files
-    differ from it (a copied working tree, e.g. on a lent GPU machine, can carry a stale HEAD);
-    None outside git."""
+    differ from it; None outside git. ``TABSERVE_COMMIT`` names it instead: a copied working
+    tree (on a lent GPU machine) carries a stale HEAD, so the command that copies it says which
+    commit the tree is."""
+    if os.environ.get("TABSERVE_COMMIT"):
+        return os.environ["TABSERVE_COMMIT"]
 
     def git(*args: str) -> str:
         return subprocess.run(
