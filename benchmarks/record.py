@@ -1,6 +1,6 @@
 """docs/results.md, rendered from the measured records under ``benchmarks/results/``.
 
-The records are JSON files of three kinds, told apart by their content:
+The records are JSON files of several kinds, told apart by their content:
 
 * a driver record (``schema`` ``tabserve.bench.tabiclv2/...``): one per device, e.g. ``h200.json``
   and ``cpu.json`` (the driver's JSON, merged with ``python -m tabserve.bench --merge``), with its
@@ -10,6 +10,8 @@ The records are JSON files of three kinds, told apart by their content:
 * a many-tables record (``schema`` ``tabserve.bench.many_tables/...``,
   ``python -m tabserve.bench many-tables``): a population of small tables answered by loops of
   estimators and by ``fit_predict_many``;
+* a device-scaling record (``schema`` ``tabserve.bench.device_scaling/...``,
+  ``python -m tabserve.bench devices``): the estimators on 1, 2, 4 and 8 devices of one host;
 * the string-lookup sweep (``benchmarks/string_lookup.py``, ``"benchmark": "string_lookup"``);
 * the category-alignment sweep (``benchmarks/align_categories.py``,
   ``"benchmark": "align_categories"``).
@@ -36,6 +38,7 @@ import sys
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
+from tabserve.bench import device_scaling as scaling
 from tabserve.bench import estimator_report as suite
 from tabserve.bench import many_tables_report as many
 from tabserve.bench.report import format_x
@@ -100,15 +103,16 @@ def load(paths: Iterable[str | Path]) -> list[tuple[Path, dict]]:
     order = {
         "estimator_suite": 0,
         "many_tables": 1,
-        "driver": 2,
-        "string_lookup": 3,
-        "align_categories": 4,
+        "device_scaling": 2,
+        "driver": 3,
+        "string_lookup": 4,
+        "align_categories": 5,
     }
     return sorted(records, key=lambda item: (order[kind(item[1])], item[0].name))
 
 
 def kind(document: object) -> str | None:
-    """``"estimator_suite"``, ``"many_tables"``, ``"driver"``, ``"string_lookup"``,
+    """``"estimator_suite"``, ``"many_tables"``, ``"device_scaling"``, ``"driver"``, ``"string_lookup"``,
     ``"align_categories"`` or None (not a record)."""
     if not isinstance(document, dict):
         return None
@@ -116,6 +120,8 @@ def kind(document: object) -> str | None:
         return "estimator_suite"
     if str(document.get("schema", "")).startswith(MANY_TABLES_SCHEMA):
         return "many_tables"
+    if str(document.get("schema", "")).startswith(scaling.SCHEMA.split("/")[0] + "/"):
+        return "device_scaling"
     if str(document.get("schema", "")).startswith(DRIVER_SCHEMA):
         return "driver"
     if document.get("benchmark") in ("string_lookup", "align_categories"):
@@ -512,9 +518,33 @@ def render_many_tables(path: Path, document: dict) -> str:
     return "\n".join(lines)
 
 
+def render_device_scaling(path: Path, document: dict) -> str:
+    """The device-scaling suite's table and targets (:mod:`tabserve.bench.device_scaling`)."""
+    settings = document.get("settings", {})
+    lines = _record_header(f"Device scaling: {device_name(document)}", path, document)
+    if document.get("command"):
+        lines.append(f"- command: `{document['command']}`")
+    for cell, description in settings.get("cells", {}).items():
+        lines.append(f"- {cell}: {description}")
+    if settings.get("checkpoint_note"):
+        lines.append(f"- checkpoints: {settings['checkpoint_note']}")
+    lines += [
+        "",
+        f"Medians of {settings.get('repeats')} calls after a warm-up call and the background "
+        "compiles; speed-up over one device, answers against one device's:",
+        "",
+        markdown_table(scaling.COLUMNS, scaling.rows(document)),
+    ]
+    targets = scaling.target_rows(document)
+    if targets:
+        lines += ["", "Targets:", "", markdown_table(scaling.TARGET_COLUMNS, targets)]
+    return "\n".join(lines)
+
+
 RENDERERS = {
     "estimator_suite": render_estimator_suite,
     "many_tables": render_many_tables,
+    "device_scaling": render_device_scaling,
     "driver": render_driver,
     "string_lookup": render_string_lookup,
     "align_categories": render_align,

@@ -13,7 +13,8 @@ import torch
 from tabicl_helpers import reference_checkpoint, requires_cuda
 from tabserve.models.tabicl import TabICLClassifier, TabICLRegressor
 from tabserve.models.tabicl.sklearn import devices as spreading
-from tabserve.models.tabicl.sklearn.devices import resolve_devices
+from tabserve.models.tabicl.network.model import TabICLv2Cache
+from tabserve.models.tabicl.sklearn.devices import choose_split, moved_to, resolve_devices, row_blocks
 
 TWO_CPUS = ["cpu", "cpu"]
 
@@ -125,9 +126,132 @@ def test_a_spread_estimator_pickles_with_its_devices():
     np.testing.assert_array_equal(again.predict_proba(X_test), two.predict_proba(X_test))
 
 
+def _busiest(chunks, devices, rows_per_call):
+    """Member-rows of the busiest device, counted by hand for the tests below."""
+    per_device = [sum(chunks[i::devices]) for i in range(devices)]
+    return max(per_device) * rows_per_call
+
+
+def test_the_split_follows_the_busiest_device():
+    # One-shot, 8 members in 4 chunks of 2 on 2 devices, 500 train and 100 test rows: members
+    # give each device 4 members over 600 rows; rows 8 members over 550.
+    assert _busiest([2, 2, 2, 2], 2, 600) < 8 * 550
+    assert choose_split("auto", [2, 2, 2, 2], 2, 500, 100, None, cached=False) == "members"
+    # KV-cached, two chunks of 4 on 3 devices, 9,000 test rows: members leave the third device
+    # idle (4 x 9,000 on the busiest), rows give every device 8 x 3,000.
+    assert 8 * 3000 < _busiest([4, 4], 3, 9000)
+    assert choose_split("auto", [4, 4], 3, 500, 9000, None, cached=True) == "rows"
+    # The same without the cache: each device runs the 500 train rows again, still fewer.
+    assert choose_split("auto", [4, 4], 3, 500, 9000, None, cached=False) == "rows"
+    # ... but not for 30 test rows: 8 x (500 + 10) > 4 x (500 + 30).
+    assert choose_split("auto", [4, 4], 3, 500, 30, None, cached=False) == "members"
+    # Test-row chunks of 1,000 run the train rows once per chunk: members 4 x (9 x 5,000 +
+    # 9,000) = 216,000 against rows 8 x (3 x 5,000 + 3,000) = 144,000.
+    assert choose_split("auto", [4, 4], 3, 5000, 9000, 1000, cached=False) == "rows"
+    # Fewer members than devices: rows.
+    assert choose_split("auto", [1], 2, 100, 50, None, cached=False) == "rows"
+    # Forced, except where a device would get no row; one device never splits.
+    assert choose_split("rows", [2, 2, 2, 2], 2, 500, 100, None, cached=False) == "rows"
+    assert choose_split("members", [4, 4], 3, 500, 9000, None, cached=True) == "members"
+    assert choose_split("rows", [1], 4, 100, 3, None, cached=False) == "members"
+    assert choose_split("rows", [8], 1, 100, 300, None, cached=False) == "members"
+    assert row_blocks(10, 3) == [(0, 4), (4, 7), (7, 10)] and row_blocks(2, 2) == [(0, 1), (1, 2)]
+
+
+def _recording_spread(monkeypatch) -> list:
+    calls = []
+    original = spreading.spread
+
+    def recording(jobs, devices, engines):
+        calls.append(len(jobs))
+        return original(jobs, devices, engines)
+
+    monkeypatch.setattr("tabserve.models.tabicl.sklearn.estimators.spread", recording)
+    return calls
+
+
+@pytest.mark.parametrize("kv_cache", [False, True, "repr"])
+@pytest.mark.parametrize("chunk_rows", [None, 7])
+def test_a_prediction_split_by_rows_answers_as_one_device(kv_cache, chunk_rows, monkeypatch):
+    X, y, X_test = _data(2)
+    params = {"kv_cache": kv_cache, "test_chunk_rows": chunk_rows}
+    expected = _classifier("cpu", **params).fit(X, y).predict_proba(X_test)
+    two = _classifier(TWO_CPUS, device_split="rows", **params).fit(X, y)
+    calls = _recording_spread(monkeypatch)
+    np.testing.assert_allclose(two.predict_proba(X_test), expected, atol=1e-6, rtol=0)
+    assert calls == [2]  # one block of rows per device, every member in it
+    calls.clear()
+    np.testing.assert_allclose(
+        two.set_params(device_split="members").predict_proba(X_test), expected, atol=1e-6, rtol=0
+    )
+    assert calls and calls[0] >= 2 and len(calls) == (1 if chunk_rows is None else 3)
+
+
+def test_the_regressor_splits_by_rows_too():
+    X, y, X_test = _data(3, classes=0)
+    path = reference_checkpoint("reg", "tiny")
+    kinds = ["mean", "quantiles"]
+    one = TabICLRegressor(model_path=path, device="cpu", n_estimators=4, kv_cache=True).fit(X, y)
+    two = TabICLRegressor(
+        model_path=path, device=TWO_CPUS, n_estimators=4, kv_cache=True, device_split="rows"
+    ).fit(X, y)
+    expected, got = one.predict(X_test, output_type=kinds), two.predict(X_test, output_type=kinds)
+    for kind in kinds:
+        np.testing.assert_allclose(got[kind], expected[kind], rtol=1e-6, atol=1e-6)
+
+
+def test_auto_splits_an_uneven_cached_plan_by_rows(monkeypatch):
+    # Three members in chunks of one on two devices: members give one device two of them, rows
+    # give each three members over half the rows.
+    X, y, X_test = _data(4)
+    expected = _classifier("cpu", kv_cache=True).set_params(n_estimators=3).fit(X, y).predict_proba(X_test)
+    two = _classifier(TWO_CPUS, kv_cache=True).set_params(n_estimators=3).fit(X, y)
+    chunks = [c for method in two.plan_ for c in [1] * len(two.plan_[method])]
+    assert two._split(len(X_test)) == "rows" == choose_split("auto", chunks, 2, 70, 20, None, True)
+    calls = _recording_spread(monkeypatch)
+    np.testing.assert_allclose(two.predict_proba(X_test), expected, atol=1e-6, rtol=0)
+    assert calls == [2]
+
+
+def test_caches_follow_the_estimator_to_another_count_of_devices():
+    # Fitted on two devices the members' caches are built in chunks of one; unpickled on one
+    # device, the prediction reads them in the same chunks.
+    X, y, X_test = _data(5)
+    two = _classifier(TWO_CPUS, kv_cache=True).fit(X, y)
+    expected = two.predict_proba(X_test)
+    one = pickle.loads(pickle.dumps(pickle.loads(pickle.dumps(two)).set_params(device="cpu")))
+    assert one.devices_ == (torch.device("cpu"),)
+    assert all(len(one.cache_[m]) == len(two.cache_[m]) for m in two.plan_)
+    np.testing.assert_allclose(one.predict_proba(X_test), expected, atol=1e-6, rtol=0)
+
+
+def test_a_cache_is_copied_to_another_device_once():
+    X, y, _ = _data(6)
+    clf = _classifier("cpu", kv_cache=True).fit(X, y)
+    method = next(iter(clf.plan_))
+    built = clf.cache_[method][0]
+    assert clf._cache_on(method, 0, torch.device("cpu")) is built  # where it was built: itself
+    meta = torch.device("meta")
+    copy = clf._cache_on(method, 0, meta)
+    assert copy is clf._cache_on(method, 0, meta)  # kept, not copied again
+    assert isinstance(copy, type(built)) and copy.n_train == built.n_train
+    assert copy.icl[0][0].device == meta and copy.icl[0][0].shape == built.icl[0][0].shape
+    assert not getattr(pickle.loads(pickle.dumps(clf)), "_cache_copies", {})  # never pickled
+
+
+def test_moved_to_walks_caches_and_shares_what_is_already_there():
+    k = torch.randn(2, 3)
+    cache = TabICLv2Cache(col=[(k, k + 1)], icl=[(k * 2, k * 3)], n_train=5, n_features=3, num_classes=2)
+    same = moved_to(cache, torch.device("cpu"))
+    assert same.col[0][0] is k and same.n_train == 5
+    moved = moved_to(cache, torch.device("meta"))
+    assert moved.icl[0][1].device == torch.device("meta") and cache.icl[0][1].device == k.device
+
+
 @requires_cuda
 def test_a_list_naming_one_gpu_twice_answers_as_that_gpu():
     X, y, X_test = _data()
     one = _classifier("cuda", recipe="exact").fit(X, y)
-    twice = _classifier(["cuda:0", "cuda:0"], recipe="exact").fit(X, y)
-    np.testing.assert_allclose(twice.predict_proba(X_test), one.predict_proba(X_test), atol=1e-5, rtol=0)
+    for split in ("members", "rows"):
+        twice = _classifier(["cuda:0", "cuda:0"], recipe="exact", device_split=split).fit(X, y)
+        np.testing.assert_allclose(twice.predict_proba(X_test), one.predict_proba(X_test), atol=1e-5, rtol=0)

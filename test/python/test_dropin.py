@@ -87,6 +87,7 @@ def test_bad_reference_arguments_name_themselves_and_leave_the_estimator_as_it_w
         ({"n_estimators": 0}, ValueError, "n_estimators must be an integer >= 1, got 0"),
         ({"batch_size": 0}, ValueError, "batch_size must be None or an integer >= 1, got 0"),
         ({"test_chunk_rows": -5}, ValueError, "test_chunk_rows must be None or an integer >= 1"),
+        ({"device_split": "tables"}, ValueError, "device_split must be one of"),
         ({"norm_methods": ["power", "zscore"]}, ValueError, "unsupported normalisation method 'zscore'"),
         ({"feat_shuffle_method": "sorted"}, ValueError, "feat_shuffle_method: unknown shuffle method"),
         ({"class_shuffle_method": 1}, ValueError, "class_shuffle_method: unknown shuffle method"),

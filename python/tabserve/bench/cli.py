@@ -2,10 +2,11 @@
 ``benchmarks/benchmark_tabiclv2.py``). ``--help`` lists the options; docs/guide/serving.md
 explains the cells and the output.
 
-The driver has three suites: the raw-model cells (``python -m tabserve.bench [options]``), the
-estimator suite (``python -m tabserve.bench estimators [options]``, :mod:`.estimator_suite`) and
+The driver has four suites: the raw-model cells (``python -m tabserve.bench [options]``), the
+estimator suite (``python -m tabserve.bench estimators [options]``, :mod:`.estimator_suite`),
 the many-tables suite (``python -m tabserve.bench many-tables [options]``,
-:mod:`.many_tables_suite`).
+:mod:`.many_tables_suite`) and the device-scaling suite (``python -m tabserve.bench devices
+[options]``, :mod:`.device_scaling`).
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ SKIPPABLE_PHASES = ("kv", "end_to_end")
 SUITES = {
     "estimators": "tabserve.bench.estimator_suite",
     "many-tables": "tabserve.bench.many_tables_suite",
+    "devices": "tabserve.bench.device_scaling",
 }
 #: The console script's name, in error messages.
 PROG = "tabserve-bench"
@@ -65,7 +67,8 @@ def parse_args(argv):
         prog="python -m tabserve.bench",
         description=__doc__.split("\n")[0],
         epilog="the other suites' options:\n  python -m tabserve.bench estimators --help\n"
-        "  python -m tabserve.bench many-tables --help",
+        "  python -m tabserve.bench many-tables --help\n"
+        "  python -m tabserve.bench devices --help",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--version", action="version", version=f"tabserve {tabserve.__version__}")

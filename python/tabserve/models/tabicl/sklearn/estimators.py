@@ -65,7 +65,7 @@ from ..serving.background import foreground
 from ..serving.model_cache import served_model
 from ..serving.options import auto_options, describe, resolve_options, user_cache_dir
 from . import many
-from .devices import resolve_devices, spread
+from .devices import SPLITS, choose_split, first_tensor, moved_to, resolve_devices, row_blocks, spread
 from .preprocessing import (
     NORM_METHODS,
     SHUFFLE_METHODS,
@@ -114,6 +114,25 @@ def _check_count(name: str, value, allow_none: bool = True) -> None:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
         some = "None or an integer" if allow_none else "an integer"
         raise ValueError(f"{name} must be {some} >= 1, got {value!r}")
+
+
+def _check_split(value) -> None:
+    if not (isinstance(value, str) and value in SPLITS):
+        raise ValueError(f"device_split must be one of {SPLITS}, got {value!r}")
+
+
+def _by_rows(rows: Tensor, step: int | None, predict):
+    """``predict(part)`` on ``step`` rows at a time (all at once for None), joined."""
+    if step is None or rows.shape[0] <= step:
+        return predict(rows)
+    return _joined([predict(rows[i : i + step]) for i in range(0, rows.shape[0], step)])
+
+
+def _joined(parts: list):
+    """Answers of consecutive row blocks (tensors, or dicts of them) as one."""
+    if isinstance(parts[0], dict):
+        return {kind: torch.cat([p[kind] for p in parts]) for kind in parts[0]}
+    return torch.cat(parts)
 
 
 def _is_fitted_name(name: str) -> bool:
@@ -228,6 +247,7 @@ class _TabICLBase(BaseEstimator):
         _check_count("n_estimators", self.n_estimators, allow_none=False)
         _check_count("batch_size", self.batch_size)
         _check_count("test_chunk_rows", self.test_chunk_rows)
+        _check_split(self.device_split)
         methods = self.norm_methods or ()  # None or empty: the default methods
         methods = [methods] if isinstance(methods, str) else list(methods)
         unknown = [m for m in methods if m not in NORM_METHODS]
@@ -351,6 +371,7 @@ class _TabICLBase(BaseEstimator):
         state = dict(super().__getstate__())  # a copy: object.__getstate__ is the live dict
         keep = state.pop("_save", SaveChoices())
         state.pop("model_", None)
+        state.pop("_cache_copies", None)
         if "plan_" not in state:
             return state
         fitted = {name: state.pop(name) for name in list(state) if _is_fitted_name(name)}
@@ -373,6 +394,7 @@ class _TabICLBase(BaseEstimator):
         on the device :meth:`load` names; a fit on another kind of device serves ``recipe`` as
         a fit there would, and its KV cache is rebuilt from the training data."""
         state = dict(state)
+        state.setdefault("device_split", "auto")  # a pickle written without the argument
         fitted = state.pop("_fitted", None)
         embedded = state.pop("_checkpoint", None)
         super().__setstate__(state)
@@ -504,6 +526,7 @@ class _TabICLBase(BaseEstimator):
         }
         self.y_train_ = y
         self.cache_ = None
+        self._cache_copies = {}
         if self.kv_cache:
             self.cache_ = self._build_caches()
 
@@ -530,7 +553,23 @@ class _TabICLBase(BaseEstimator):
         built: dict = {method: [] for method in self.plan_}
         for method, cache in zip(methods, caches):
             built[method].append(cache.value)
+        # The members per chunk the caches were built with: a prediction reads the chunks alike
+        # even where it runs on another count of devices (an estimator unpickled elsewhere).
+        self.cache_steps_ = {method: self._step(members) for method, members in self.plan_.items()}
         return built
+
+    def _cache_on(self, method: str, index: int, device: torch.device):
+        """Chunk ``index`` of ``method``'s KV cache on ``device``: the one built there, else a
+        copy made at the first call that needs it and kept (a prediction split by test rows runs
+        every chunk on every device; an unpickled estimator holds its caches on ``device_``)."""
+        cache = self.cache_[method][index]
+        if first_tensor(cache).device == device:
+            return cache
+        copies = self.__dict__.setdefault("_cache_copies", {})
+        key = (method, index, device)
+        if key not in copies:  # two callers may both copy: one copy is kept, both answer alike
+            copies[key] = moved_to(cache, device)
+        return copies[key]
 
     def _chunks(self, method: str, X_test: Tensor | None):
         """Member tables of one normalisation group, ``batch_size`` members at a time.
@@ -595,9 +634,10 @@ class _TabICLBase(BaseEstimator):
         devices = len(getattr(self, "devices_", ()) or (None,))
         return min(step, -(-len(members) // devices))
 
-    def _member_outputs(self, X_test: Tensor, run, run_cached) -> list:
+    def _member_outputs(self, X_test: Tensor, run, run_cached, on: tuple | None = None) -> list:
         """Per-member outputs in plan order, from ``run(engine, X, y)`` or
-        ``run_cached(engine, X_test, cache)``, chunks spread over ``devices_``."""
+        ``run_cached(engine, X_test, cache)``: chunks spread over ``devices_``, or all run on
+        ``on = (engine, device)`` in this thread (a block of a prediction split by rows)."""
         jobs = []
         for method, members in self.plan_.items():
             if self.cache_ is None:
@@ -609,26 +649,54 @@ class _TabICLBase(BaseEstimator):
             X_members = member_tables(
                 self.preprocessors_[method].transform(X_test), members
             ).float()
-            step = self._step(members)
-            for start, cache in zip(range(0, len(members), step), self.cache_[method]):
+            step = self._cache_step(method)
+            for index, start in enumerate(range(0, len(members), step)):
                 part = X_members[start : start + step]
                 jobs.append(
-                    lambda engine, device, part=part, cache=cache: run_cached(engine, part.to(device), cache)
+                    lambda engine, device, part=part, method=method, index=index: run_cached(
+                        engine, part.to(device), self._cache_on(method, index, device)
+                    )
                 )
+        if on is not None:
+            return [job(*on) for job in jobs]
         return self._spread(jobs)
 
+    def _cache_step(self, method: str) -> int:
+        steps = getattr(self, "cache_steps_", None)  # absent from pickles of one device
+        return steps[method] if steps else self._step(self.plan_[method])
+
+    def _split(self, n_test: int) -> str:
+        """``"members"`` or ``"rows"`` for a prediction of ``n_test`` rows
+        (:func:`.devices.choose_split` over this estimator's chunks)."""
+        if len(self.devices_) == 1:
+            return "members"
+        chunks = []
+        for method, members in self.plan_.items():
+            step = self._cache_step(method) if self.cache_ is not None else self._step(members)
+            chunks += [len(members[i : i + step]) for i in range(0, len(members), step)]
+        n_train = 0 if self.y_train_ is None else self.y_train_.shape[0]  # None: cached
+        cached = self.cache_ is not None
+        return choose_split(
+            self.device_split, chunks, len(self.devices_), n_train, n_test, self.test_chunk_rows, cached
+        )
+
     def _by_test_chunks(self, X_test: Tensor, predict_rows):
-        """``predict_rows(rows)`` on ``test_chunk_rows`` test rows at a time, concatenated along
-        the rows: a test row's answer depends on the train rows alone, so the numbers are one
-        call's, and the memory a call holds is bounded by the chunk's."""
+        """``predict_rows(rows, on)`` on ``test_chunk_rows`` test rows at a time, concatenated
+        along the rows: a test row's answer depends on the train rows alone, so the numbers are
+        one call's, and the memory a call holds is bounded by the chunk's. Split by rows over
+        several devices, each device's block of rows runs there (``on = (engine, device)``)."""
         step = self.test_chunk_rows
         _check_count("test_chunk_rows", step)  # set_params may change it after fit
-        if step is None or X_test.shape[0] <= step:
-            return predict_rows(X_test)
-        parts = [predict_rows(X_test[i : i + step]) for i in range(0, X_test.shape[0], step)]
-        if isinstance(parts[0], dict):
-            return {kind: torch.cat([p[kind] for p in parts]) for kind in parts[0]}
-        return torch.cat(parts)
+        _check_split(self.device_split)
+        if self._split(X_test.shape[0]) == "rows":
+            jobs = [
+                lambda engine, device, rows=X_test[a:b]: _by_rows(
+                    rows, step, lambda part: predict_rows(part, (engine, device))
+                )
+                for a, b in row_blocks(X_test.shape[0], len(self.devices_))
+            ]
+            return _joined(self._spread(jobs))
+        return _by_rows(X_test, step, lambda part: predict_rows(part, None))
 
     def __sklearn_tags__(self):
         tags = super().__sklearn_tags__()
@@ -649,8 +717,11 @@ class TabICLClassifier(ClassifierMixin, _TabICLBase):
     ``offload_mode="auto"``, ``disk_offload_dir=None``, ``random_state=42``, ``n_jobs=None``,
     ``verbose=False``, ``inference_config=None`` (module docstring);
     tabserve's own: ``recipe=None`` (``"auto"`` on CUDA, ``exact`` on the CPU), ``allow_fp8=True``,
-    ``bucket_grid=None`` (module docstring) and ``test_chunk_rows=None``: predict that many test
-    rows per model call at most (bounded memory for very many test rows, the same answers).
+    ``bucket_grid=None`` (module docstring), ``test_chunk_rows=None``: predict that many test
+    rows per model call at most (bounded memory for very many test rows, the same answers), and
+    ``device_split="auto"``: with several devices, split a prediction by ensemble members
+    (``"members"``) or by test rows (``"rows"``, the KV cache copied to each device);
+    ``"auto"`` picks the split whose busiest device has less work (:mod:`.devices`).
     """
 
     _classification = True
@@ -683,6 +754,7 @@ class TabICLClassifier(ClassifierMixin, _TabICLBase):
         allow_fp8: bool = True,
         bucket_grid=None,
         test_chunk_rows: int | None = None,
+        device_split: str = "auto",
     ):
         self.n_estimators = n_estimators
         self.norm_methods = norm_methods
@@ -710,6 +782,7 @@ class TabICLClassifier(ClassifierMixin, _TabICLBase):
         self.allow_fp8 = allow_fp8
         self.bucket_grid = bucket_grid
         self.test_chunk_rows = test_chunk_rows
+        self.device_split = device_split
 
     @_atomic_fit
     @_estimator_call
@@ -760,13 +833,14 @@ class TabICLClassifier(ClassifierMixin, _TabICLBase):
             "softmax_temperature": self.softmax_temperature,
         }
 
-        def probabilities(rows: Tensor) -> Tensor:
+        def probabilities(rows: Tensor, on) -> Tensor:
             return self._probabilities(
                 torch.cat(
                     self._member_outputs(
                         rows,
                         lambda engine, X_m, y_m: self._one_shot(engine, X_m, y_m, **kwargs),
                         lambda engine, X_m, cache: engine.forward_with_cache(X_m, cache, **kwargs),
+                        on,
                     )
                 )
             )
@@ -838,6 +912,7 @@ class TabICLRegressor(RegressorMixin, _TabICLBase):
         allow_fp8: bool = True,
         bucket_grid=None,
         test_chunk_rows: int | None = None,
+        device_split: str = "auto",
     ):
         self.n_estimators = n_estimators
         self.norm_methods = norm_methods
@@ -861,6 +936,7 @@ class TabICLRegressor(RegressorMixin, _TabICLBase):
         self.allow_fp8 = allow_fp8
         self.bucket_grid = bucket_grid
         self.test_chunk_rows = test_chunk_rows
+        self.device_split = device_split
 
     @_atomic_fit
     @_estimator_call
@@ -897,12 +973,13 @@ class TabICLRegressor(RegressorMixin, _TabICLBase):
         X_test = self._test_table(X)
         kinds = [output_type] if isinstance(output_type, str) else list(output_type)
 
-        def statistics(rows: Tensor) -> dict:
+        def statistics(rows: Tensor, on) -> dict:
             return self._statistics(
                 self._member_outputs(
                     rows,
                     lambda engine, X_m, y_m: quantile_stats(self._one_shot(engine, X_m, y_m), kinds, alphas),
                     lambda engine, X_m, cache: engine.predict_stats_with_cache(X_m, cache, kinds, alphas),
+                    on,
                 ),
                 kinds,
             )
