@@ -487,6 +487,9 @@ def render_estimator_suite(path: Path, document: dict) -> str:
         ]
         columns = ("engine", ">warm x tabicl", ">cold x tabicl", ">kinds")
         lines += ["", "Geometric means across kinds:", "", markdown_table(columns, rows)]
+    floor = suite.floor_table(document)
+    if floor:
+        lines += ["", f"{suite.FLOOR_TITLE}; {floor[0]}:", "", markdown_table(suite.FLOOR_COLUMNS, floor[1])]
     return "\n".join(lines)
 
 

@@ -104,6 +104,18 @@ def test_the_table_renders_and_is_saved(run):
     assert "Errors" not in text
 
 
+def test_the_floor_is_measured_in_the_run_and_each_cold_answer_set_against_it(run):
+    _, document = run
+    floor = document["floor"]
+    assert len(floor["samples_ms"]) == 3 and floor["median_ms"] == sorted(floor["samples_ms"])[1]
+    sentence, rows = estimator_report.floor_table(document)
+    assert sentence.startswith(f"floor {floor['median_ms'] / 1e3:.2f} s")
+    for row, r in zip(rows, document["results"]):
+        over = (r["cold"]["cold_ms"] - floor["median_ms"]) / 1e3
+        assert row[0] == r["kind"] and float(row[3]) == pytest.approx(over, abs=0.006)
+    assert estimator_report.floor_table(dict(document, floor=None)) is None
+
+
 def test_a_failing_engine_is_an_error_row(tmp_path):
     missing = tmp_path / "no-such.ckpt"
     argv = QUICK + ["--kinds", "small", "--recipes", "exact", "--out", str(tmp_path)]

@@ -127,6 +127,31 @@ def summary_rows(summary: dict) -> list:
     ]
 
 
+FLOOR_TITLE = (
+    "First answer over the floor (floor: a fresh process that imports torch and makes one "
+    "tensor on the device, timed from its spawn like cold s; over: an engine's cold s, and "
+    "restart s, less the floor)"
+)
+FLOOR_COLUMNS = ("kind", "engine", ">cold s", ">over floor s", ">restart s", ">restart over s")
+
+
+def floor_table(document: dict) -> tuple[str, list] | None:
+    """(the floor's sentence, rows of :data:`FLOOR_COLUMNS` per (kind, engine)), or None for a
+    record without the floor."""
+    floor = document.get("floor")
+    if not floor:
+        return None
+    base = floor["median_ms"]
+    rows = []
+    for r in document["results"]:
+        cold = (r.get("cold") or {}).get("cold_ms")
+        again = (r.get("restarted") or {}).get("cold_ms")
+        over = lambda ms: "-" if ms is None else f"{(ms - base) / 1e3:+.2f}"  # noqa: E731
+        rows.append([r["kind"], _engine_label(r), _seconds(cold), over(cold), _seconds(again), over(again)])
+    samples = ", ".join(f"{ms / 1e3:.2f}" for ms in floor["samples_ms"])
+    return f"floor {base / 1e3:.2f} s (median of {samples} s)", rows
+
+
 def _header(document: dict) -> list:
     settings, env = document["settings"], document["environment"]
     repeats = settings["repeats"]
@@ -162,6 +187,9 @@ def render(document: dict) -> str:
     summary = document.get("summary") or {}
     if summary:
         parts += ["", SUMMARY_TITLE, format_table(SUMMARY_COLUMNS, summary_rows(summary))]
+    floor = floor_table(document)
+    if floor:
+        parts += ["", f"{FLOOR_TITLE}; {floor[0]}", format_table(FLOOR_COLUMNS, floor[1])]
     failed = [r for r in document["results"] + many if r["status"] != "ok"]
     if failed:
         parts += _errors(failed)

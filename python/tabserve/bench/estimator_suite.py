@@ -50,6 +50,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -128,6 +130,27 @@ def run_kinds(run: Run, kinds: Sequence[Kind], engines: list, restart: bool) -> 
             results.append(result)
             run.done(f"{kind.name} / {engine}", result)
     return results
+
+
+#: The floor of a fresh process's first answer: the interpreter starts, imports torch and makes
+#: one tensor on the device (a CUDA context on a GPU); it prints when it has.
+FLOOR_SCRIPT = (
+    "import sys, time; import torch; torch.ones(1, device=sys.argv[1]).sum().item(); "
+    "print(time.time())"
+)
+
+
+def measure_floor(device: str, runs: int = 3) -> dict:
+    """The floor's time from spawn (like the jobs' cold figures), ``runs`` fresh processes."""
+    samples = []
+    for _ in range(runs):
+        spawned = time.time()
+        done = subprocess.run(
+            [sys.executable, "-c", FLOOR_SCRIPT, device],
+            capture_output=True, text=True, timeout=300, check=True,
+        )  # fmt: skip
+        samples.append((float(done.stdout.split()[-1]) - spawned) * 1e3)
+    return {"samples_ms": samples, "median_ms": statistics.median(samples)}
 
 
 def run_predict_many(run: Run, engines: list, sizes: list) -> list:
@@ -298,6 +321,7 @@ def merge(paths: list) -> dict:
     engines = list(dict.fromkeys(e for d in documents for e in d["settings"]["engines"]))
     recipes = list(dict.fromkeys(r for d in documents for r in d["settings"]["recipes"]))
     many = next((d for d in reversed(documents) if d.get("predict_many")), None)
+    floor = next((d["floor"] for d in reversed(documents) if d.get("floor")), None)
     commits = dict.fromkeys(
         c.strip()
         for d in documents
@@ -322,6 +346,7 @@ def merge(paths: list) -> dict:
         "kinds": sorted(kinds.values(), key=lambda k: rank(k["name"], len(KINDS))),
         "results": merged,
         "predict_many": predict_many,
+        "floor": floor,
         "summary": summarize(merged, engines),
     }
 
@@ -422,6 +447,8 @@ def _measure(args, argv: list, say) -> dict:
         "compile_timeout_s": args.compile_timeout,
     }
     run = Run(spec, settings["checkpoints"], run_dir, args.timeout, say)
+    floor = measure_floor(device)
+    say(f"  floor (import torch, one tensor on {device}): {floor['median_ms'] / 1e3:.2f} s")
     results = run_kinds(run, kinds, engines, args.restart)
     sizes = settings["predict_sizes"]
     many = run_predict_many(run, engines, sizes) if sizes else []
@@ -436,6 +463,7 @@ def _measure(args, argv: list, say) -> dict:
         "kinds": [k.as_dict(quick) for k in kinds],
         "results": results,
         "predict_many": many,
+        "floor": floor,
         "summary": summarize(results, engines),
     }
 
