@@ -99,7 +99,7 @@ def test_the_table_renders_and_is_saved(run):
     for column in ("cold s", "warm ms", "x tabicl", "x fp32", "accuracy vs tabicl-fp32"):
         assert column in header
     rows = [line for line in lines if line.startswith("small") and "tabserve-exact" in line]
-    assert len(rows) == 1 and "dp " in rows[0]
+    assert len(rows) == 2 and "dp " in rows[0]  # the suite's row, then the floor table's
     assert "Speed-ups, geometric mean across kinds" in text
     assert "Errors" not in text
 
@@ -430,3 +430,28 @@ def test_merge_refuses_a_file_that_is_not_a_record(tmp_path):
     for path in (driver, broken):
         with pytest.raises(ValueError, match=re.escape(f"{path}: not an estimator-suite record")):
             suite.merge([a, path])
+
+
+def test_a_run_stopped_from_outside_leaves_the_jobs_it_finished(tmp_path, monkeypatch):
+    finished = []
+    real = suite.run_job
+
+    def stopped_after_one(*args, **kwargs):
+        if finished:
+            raise KeyboardInterrupt  # the lent machine's time limit, say
+        finished.append(real(*args, **kwargs))
+        return finished[-1]
+
+    monkeypatch.setattr(suite, "run_job", stopped_after_one)
+    argv = QUICK + ["--kinds", "small", "--recipes", "exact", "--out", str(tmp_path)]
+    with pytest.raises(KeyboardInterrupt):
+        cli.main(["estimators", *argv, "--work-dir", str(tmp_path / "work")])
+    document = _document(tmp_path)
+    assert document["complete"] is False and document["floor"]["median_ms"] > 0
+    (only,) = document["results"]
+    assert (only["kind"], only["engine"], only["status"]) == ("small", "tabicl", "ok")
+    assert only["cold"] == finished[0]["cold"]
+    (saved,) = tmp_path.glob("estimator_suite_*.txt")
+    assert saved.read_text().splitlines()[2].startswith("INCOMPLETE")
+    assert suite.merge([next(tmp_path.glob("estimator_suite_*.json"))])["complete"] is False
+

@@ -163,7 +163,8 @@ def _header(document: dict) -> list:
             f"{repeats} warm repeat{'' if repeats == 1 else 's'}"
         ),
         f"checkpoints: {settings['checkpoint_note']}",
-    ]
+    ] + (["INCOMPLETE: the run stopped before its last job; these are the jobs it finished"]
+         if document.get("complete") is False else [])  # fmt: skip
 
 
 def _errors(failed: list) -> list:

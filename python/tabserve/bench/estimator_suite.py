@@ -49,6 +49,7 @@ the end of the suite.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import statistics
 import subprocess
@@ -105,6 +106,7 @@ class Run:
     run_dir: Path
     timeout_s: float
     say: Callable
+    after_job: Callable = lambda: None  # noqa: E731  (called once each job's result is in)
 
     def job(self, folder: str, spec: dict, name: str = "result") -> dict:
         """The job of ``spec`` (over the run's common part) in the job folder ``folder``."""
@@ -113,12 +115,13 @@ class Run:
 
     def done(self, what: str, result: dict) -> None:
         self.say(f"  {what}: {result['status']} ({result.get('wall_s', 0):.1f} s)")
+        self.after_job()
 
 
-def run_kinds(run: Run, kinds: Sequence[Kind], engines: list, restart: bool) -> list:
-    """Every (kind, engine) job; with ``restart`` each tabserve job that succeeded once more, in a
-    fresh process over the first one's compile caches."""
-    results = []
+def run_kinds(run: Run, kinds: Sequence[Kind], engines: list, restart: bool, results: list) -> list:
+    """Every (kind, engine) job, appended to ``results`` as it finishes; with ``restart`` each
+    tabserve job that succeeded once more, in a fresh process over the first one's compile
+    caches."""
     for kind in kinds:
         for engine in engines:
             spec = {"engine": engine, "kind": kind.name, "checkpoint": run.checkpoints[kind.task]}
@@ -153,9 +156,9 @@ def measure_floor(device: str, runs: int = 3) -> dict:
     return {"samples_ms": samples, "median_ms": statistics.median(samples)}
 
 
-def run_predict_many(run: Run, engines: list, sizes: list) -> list:
-    """Every engine's fit-once, predict-many job on :data:`.estimator_kinds.PREDICT_MANY_KIND`."""
-    many = []
+def run_predict_many(run: Run, engines: list, sizes: list, many: list) -> list:
+    """Every engine's fit-once, predict-many job on :data:`.estimator_kinds.PREDICT_MANY_KIND`,
+    appended to ``many`` as it finishes."""
     for engine in engines:
         spec = {
             "mode": "predict_many",
@@ -346,6 +349,7 @@ def merge(paths: list) -> dict:
         "kinds": sorted(kinds.values(), key=lambda k: rank(k["name"], len(KINDS))),
         "results": merged,
         "predict_many": predict_many,
+        "complete": all(d.get("complete", True) for d in documents),
         "floor": floor,
         "summary": summarize(merged, engines),
     }
@@ -429,7 +433,9 @@ def _settings(args, kinds: Sequence[Kind], checkpoints: dict, note: str, run_dir
 
 
 def _measure(args, argv: list, say) -> dict:
-    """Runs the suite's jobs; the record of the run."""
+    """Runs the suite's jobs; the record of the run. After each job the record of the jobs so
+    far is written to ``--out`` with ``"complete": False``, so a run stopped from outside (the
+    time limit of a lent machine) leaves the figures it measured."""
     kinds = [kind_by_name(n) for n in (args.kinds or [k.name for k in KINDS])]
     run_dir = Path(args.work_dir or tempfile.mkdtemp(prefix="tabserve-estimator-suite-"))
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -446,26 +452,41 @@ def _measure(args, argv: list, say) -> dict:
         "repeats": settings["repeats"],
         "compile_timeout_s": args.compile_timeout,
     }
-    run = Run(spec, settings["checkpoints"], run_dir, args.timeout, say)
+    environment = report.environment(("pandas",))
     floor = measure_floor(device)
     say(f"  floor (import torch, one tensor on {device}): {floor['median_ms'] / 1e3:.2f} s")
-    results = run_kinds(run, kinds, engines, args.restart)
+    results: list = []
+    many: list = []
+
+    def record(complete: bool) -> dict:
+        done = copy.deepcopy(results)
+        measured = copy.deepcopy(many)
+        add_accuracy_and_speedups(done, kinds)
+        add_predict_many_speedups(measured)
+        return {
+            "schema": SCHEMA,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "environment": environment,
+            "settings": settings,
+            "command": " ".join([COMMAND, *argv]),
+            "complete": complete,
+            "kinds": [k.as_dict(quick) for k in kinds],
+            "results": done,
+            "predict_many": measured,
+            "floor": floor,
+            "summary": summarize(done, engines),
+        }
+
+    def partial() -> None:
+        document = record(False)
+        report.write_record(args.out, "estimator_suite", document, render(document), lambda *a: None)
+
+    run = Run(spec, settings["checkpoints"], run_dir, args.timeout, say, partial)
+    run_kinds(run, kinds, engines, args.restart, results)
     sizes = settings["predict_sizes"]
-    many = run_predict_many(run, engines, sizes) if sizes else []
-    add_accuracy_and_speedups(results, kinds)
-    add_predict_many_speedups(many)
-    return {
-        "schema": SCHEMA,
-        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "environment": report.environment(("pandas",)),
-        "settings": settings,
-        "command": " ".join([COMMAND, *argv]),
-        "kinds": [k.as_dict(quick) for k in kinds],
-        "results": results,
-        "predict_many": many,
-        "floor": floor,
-        "summary": summarize(results, engines),
-    }
+    if sizes:
+        run_predict_many(run, engines, sizes, many)
+    return record(True)
 
 
 def main(argv=None) -> int:
