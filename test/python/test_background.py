@@ -27,6 +27,14 @@ from tabserve.models.tabicl.serving.served import ServedTabICL
 TRACED = ServingOptions(compile="default", compile_backend="eager")
 
 
+@pytest.fixture(autouse=True)
+def _every_call_warms_up(monkeypatch):
+    """The tiers' mechanics, apart from the policy: a call's warm-up is queued at its first call
+    and its compiled model takes over once warmed up (the policy's own tests set it back)."""
+    monkeypatch.setattr(background, "COMPILE_AFTER_CALLS", 1)
+    monkeypatch.setattr(background, "PAY_RUNS", 0)
+
+
 class _HeldWorker:
     """Holds the background worker on a job of its own until :meth:`release`: what a test
     checks before the warm-ups run cannot race them."""
@@ -151,6 +159,39 @@ def test_a_warm_up_leaves_the_graph_captures_to_the_calling_thread(monkeypatch):
     assert _CaptureOnCPU.threads == [threading.current_thread().name] and target.captures == 1
 
 
+def test_a_timing_replays_what_the_callers_captured_and_captures_nothing(monkeypatch):
+    from tabserve.buckets import BucketGrid
+    from tabserve.models.tabicl.serving import served as serving
+
+    replays = []
+
+    class Replaying(_CaptureOnCPU):
+        def __call__(self, *inputs):
+            replays.append(threading.current_thread().name)
+            return super().__call__(*inputs)
+
+    monkeypatch.setattr(serving, "_BucketGraph", Replaying)
+    served = ServedTabICL(_model(), ServingOptions(buckets=True), BucketGrid((16, 64), (8, 32), (8, 16)))
+    served.options = served.options.replace(cuda_graphs=True)
+    X, y = random_table(9, 2, 40, 10, 5, n_classes=3)
+    expected = served(X, y)  # this thread captures the bucket's graph
+    assert served.captures == 1 and replays == ["MainThread"]
+    X2, y2 = random_table(10, 2, 12, 4, 5, n_classes=3)  # another bucket, never captured
+    got = []
+
+    def timing():
+        with serving.without_captures(replay=True):
+            got.extend([served(X, y), served(X2, y2)])
+
+    worker = threading.Thread(target=timing, name="timing")
+    worker.start()
+    worker.join(60)
+    assert replays == ["MainThread", "timing"]  # the captured bucket replayed, the other run
+    assert served.captures == 1 and served.uncaptured == 0  # ... uncaptured, capturing nothing
+    torch.testing.assert_close(got[0], expected, atol=0, rtol=0)
+    torch.testing.assert_close(got[1], our_model("clf", "tiny")(X2, y2), atol=1e-5, rtol=0)
+
+
 def test_replays_of_compiled_shapes_do_not_wait_for_a_warm_up_of_another(monkeypatch):
     """While the worker compiles one shape of the target, the caller's calls of a shape the
     target serves already go on (they waited for the whole compile on the graphs' lock)."""
@@ -247,6 +288,73 @@ def test_a_target_given_as_a_function_is_built_by_the_first_warm_up_in_the_backg
     assert threads == ["tabserve-compile"] and tiered.compiled("forward", X, y)
     with pytest.raises(ValueError, match="give target, or build_target and its options"):
         CompilingTabICL(ServedTabICL(_model(), "exact"), build_target=build)
+
+
+def test_a_kind_of_call_is_compiled_once_it_recurs_and_a_cache_build_at_once(monkeypatch):
+    monkeypatch.setattr(background, "COMPILE_AFTER_CALLS", 2)
+    tiered, ready, target = _pair()
+    X, y = random_table(7, 2, 30, 8, 5, n_classes=3)
+    tiered(X, y)
+    assert background_compiles() == 0 and not tiered.compiled("forward", X, y)  # a one-off
+    tiered(X, y)
+    assert wait_for_compiles(timeout=120) and tiered.compiled("forward", X, y)
+    assert target.calls == ["forward"] and ready.calls == ["forward", "forward"]
+    held = _HeldWorker()
+    cache = tiered.build_cache(X[:, :30], y)
+    assert background_compiles() == 2  # the predictions that follow a cache recur by design
+    held.release()
+    assert wait_for_compiles(timeout=120) and cache.target is not None
+
+
+def test_at_most_max_queued_warm_ups_wait_and_a_call_left_out_is_queued_when_it_recurs(monkeypatch):
+    monkeypatch.setattr(background, "MAX_QUEUED", 2)
+    tiered, ready, target = _pair()
+    first, second = (random_table(10 + i, 1, 20 + 4 * i, 5, 4, n_classes=2) for i in range(2))
+    held = _HeldWorker()  # one of the two places
+    tiered(*first)
+    tiered(*second)
+    assert background_compiles() == 2  # the held job and the first call's warm-up
+    held.release()
+    assert wait_for_compiles(timeout=120)
+    assert tiered.compiled("forward", *first) and not tiered.compiled("forward", *second)
+    tiered(*second)
+    assert wait_for_compiles(timeout=120) and tiered.compiled("forward", *second)
+
+
+def _costing(served, clock: dict, ms: float, entry: str = "forward"):
+    """``served``'s ``entry`` advances the fake ``clock`` by ``ms`` per call."""
+    method = getattr(served, entry)
+
+    def costed(*args, **kwargs):
+        clock["now"] += ms / 1e3
+        return method(*args, **kwargs)
+
+    setattr(served, entry, costed)
+
+
+@pytest.mark.parametrize("ready_ms, target_ms, state", [(5.0, 9.0, "declined"), (9.0, 5.0, "compiled")])
+def test_a_compiled_model_takes_a_call_over_only_where_it_answered_faster(
+    monkeypatch, ready_ms, target_ms, state
+):
+    clock = {"now": 0.0}
+    monkeypatch.setattr(background, "_clock", lambda: clock["now"])
+    monkeypatch.setattr(background, "PAY_RUNS", 3)
+    tiered, ready, target = _pair()
+    _costing(tiered.ready, clock, ready_ms)
+    _costing(tiered.target, clock, target_ms)
+    X, y = random_table(8, 2, 30, 8, 5, n_classes=3)
+    expected = tiered(X, y)
+    assert wait_for_compiles(timeout=120)
+    (key,) = tiered.timings
+    assert tiered._state[key] == state
+    assert tiered.timings[key] == pytest.approx((ready_ms, target_ms))
+    # the warm-up, then three timed calls of each, interleaved
+    assert target.calls == ["forward"] * 4 and ready.calls == ["forward"] * 4
+    torch.testing.assert_close(tiered(X, y), expected, atol=1e-5, rtol=0)
+    served_by = "target" if state == "compiled" else "ready"
+    assert {"ready": ready, "target": target}[served_by].calls[-1] == "forward"
+    assert len((target if state == "compiled" else ready).calls) == 5
+    assert tiered.compiled("forward", X, y) == (state == "compiled")
 
 
 def test_a_warm_up_waits_until_the_estimator_calls_pause():

@@ -430,13 +430,17 @@ def test_cuda_default_serves_at_once_then_compiled_within_the_gate(task):
     first = make()
     np.testing.assert_allclose(answer(first), expected, atol=2e-2 * spread, rtol=0)
     if isinstance(first.model_, CompilingTabICL):
-        # answered while the compiled preset was still compiling, in the background
+        # the call recurs: its compile is queued, and the ready preset answers meanwhile
+        second = make()
+        assert second.model_ is first.model_  # shared, with what it compiles
+        np.testing.assert_allclose(answer(second), expected, atol=2e-2 * spread, rtol=0)
         assert background_compiles() > 0
         assert wait_for_compiles(timeout=900)
-        second = make()
-        assert second.model_ is first.model_  # shared, with what it compiled
-        np.testing.assert_allclose(answer(second), expected, atol=2e-2 * spread, rtol=0)
-        assert any(state == "compiled" for state in second.model_._state.values())
+        third = make()
+        np.testing.assert_allclose(answer(third), expected, atol=2e-2 * spread, rtol=0)
+        # the compiled preset took the call over, or was timed slower and left it to ready
+        decided = [s for s in third.model_._state.values() if s in ("compiled", "declined")]
+        assert decided and third.model_.timings
 
 
 @pytest.mark.parametrize("mode", ["cpu", True, "disk"])

@@ -5,8 +5,17 @@ its CUDA graphs: 25-155 s on the H200 for the fastest presets, a wait no first a
 have. :class:`CompilingTabICL` pairs the compiled served model (``target``) with one that
 compiles nothing (``ready``, the :data:`READY_PRESET`): each kind of call (entry point and
 input shapes) is served by ``ready`` until a background thread has run the same call on
-``target``, once, with copies of the inputs; from then on ``target`` serves it. A call whose
-warm-up failed stays on ``ready`` (with a warning): the answer is never lost to a compile.
+``target``, with copies of the inputs, and found it faster; from then on ``target`` serves it.
+
+What is compiled, and when: a kind of call is queued for a warm-up at its
+:data:`COMPILE_AFTER_CALLS`-th call (a shape that never recurs, a one-off script's or one of a
+stream of varied tables, is never compiled), except a KV-cache build, queued at once (the
+predictions that follow it recur by design). At most :data:`MAX_QUEUED` warm-ups wait at once:
+a recurring call that finds the queue full is queued at a later call. A warm-up then times both
+served models on its inputs (:data:`PAY_RUNS` calls each, interleaved) and ``target`` takes the
+call over only if it answered faster: a call is never moved to a slower model. A call whose
+warm-up failed stays on ``ready`` (with a warning), as does one whose compiled model did not
+pay: the answer is never lost to a compile.
 
 A KV cache (:class:`TieredCache`) is built by ``ready`` at once and by ``target`` in the
 background (its warm-up keeps what it built); a prediction against it runs on ``target`` once
@@ -49,6 +58,13 @@ from .served import exclusive_captures, without_captures
 #: What serves while a compiled preset compiles: fp16 on padded buckets replayed from CUDA
 #: graphs, nothing compiled (its captures take milliseconds per bucket).
 READY_PRESET = "medium"
+#: The call of a kind (entry point and shapes) at which its warm-up is queued.
+COMPILE_AFTER_CALLS = 2
+#: Warm-ups queued or running at once in the process.
+MAX_QUEUED = 4
+#: Timed calls of each served model that decide whether ``target`` takes a call over (0: it
+#: does whenever its warm-up succeeded).
+PAY_RUNS = 3
 #: Seconds the interpreter's exit waits for an interrupted warm-up to unwind.
 EXIT_WAIT_S = 5.0
 #: A warm-up starts once no estimator call has run for this many seconds ...
@@ -176,6 +192,8 @@ class _Worker:
 
 _worker = _Worker()
 atexit.register(_worker.close)
+#: The clock the warm-ups time both served models with (seconds).
+_clock = time.perf_counter
 
 
 def background_compiles() -> int:
@@ -240,7 +258,11 @@ class CompilingTabICL:
         #: The compiled served model's options (what the estimator asked for).
         self.options = target.options if target is not None else options
         self._lock = threading.Lock()
-        self._state: dict = {}  # signature -> "queued" | "compiled" | "failed"
+        # signature -> calls seen (an int, before its warm-up is queued) | "queued" |
+        # "compiled" | "declined" (slower than ready) | "failed"
+        self._state: dict = {}
+        #: signature -> (ready's, target's) median ms on the warm-up's inputs
+        self.timings: dict = {}
 
     @property
     def target(self):
@@ -311,19 +333,23 @@ class CompilingTabICL:
         return getattr(self.ready, entry)(X, cache.ready, *args, **kwargs)
 
     def _choose(self, entry: str, args: tuple, kwargs: dict, keep: TieredCache | None = None):
-        """``target`` where this call has warmed up, else ``ready``, queueing its warm-up the
-        first time (``keep``: the cache whose ``target`` half that warm-up builds)."""
+        """``target`` where this call has warmed up and paid, else ``ready``, queueing its
+        warm-up when it recurs (see the module docstring; ``keep``: the cache whose ``target``
+        half that warm-up builds, queued at once)."""
         key = _signature(entry, args, kwargs)
         with self._lock:
-            state = self._state.get(key)
+            state = self._state.get(key, 0)
             if state == "compiled":
                 return self.target
-            first = state is None
-            if first:
-                self._state[key] = "queued"
-        if first or (keep is not None and state == "queued"):
+            queue = False
+            if isinstance(state, int):
+                seen = state + 1
+                due = keep is not None or seen >= COMPILE_AFTER_CALLS
+                queue = due and _worker.pending() < MAX_QUEUED
+                self._state[key] = "queued" if queue else seen
+        if queue or (keep is not None and state == "queued"):
             # a cache build is queued for every cache: each needs its own target half
-            self._queue(key, entry, args, kwargs, keep, mark=first)
+            self._queue(key, entry, args, kwargs, keep, mark=queue)
         return self.ready
 
     def _queue(self, key, entry: str, args: tuple, kwargs: dict, keep=None, mark=True) -> None:
@@ -347,7 +373,9 @@ class CompilingTabICL:
                         stream.synchronize()
                 if keep is not None:
                     keep.target = built
-                state = "compiled"
+                    state = "compiled"  # the predictions on the cache decide for themselves
+                else:
+                    state = self._pays(key, entry, args, kwargs, stream)
             except Exception as error:  # the call stays on the ready model
                 warnings.warn(
                     f"compiling {entry} for {describe(self.options)} failed; serving it with "
@@ -362,6 +390,30 @@ class CompilingTabICL:
         if not _worker.submit(warm_up) and mark:
             with self._lock:
                 self._state[key] = "failed"
+
+
+    def _pays(self, key, entry: str, args: tuple, kwargs: dict, stream) -> str:
+        """``"compiled"`` if ``target`` answers this call faster than ``ready`` (medians of
+        :data:`PAY_RUNS` interleaved calls on the warm-up's inputs, on its stream), else
+        ``"declined"``; the figures go to :attr:`timings`."""
+        if PAY_RUNS < 1:
+            return "compiled"
+        times: dict = {"ready": [], "target": []}
+        # ready replays the graphs its callers captured, as it serves them; target has none yet
+        # and runs uncaptured, at most its served time: it takes over only where surely faster.
+        with exclusive_captures(), without_captures(replay=True), (
+            torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+        ):
+            for _ in range(PAY_RUNS):
+                for name in ("ready", "target"):
+                    start = _clock()
+                    getattr(getattr(self, name), entry)(*args, **kwargs)
+                    if stream is not None:
+                        stream.synchronize()
+                    times[name].append((_clock() - start) * 1e3)
+        ready_ms, target_ms = (sorted(times[n])[len(times[n]) // 2] for n in ("ready", "target"))
+        self.timings[key] = (ready_ms, target_ms)
+        return "compiled" if target_ms < ready_ms else "declined"
 
 
 def _copy(value):

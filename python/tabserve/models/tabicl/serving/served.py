@@ -102,11 +102,13 @@ def exclusive_captures():
 
 
 @contextlib.contextmanager
-def without_captures():
+def without_captures(replay: bool = False):
     """``with without_captures():`` this thread's calls run their graphs' functions uncaptured
-    (compiling them as a capture would), leaving the captures to the calling threads."""
+    (compiling them as a capture would), leaving the captures to the calling threads;
+    ``replay=True``: a graph a calling thread has captured already is replayed (as that thread's
+    next call would be), the others still run uncaptured."""
     before = getattr(_NO_CAPTURES, "active", False)
-    _NO_CAPTURES.active = True
+    _NO_CAPTURES.active = "replay" if replay else True
     try:
         yield
     finally:
@@ -430,7 +432,9 @@ class ServedTabICL:
         """
         if not (self.options.cuda_graphs if graphed is None else graphed):
             return fn(*inputs, *static)
-        if getattr(_NO_CAPTURES, "active", False):
+        no_captures = getattr(_NO_CAPTURES, "active", False)
+        graphs = store if store is not None else self._cached_graphs if static else self._graphs
+        if no_captures and not (no_captures == "replay" and key in graphs):
             # Outside the graphs' lock: a background warm-up compiles here for tens of seconds
             # (25-155 s on the H200), and a caller's replay of a shape already captured must not
             # wait for it.
@@ -441,8 +445,9 @@ class ServedTabICL:
             stream = torch.cuda.current_stream(self.device) if on_cuda else None
             if stream is not None and self._graph_done is not None:
                 stream.wait_event(self._graph_done)
-            graphs = store if store is not None else self._cached_graphs if static else self._graphs
             graph = graphs.get(key)
+            if graph is None and no_captures:  # evicted meanwhile: uncaptured, as above
+                return fn(*inputs, *static)
             if graph is None:
                 with freezing(self.options.freeze):  # the capture is where compiled cores trace
                     if not _CAPTURES.acquire(blocking=False):  # see _CAPTURES
