@@ -4,6 +4,7 @@ interpreter exits during one."""
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 import threading
@@ -355,6 +356,77 @@ def test_a_compiled_model_takes_a_call_over_only_where_it_answered_faster(
     assert {"ready": ready, "target": target}[served_by].calls[-1] == "forward"
     assert len((target if state == "compiled" else ready).calls) == 5
     assert tiered.compiled("forward", X, y) == (state == "compiled")
+
+
+class _Spinning:
+    """A warm-up stand-in that calls a Python function in a loop (as a compiler does), counting,
+    until :meth:`stop`; ``hold_captures``: inside ``exclusive_captures()``, as a warm-up runs."""
+
+    def __init__(self, hold_captures: bool = False, pausable: bool = True):
+        self.count = 0
+        self._stop = threading.Event()
+        self.hold_captures, self.pausable = hold_captures, pausable
+        assert background._worker.submit(self)
+
+    def _step(self) -> None:
+        self.count += 1
+
+    def __call__(self) -> None:
+        from tabserve.models.tabicl.serving.served import exclusive_captures
+
+        holding = exclusive_captures() if self.hold_captures else contextlib.nullcontext()
+        pausing = contextlib.nullcontext() if self.pausable else background.no_pause()
+        with holding, pausing:
+            while not self._stop.is_set():
+                self._step()
+
+    def running(self) -> int:
+        deadline = time.monotonic() + 30
+        start = self.count
+        while self.count == start and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return self.count
+
+    def stop(self) -> None:
+        self._stop.set()
+        assert wait_for_compiles(30)
+
+
+def test_a_running_warm_up_pauses_while_an_estimator_call_is_in_progress():
+    from tabserve.models.tabicl.serving import served as serving
+
+    spinning = _Spinning(hold_captures=True)
+    assert spinning.running() > 0
+    assert not serving._CAPTURES.acquire(blocking=False)  # held by the warm-up
+    with background.foreground():
+        time.sleep(0.05)  # the warm-up reaches its next function call
+        paused_at = spinning.count
+        time.sleep(0.3)
+        assert spinning.count == paused_at  # no Python of the warm-up's runs beside the call
+        assert serving._CAPTURES.acquire(blocking=False)  # released while it waits
+        serving._CAPTURES.release()
+    assert spinning.running() > paused_at  # it goes on once the call has ended ...
+    assert not serving._CAPTURES.acquire(blocking=False)  # ... with the lock taken back
+    spinning.stop()
+
+
+def test_a_warm_up_holding_what_calls_need_does_not_pause_nor_past_max_pause(monkeypatch):
+    spinning = _Spinning(pausable=False)  # inside no_pause(): a lock the calls take is held
+    assert spinning.running() > 0
+    with background.foreground():
+        first = spinning.count
+        time.sleep(0.3)
+        assert spinning.count > first
+    spinning.stop()
+    monkeypatch.setattr(background, "MAX_PAUSE_S", 0.2)
+    spinning = _Spinning()
+    assert spinning.running() > 0
+    with background.foreground():  # one call that lasts past MAX_PAUSE_S
+        time.sleep(0.05)
+        paused_at = spinning.count
+        time.sleep(1.0)
+        assert spinning.count > paused_at  # it went on beside the call
+    spinning.stop()
 
 
 def test_a_warm_up_waits_until_the_estimator_calls_pause():
