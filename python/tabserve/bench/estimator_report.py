@@ -136,20 +136,24 @@ FLOOR_COLUMNS = ("kind", "engine", ">cold s", ">over floor s", ">restart s", ">r
 
 
 def floor_table(document: dict) -> tuple[str, list] | None:
-    """(the floor's sentence, rows of :data:`FLOOR_COLUMNS` per (kind, engine)), or None for a
-    record without the floor."""
+    """(the floor's sentence, rows of :data:`FLOOR_COLUMNS` per (kind, engine), each result
+    against its own run's floor; "-" for a result of a run without one), or None for a record
+    whose runs measured none."""
     floor = document.get("floor")
     if not floor:
         return None
-    base = floor["median_ms"]
     rows = []
     for r in document["results"]:
+        base = r.get("floor_ms")
         cold = (r.get("cold") or {}).get("cold_ms")
         again = (r.get("restarted") or {}).get("cold_ms")
-        over = lambda ms: "-" if ms is None else f"{(ms - base) / 1e3:+.2f}"  # noqa: E731
+        over = lambda ms: "-" if ms is None or base is None else f"{(ms - base) / 1e3:+.2f}"  # noqa: E731
         rows.append([r["kind"], _engine_label(r), _seconds(cold), over(cold), _seconds(again), over(again)])
     samples = ", ".join(f"{ms / 1e3:.2f}" for ms in floor["samples_ms"])
-    return f"floor {base / 1e3:.2f} s (median of {samples} s)", rows
+    sentence = f"floor {floor['median_ms'] / 1e3:.2f} s (median of {samples} s)"
+    if any(r.get("floor_ms") is None for r in document["results"]):
+        sentence += ", measured by the last merged run; '-': a run that measured none"
+    return sentence, rows
 
 
 def _header(document: dict) -> list:

@@ -460,6 +460,8 @@ def _measure(args, argv: list, say) -> dict:
 
     def record(complete: bool) -> dict:
         done = copy.deepcopy(results)
+        for result in done:  # each result keeps its own run's floor through a merge
+            result["floor_ms"] = floor["median_ms"]
         measured = copy.deepcopy(many)
         add_accuracy_and_speedups(done, kinds)
         add_predict_many_speedups(measured)
