@@ -299,9 +299,33 @@ def test_packs_hold_every_group_once_within_their_bounds(waste):
             assert g.X.shape[2] <= p.bucket.features
     # Tables of one shape, or of shapes within the waste bound, share one call.
     alike = [_group(4, 50, 10, 5) for _ in range(30)] + [_group(4, 52, 10, 5) for _ in range(30)]
-    assert len(many.pack(alike, many.CPU_LIMITS)) == 1
-    assert len(many.pack(alike + [_group(4, 50, 10, 9)], many.CPU_LIMITS)) == 2
+    assert len(many.pack(alike, many.PackLimits(cells=1 << 20, waste=0.1))) == 1
     assert len(many.pack(alike + [_group(4, 50, 10, 9)], many.CUDA_LIMITS)) == 1
+    # On the CPU a pack holds one shape, and runs unpadded.
+    assert [len(p.groups) for p in many.pack(alike, many.CPU_LIMITS)] == [30, 30]
+
+
+def test_a_pack_of_one_shape_runs_unpadded_and_answers_as_the_padded_path():
+    engine = our_model("clf", "tiny")
+    X, y = random_table(0, 6, 30, 6, 5, n_classes=3)
+    parts = [many._Group(i, X[2 * i : 2 * i + 2], y[2 * i : 2 * i + 2].float(), Bucket(30, 6, 5)) for i in range(3)]
+    calls = []
+    original = engine.padded_forward
+
+    def recording(X, y_train, n_train, n_features):
+        calls.append((n_train, n_features))
+        return original(X, y_train, n_train, n_features)
+
+    engine.padded_forward = recording
+    one_shape = many.Pack(parts, Bucket(30, 6, 5))
+    plain = many._run_pack(engine, torch.device("cpu"), one_shape)
+    assert calls == [(None, None)]
+    padded = many._run_pack(engine, torch.device("cpu"), many.Pack(parts, Bucket(32, 8, 6)))
+    assert calls[1][0] is not None  # counts: the masked path
+    expected = engine.forward_raw(X, y.float())
+    for i, (a, b) in enumerate(zip(plain, padded)):
+        torch.testing.assert_close(a, expected[2 * i : 2 * i + 2].float(), atol=1e-6, rtol=0)
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=0)
 
 
 # ---------------------------------------------------------------------------- CUDA

@@ -52,12 +52,13 @@ class Engine(Protocol):
         streamed back to the device a chunk of rows at a time."""
 
     def padded_forward(
-        self, X: Tensor, y_train: Tensor, n_train: Tensor, n_features: Tensor
+        self, X: Tensor, y_train: Tensor, n_train: Tensor | None, n_features: Tensor | None
     ) -> Tensor:
         """Raw head outputs ``(tables, test bucket, out_dim)`` of tables padded onto one bucket
         (:meth:`~.model.TabICLv2.padded_representations` gives the layout); ``n_train`` /
         ``n_features`` hold the real counts, 0-d for one size or ``(tables,)`` for tables of
-        several sizes packed together. No checks: the caller's tables are checked already."""
+        several sizes packed together, or None for tables that fill the bucket (no padding:
+        the unmasked path). No checks: the caller's tables are checked already."""
 
     def build_cache(self, X_train: Tensor, y_train: Tensor, mode: str = "kv") -> Any:
         """The train rows' state (``mode="kv"``: K/V per block; ``"repr"``: representations),

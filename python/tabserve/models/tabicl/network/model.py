@@ -607,10 +607,11 @@ class TabICLv2(nn.Module):
         return self.row_interactor(E, n_features, prefixed=prefix is not None)
 
     def padded_forward(
-        self, X: Tensor, y_train: Tensor, n_train: Tensor, n_features: Tensor
+        self, X: Tensor, y_train: Tensor, n_train: Tensor | None, n_features: Tensor | None
     ) -> Tensor:
         """Raw head outputs ``(B, Mb, out_dim)`` of the test block of a padded table (at most
-        ``max_classes`` classes; see :meth:`padded_representations` for the layout)."""
+        ``max_classes`` classes; see :meth:`padded_representations` for the layout). Counts of
+        None: tables that fill the bucket, on the unmasked path (:meth:`forward_raw`'s)."""
         R = self.padded_representations(X, y_train, n_train, n_features)
         return self.icl_predictor(R, y_train, n_train)
 
