@@ -190,3 +190,30 @@ def interpreter_child(code: str, timeout: int = 300):
     )
     assert child.returncode == 0, child.stderr[-2000:]
     return json.loads(child.stdout.strip().splitlines()[-1])
+
+
+def bench_child_imports(module: str, spec: dict, folder: Path) -> tuple[dict, list]:
+    """Runs the benchmark child ``tabserve.bench.<module>`` on ``spec`` in a fresh interpreter
+    (the driver's child environment, in ``folder``); returns its result and the
+    ``tabserve.models`` modules the process had loaded by its end."""
+    from tabserve.bench import runner
+
+    spec_path = folder / "spec.json"
+    spec_path.write_text(json.dumps(spec))
+    probe = (
+        f"import json, sys\nfrom tabserve.bench import {module}\n"
+        f"assert {module}.main(sys.argv[1:]) == 0\n"
+        "print(json.dumps(sorted(m for m in sys.modules if m.startswith('tabserve.models'))))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe, str(spec_path)],
+        env=runner.child_env(folder),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(Path(spec["result"]).read_text())
+    return result, json.loads(done.stdout.strip().splitlines()[-1])
+

@@ -10,8 +10,6 @@ processes' imports, and unit tests of the tables and figures.
 import copy
 import json
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -21,7 +19,8 @@ import pytest
 pytest.importorskip("tabicl")
 pytest.importorskip("sklearn")
 
-from tabserve.bench import cli, estimator_engines, estimator_report, runner
+from tabicl_helpers import bench_child_imports
+from tabserve.bench import cli, estimator_engines, estimator_report
 from tabserve.bench import estimator_suite as suite
 from tabserve.bench.estimator_kinds import (
     KINDS,
@@ -132,16 +131,6 @@ def test_a_failing_engine_is_an_error_row(tmp_path):
     assert "small / tabserve-exact: failed:" in text
 
 
-#: Runs one child job (the spec file ``argv[1]``) as the child module's ``main`` does, then prints
-#: the tabserve.models modules the process has loaded.
-CHILD_PROBE = """
-import json, sys
-from tabserve.bench import estimator_child
-assert estimator_child.main(sys.argv[1:]) == 0
-print(json.dumps(sorted(m for m in sys.modules if m.startswith("tabserve.models"))))
-"""
-
-
 @pytest.mark.parametrize(
     ("engine", "imports_models"),
     [("tabicl", False), ("tabicl-fp32", False), ("tabserve-exact", True)],
@@ -154,21 +143,9 @@ def test_a_tabicl_child_never_imports_tabserve_models(tmp_path, engine, imports_
             "seed": 0, "repeats": 1, "checkpoint": str(checkpoint),
             "result": str(tmp_path / "result.json"),
             "outputs": str(tmp_path / "result.npy")}  # fmt: skip
-    spec_path = tmp_path / "spec.json"
-    spec_path.write_text(json.dumps(spec))
-    done = subprocess.run(
-        [sys.executable, "-c", CHILD_PROBE, str(spec_path)],
-        env=runner.child_env(tmp_path),
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
-    result = json.loads((tmp_path / "result.json").read_text())
+    result, loaded = bench_child_imports("estimator_child", spec, tmp_path)
     assert result["status"] == "ok", result.get("reason")
     assert result["estimator"]["family"] == engine.split("-")[0]
-    loaded = json.loads(done.stdout.strip().splitlines()[-1])
     assert bool(loaded) == imports_models, loaded
 
 

@@ -8,7 +8,6 @@ and unit tests of the population and the figures. No timing is asserted.
 """
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -19,7 +18,8 @@ import pytest
 pytest.importorskip("tabicl")
 pytest.importorskip("sklearn")
 
-from tabserve.bench import cli, runner
+from tabicl_helpers import bench_child_imports
+from tabserve.bench import cli
 from tabserve.bench import many_tables_report as many_report
 from tabserve.bench import many_tables_suite as suite
 from tabserve.bench.many_tables_child import ENGINES, TABSERVE_LOOP, TABSERVE_PACKED
@@ -198,14 +198,6 @@ def test_record_py_renders_a_many_tables_section(run, tmp_path):
 
 #: Runs one child job (the spec file ``argv[1]``) as the child module's ``main`` does, then prints
 #: the tabserve.models modules the process has loaded.
-CHILD_PROBE = """
-import json, sys
-from tabserve.bench import many_tables_child
-assert many_tables_child.main(sys.argv[1:]) == 0
-print(json.dumps(sorted(m for m in sys.modules if m.startswith("tabserve.models"))))
-"""
-
-
 def test_a_tabicl_child_never_imports_tabserve_models(tmp_path):
     checkpoints = {t: str(make_checkpoint(t, tmp_path / f"{t}.ckpt", size="tiny"))
                    for t in ("clf", "reg")}  # fmt: skip
@@ -213,20 +205,9 @@ def test_a_tabicl_child_never_imports_tabserve_models(tmp_path):
     spec = {"engine": "tabicl", "device": "cpu", "population": population, "seed": 1,
             "checkpoints": checkpoints, "result": str(tmp_path / "result.json"),
             "outputs": str(tmp_path / "outputs.npz")}  # fmt: skip
-    spec_path = tmp_path / "spec.json"
-    spec_path.write_text(json.dumps(spec))
-    done = subprocess.run(
-        [sys.executable, "-c", CHILD_PROBE, str(spec_path)],
-        env=runner.child_env(tmp_path),
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
-    result = json.loads((tmp_path / "result.json").read_text())
+    result, loaded = bench_child_imports("many_tables_child", spec, tmp_path)
     assert result["status"] == "ok", result.get("reason")
-    assert json.loads(done.stdout.strip().splitlines()[-1]) == []
+    assert loaded == []
 
 
 def test_a_failing_engine_is_a_result_with_its_error(tmp_path):
