@@ -322,6 +322,23 @@ def test_at_most_max_queued_warm_ups_wait_and_a_call_left_out_is_queued_when_it_
     assert wait_for_compiles(timeout=120) and tiered.compiled("forward", *second)
 
 
+def test_cache_builds_keep_to_the_queue_bound_too(monkeypatch):
+    monkeypatch.setattr(background, "MAX_QUEUED", 2)
+    tiered, ready, target = _pair()
+    X, y = random_table(11, 1, 30, 6, 4, n_classes=2)
+    held = _HeldWorker()
+    first = tiered.build_cache(X[:, :30], y)  # the held job and this build fill the queue
+    second = tiered.build_cache(X[:, :30], y)
+    assert background_compiles() == 2
+    held.release()
+    assert wait_for_compiles(timeout=120)
+    assert first.target is not None and second.target is None  # read by the ready model
+    torch.testing.assert_close(
+        tiered.forward_with_cache(X[:, 30:], second), tiered.forward_with_cache(X[:, 30:], first),
+        atol=1e-5, rtol=0,
+    )  # fmt: skip
+
+
 def _costing(served, clock: dict, ms: float, entry: str = "forward"):
     """``served``'s ``entry`` advances the fake ``clock`` by ``ms`` per call."""
     method = getattr(served, entry)

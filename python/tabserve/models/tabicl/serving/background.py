@@ -417,8 +417,9 @@ class CompilingTabICL:
                 due = keep is not None or seen >= COMPILE_AFTER_CALLS
                 queue = due and _worker.pending() < MAX_QUEUED
                 self._state[key] = "queued" if queue else seen
-        if queue or (keep is not None and state == "queued"):
-            # a cache build is queued for every cache: each needs its own target half
+        if queue or (keep is not None and state == "queued" and _worker.pending() < MAX_QUEUED):
+            # a cache build is queued for every cache (each needs its own target half), within
+            # the queue's bound: a cache left out is read by ready
             self._queue(key, entry, args, kwargs, keep, mark=queue)
         return self.ready
 
@@ -460,7 +461,6 @@ class CompilingTabICL:
         if not _worker.submit(warm_up) and mark:
             with self._lock:
                 self._state[key] = "failed"
-
 
     def _pays(self, key, entry: str, args: tuple, kwargs: dict, stream) -> str:
         """``"compiled"`` if ``target`` answers this call faster than ``ready`` (medians of
