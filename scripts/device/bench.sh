@@ -22,6 +22,8 @@
 #   estimators  the estimator suite (`python -m tabserve.bench estimators`, tabicl in the same
 #             run) with ESTIMATOR_ARGS (default: every kind, recipe auto, 3 repeats), in $OUT/estimators
 #   many-tables  the many-tables suite with MANY_ARGS (default: 60 tables), in $OUT/many-tables
+#   contention  benchmarks/compile_contention.py: a served call alone, beside a Python-busy warm-up,
+#             and beside one that pauses for the calls (as the background compiles do)
 #   pytest    PYTEST_ARGS (default: the CUDA tests, -m cuda test/python)
 #   sanitize  compute-sanitizer over the kernels' CUDA tests (check.sh's sanitize stage)
 #   ncu       Nsight Compute over scripts/device/ncu_probe.py (NCU_ARGS, NCU_KERNELS)
@@ -117,6 +119,10 @@ for part in "$@"; do
       timeout "$(left "$LIMIT")" python3 -m tabserve.bench many-tables --device cuda \
         ${MANY_ARGS:---tables 60} --out "$OUT/many-tables" >"$LOG/many-tables.log" 2>&1
       echo "many-tables rc=$?"; tail -30 "$LOG/many-tables.log" | cut -c1-220 ;;
+    contention)
+      timeout "$(left "$LIMIT")" python3 benchmarks/compile_contention.py --device cuda \
+        --json "$OUT/compile-contention-cuda.json" >"$LOG/contention.log" 2>&1
+      echo "contention rc=$?"; tail -4 "$LOG/contention.log" ;;
     pytest)
       # shellcheck disable=SC2086
       tests pytest "$(left $((LIMIT - 30)))" ${PYTEST_ARGS:--m cuda test/python} ;;
@@ -132,7 +138,7 @@ for part in "$@"; do
       grep -n "Duration\|Registers Per\|Achieved Occupancy\|Compute (SM) Throughput\|DRAM Throughput" \
         "$OUT/ncu-details.txt" | head -40 ;;
     *) echo "unknown argument $part: a workload ($WORKLOADS) or kernels, profile, align, soak, soak-estimators," \
-         "estimators, many-tables, pytest, sanitize, ncu"; exit 2 ;;
+         "estimators, many-tables, contention, pytest, sanitize, ncu"; exit 2 ;;
   esac
 done
 echo "== done (${SECONDS}s)"
