@@ -7,3 +7,19 @@ import tempfile
 # folder made for this pytest run, so tests neither read nor write the user's real one; child
 # processes inherit it.
 os.environ["TABSERVE_CACHE_DIR"] = tempfile.mkdtemp(prefix="tabserve-test-cache-")
+
+
+import sys  # noqa: E402
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _background_compiles_end_with_their_test():
+    """A test that queued background warm-ups waits for them before the next test starts: a
+    warm-up pauses while estimator calls run, so one left behind would otherwise compile (and
+    count graphs, and hold tensors) inside a later test."""
+    yield
+    background = sys.modules.get("tabserve.models.tabicl.serving.background")
+    if background is not None:
+        assert background.wait_for_compiles(600), "a background warm-up outlived its test by 600 s"

@@ -4,6 +4,8 @@ bounds; refused tasks are reported by index without losing the others."""
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pandas as pd
 import pytest
@@ -306,7 +308,7 @@ def test_packs_hold_every_group_once_within_their_bounds(waste):
 
 
 def test_a_pack_of_one_shape_runs_unpadded_and_answers_as_the_padded_path():
-    engine = our_model("clf", "tiny")
+    engine = copy.deepcopy(our_model("clf", "tiny"))  # a copy: the shared one stays unpatched
     X, y = random_table(0, 6, 30, 6, 5, n_classes=3)
     parts = [many._Group(i, X[2 * i : 2 * i + 2], y[2 * i : 2 * i + 2].float(), Bucket(30, 6, 5)) for i in range(3)]
     calls = []
