@@ -258,13 +258,16 @@ def cold_call(job: Job, engine: Engine) -> tuple | None:
 
 def steady(job: Job, engine: Engine, estimator) -> None:
     """A compiled preset compiles a call in the background once the call recurs, while the
-    ready one answers: a second fit + predict (untimed), then the steady state starts once the
-    compiles have finished (``cold["steady_ms"]``, from the spawn)."""
+    ready one answers: for such a preset a second fit + predict (untimed), then the steady state
+    starts once the compiles have finished (``cold["steady_ms"]``, from the spawn)."""
+    from tabserve.models.tabicl.serving.background import CompilingTabICL
+
     job.result["served_preset"] = served_preset(estimator)
     cold = job.result["cold"]
     start = time.perf_counter()
-    X_train, y_train, X_test = (engine.table[k] for k in ("X_train", "y_train", "X_test"))
-    engine.predict(engine.fresh().fit(X_train, y_train), X_test)
+    if isinstance(getattr(estimator, "model_", None), CompilingTabICL):
+        X_train, y_train, X_test = (engine.table[k] for k in ("X_train", "y_train", "X_test"))
+        engine.predict(engine.fresh().fit(X_train, y_train), X_test)
     finished = wait_for_compiles(job)
     cold["compile_wait_ms"] = (time.perf_counter() - start) * 1e3
     cold["compiled"] = finished
