@@ -169,6 +169,9 @@ def test_packed_answers_match_tabicl_fp32_and_its_padding_is_counted(run):
         assert p["packs"] >= 1 and p["tables"] >= 8  # members of at least one task
         assert p["padded_cells"] >= p["real_cells"] > 0
         assert p["largest_pack_cells"] <= p["padded_cells"]
+        # The stages' times are parts of the kind's own time.
+        stages = [p[key] for key in many_report.STAGE_KEYS]
+        assert min(stages) >= 0 and sum(stages) <= packed["passes"][0]["kinds"][kind]["ms"]
     assert set(document["summary"]) == {"tabicl", TABSERVE_LOOP}
 
 

@@ -32,9 +32,12 @@ ACCURACY_COLUMNS = (
 
 PADDING_COLUMNS = (
     "kind", ">packs", ">member tables", ">real cells", ">padded cells", ">padded / real",
-    ">largest pack cells",
+    ">largest pack cells", ">fits ms", ">packed calls ms", ">answers ms",
 )  # fmt: skip
-PADDING_TITLE = f"Padding of {TABSERVE_PACKED} (pass 1; a member table: one ensemble member)"
+PADDING_TITLE = (
+    f"Padding of {TABSERVE_PACKED}, and where its warm pass's time goes (fits: each task's fit and "
+    "member tables; a member table: one ensemble member)"
+)
 
 ACCURACY_TITLE = "Accuracy against the reference, task by task (the worst task in brackets)"
 
@@ -154,15 +157,25 @@ def _padding_row(kind: str, p: dict) -> list:
         f"{padded:,}",
         f"{padded / real:.3f}" if real else "-",
         f"{p.get('largest_pack_cells', 0):,}",
+        *(_ms(p.get(key)) for key in STAGE_KEYS),
     ]
 
 
+#: The packed engine's stage times (:class:`tabserve.models.tabicl.sklearn.many._Clock`).
+STAGE_KEYS = ("fit_ms", "packs_ms", "answers_ms")
+
+
+def _ms(value) -> str:
+    return "-" if value is None else f"{value:,.0f}"
+
+
 def padding_rows(document: dict) -> list:
-    """One row of :data:`PADDING_COLUMNS` per task kind of the packed engine's first pass, and
-    one for all (empty without a packed engine that ran)."""
+    """One row of :data:`PADDING_COLUMNS` per task kind of the packed engine's warm pass (the
+    first where there is no other; every pass packs alike), and one for all (empty without a
+    packed engine that ran)."""
     packed = next((r for r in document["results"] if r["engine"] == TABSERVE_PACKED), None)
     passes = (packed or {}).get("passes") or []
-    padding = passes[0].get("padding") if passes else None
+    padding = passes[min(1, len(passes) - 1)].get("padding") if passes else None
     if not padding:
         return []
     rows = [_padding_row(kind, p) for kind, p in padding.items() if p]
@@ -170,6 +183,9 @@ def padding_rows(document: dict) -> list:
         key: sum(p.get(key, 0) for p in padding.values())
         for key in ("packs", "tables", "real_cells", "padded_cells")
     }
+    for key in STAGE_KEYS:  # records made before the stage times have none
+        if all(key in p for p in padding.values() if p):
+            total[key] = sum(p[key] for p in padding.values() if p)
     total["largest_pack_cells"] = max(p.get("largest_pack_cells", 0) for p in padding.values())
     return rows + [_padding_row("all", total)]
 

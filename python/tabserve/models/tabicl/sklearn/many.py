@@ -36,6 +36,7 @@ or changed.
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
@@ -264,7 +265,9 @@ def _answer_group(
     template, tasks: list, first: int, method: str, params: dict, report: dict | None
 ) -> list:
     grid = template.bucket_grid or BucketGrid()
+    clock = _Clock(report)
     prepared = [_prepare(template, t, first + i, method, params, grid) for i, t in enumerate(tasks)]
+    clock.lap("fit_ms", template_device(prepared))
     by_engine: dict = {}  # tasks served by one engine pack together
     for p in prepared:
         if p.estimator is not None:
@@ -279,9 +282,31 @@ def _answer_group(
                 group.output = output
             if report is not None:
                 _count(report, one)
+    clock.lap("packs_ms", template_device(prepared))
     for p in prepared:
         _finish(p, method, params)
+    clock.lap("answers_ms", None)
     return prepared
+
+
+class _Clock:
+    """Adds the time of each stage of a group to ``report`` (nothing without one): ``fit_ms``
+    (the tasks' fits and member tables), ``packs_ms`` (the packed calls), ``answers_ms`` (each
+    task's answer from its outputs). A lap waits for ``device``'s queued work, so the time of
+    a stage is its own, not the next one's."""
+
+    def __init__(self, report: dict | None):
+        self.report = report
+        self.start = time.perf_counter()
+
+    def lap(self, key: str, device: torch.device | None) -> None:
+        if self.report is None:
+            return
+        if device is not None and device.type == "cuda":
+            torch.cuda.synchronize(device)
+        now = time.perf_counter()
+        self.report[key] = self.report.get(key, 0.0) + (now - self.start) * 1e3
+        self.start = now
 
 
 def template_device(prepared: list) -> torch.device:
@@ -328,7 +353,7 @@ def _answers(estimator, source: Iterator, method: str, errors: str, params: dict
 
 def _count(report: dict, one: Pack) -> None:
     """Adds a pack to ``report``: packed calls, tables, real and padded cells, the largest
-    call's cells (what the benchmark reports of the padding)."""
+    call's cells (what the benchmark reports of the padding; :class:`_Clock` adds the times)."""
     report["packs"] = report.get("packs", 0) + 1
     report["tables"] = report.get("tables", 0) + one.tables
     report["real_cells"] = report.get("real_cells", 0) + one.real_cells
