@@ -427,6 +427,37 @@ def test_a_running_warm_up_pauses_while_an_estimator_call_is_in_progress():
     spinning.stop()
 
 
+@pytest.mark.parametrize("pausable", [True, False])
+def test_a_call_captures_its_graph_once_a_running_warm_up_has_paused(monkeypatch, pausable):
+    """A call of a shape not captured yet, made while a warm-up holds the captures, waits for the
+    warm-up to pause and captures on the caller's thread; beside a warm-up that cannot pause it
+    runs uncaptured after at most CAPTURE_WAIT_S, with the same answer."""
+    from tabserve.buckets import BucketGrid
+    from tabserve.models.tabicl.serving import served as serving
+
+    monkeypatch.setattr(serving, "_BucketGraph", _CaptureOnCPU)
+    monkeypatch.setattr(_CaptureOnCPU, "threads", [])
+    served = ServedTabICL(_model(), ServingOptions(buckets=True), BucketGrid((16, 64), (8, 32), (8, 16)))
+    served.options = served.options.replace(cuda_graphs=True)  # replayed by the stand-in
+    X, y = random_table(11, 2, 40, 10, 5, n_classes=3)
+    spinning = _Spinning(hold_captures=True, pausable=pausable)
+    assert spinning.running() > 0
+    try:
+        with background.foreground():
+            start = time.monotonic()
+            got = served(X, y)
+            waited = time.monotonic() - start
+    finally:
+        spinning.stop()
+    torch.testing.assert_close(got, our_model("clf", "tiny")(X, y), atol=1e-5, rtol=0)
+    if pausable:
+        assert (served.captures, served.uncaptured) == (1, 0)
+        assert _CaptureOnCPU.threads == [threading.current_thread().name]
+    else:
+        assert (served.captures, served.uncaptured) == (0, 1) and _CaptureOnCPU.threads == []
+        assert waited >= serving.CAPTURE_WAIT_S
+
+
 def test_a_warm_up_holding_what_calls_need_does_not_pause_nor_past_max_pause(monkeypatch):
     spinning = _Spinning(pausable=False)  # inside no_pause(): a lock the calls take is held
     assert spinning.running() > 0

@@ -41,6 +41,7 @@ import gc
 import inspect
 import sys
 import threading
+import time
 import types
 import weakref
 from collections import OrderedDict
@@ -84,7 +85,9 @@ MAX_SHAPE_GRAPHS = 16
 #: a stream of its own, uses torch's one default capture stream: compiling on another thread
 #: during a capture (Inductor's autotuning draws random inputs and synchronises) failed the
 #: compile and invalidated the capture (H200, fresh estimators served while one compiled). A
-#: thread that finds it held serves the call uncaptured (the same kernels) and captures later.
+#: warm-up releases it while it pauses for an estimator call, which waits for that
+#: (:func:`_take_captures`); a thread that cannot take it serves the call uncaptured (the same
+#: kernels) and captures later.
 _CAPTURES = threading.RLock()
 #: Set on a thread whose calls never capture (the background warm-ups): a capture outside the
 #: caller's thread fails and is invalidated whenever the caller synchronises the whole device
@@ -93,6 +96,85 @@ _CAPTURES = threading.RLock()
 #: whatever the capture's error mode. Such a thread compiles and runs the graph's function; the
 #: caller's next call of that shape captures it.
 _NO_CAPTURES = threading.local()
+
+
+#: The longest a call of a shape not captured yet waits for a running warm-up to pause and
+#: release :data:`_CAPTURES` (it pauses at its next Python function call once an estimator call
+#: is in progress); past it the call runs uncaptured, as it would beside a warm-up that cannot
+#: pause (one timing its models).
+CAPTURE_WAIT_S = 0.5
+
+
+class _Foreground:
+    """The estimator calls in progress and when the last one ended (what a background warm-up
+    waits on, :mod:`.background`)."""
+
+    def __init__(self) -> None:
+        self._changed = threading.Condition(threading.Lock())
+        self._active = 0
+        self._last_end = time.monotonic()
+        self._closing = False
+
+    @contextlib.contextmanager
+    def call(self):
+        with self._changed:
+            self._active += 1
+        try:
+            yield
+        finally:
+            with self._changed:
+                self._active -= 1
+                self._last_end = time.monotonic()
+                self._changed.notify_all()
+
+    def wait_until_quiet(self, quiet: float, limit: float) -> None:
+        """Returns once no call has run for ``quiet`` seconds, after ``limit`` seconds, or at
+        interpreter exit."""
+        deadline = time.monotonic() + limit
+        with self._changed:
+            while not self._closing:
+                now = time.monotonic()
+                if now >= deadline:
+                    return
+                quiet_for = now - self._last_end
+                if self._active == 0 and quiet_for >= quiet:
+                    return
+                wait = deadline - now if self._active else quiet - quiet_for
+                self._changed.wait(min(wait, deadline - now))
+
+    def wait_while_busy(self, until: float) -> bool:
+        """Returns once no call is in progress (True), or False at the ``time.monotonic()``
+        ``until`` (or at interpreter exit)."""
+        with self._changed:
+            while self._active and not self._closing:
+                left = until - time.monotonic()
+                if left <= 0:
+                    return False
+                self._changed.wait(left)
+        return True
+
+    def close(self) -> None:
+        with self._changed:
+            self._closing = True
+            self._changed.notify_all()
+
+
+_foreground = _Foreground()
+
+
+def foreground():
+    """``with foreground():`` marks an estimator call: background warm-ups pause for it
+    (:mod:`.background`), and its captures wait for them to (:func:`_take_captures`)."""
+    return _foreground.call()
+
+
+def _take_captures() -> bool:
+    """Takes :data:`_CAPTURES` for a capture: at once, or, while an estimator call is in
+    progress (a warm-up holding it pauses then), within :data:`CAPTURE_WAIT_S`; False if not
+    (the call runs uncaptured)."""
+    if _CAPTURES.acquire(blocking=False):
+        return True
+    return _foreground._active > 0 and _CAPTURES.acquire(timeout=CAPTURE_WAIT_S)
 
 
 def exclusive_captures():
@@ -450,7 +532,7 @@ class ServedTabICL:
                 return fn(*inputs, *static)
             if graph is None:
                 with freezing(self.options.freeze):  # the capture is where compiled cores trace
-                    if not _CAPTURES.acquire(blocking=False):  # see _CAPTURES
+                    if not _take_captures():  # see _CAPTURES
                         self.uncaptured += 1
                         return fn(*inputs, *static)
                     try:
