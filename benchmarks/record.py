@@ -107,13 +107,14 @@ def load(paths: Iterable[str | Path]) -> list[tuple[Path, dict]]:
         "driver": 3,
         "string_lookup": 4,
         "align_categories": 5,
+        "compile_contention": 6,
     }
     return sorted(records, key=lambda item: (order[kind(item[1])], item[0].name))
 
 
 def kind(document: object) -> str | None:
     """``"estimator_suite"``, ``"many_tables"``, ``"device_scaling"``, ``"driver"``, ``"string_lookup"``,
-    ``"align_categories"`` or None (not a record)."""
+    ``"align_categories"``, ``"compile_contention"`` or None (not a record)."""
     if not isinstance(document, dict):
         return None
     if str(document.get("schema", "")).startswith(SUITE_SCHEMA):
@@ -124,7 +125,7 @@ def kind(document: object) -> str | None:
         return "device_scaling"
     if str(document.get("schema", "")).startswith(DRIVER_SCHEMA):
         return "driver"
-    if document.get("benchmark") in ("string_lookup", "align_categories"):
+    if document.get("benchmark") in ("string_lookup", "align_categories", "compile_contention"):
         return document["benchmark"]
     return None
 
@@ -461,6 +462,32 @@ def render_align(path: Path, document: dict) -> str:
     return "\n".join(lines)
 
 
+def render_contention(path: Path, document: dict) -> str:
+    """``benchmarks/compile_contention.py``: a served call alone, beside a Python-busy warm-up
+    that does not pause, and beside one that does."""
+    lines = _sweep_header("Compile contention", path, document)
+    workload = document.get("workload", {})
+    rows = [
+        [
+            workload.get("description", "-"),
+            format_ms(document.get("alone_ms")),
+            format_ms(document.get("beside_ms")),
+            format_ms(document.get("paused_ms")),
+        ]
+    ]
+    lines += [
+        "",
+        f"Median ms of a served call ({document.get('repeats', '-')} calls each; "
+        f"{document.get('model_size', '-')} model):",
+        "",
+        markdown_table(
+            ("workload", ">alone", ">beside a warm-up, pause off", ">beside a warm-up, pause on"),
+            rows,
+        ),
+    ]
+    return "\n".join(lines)
+
+
 def render_estimator_suite(path: Path, document: dict) -> str:
     """The suite's own tables (:mod:`tabserve.bench.estimator_report`), as Markdown."""
     settings = document.get("settings", {})
@@ -551,6 +578,7 @@ RENDERERS = {
     "driver": render_driver,
     "string_lookup": render_string_lookup,
     "align_categories": render_align,
+    "compile_contention": render_contention,
 }
 
 

@@ -170,3 +170,16 @@ def test_an_estimator_suite_record_renders_its_rows_and_speedups(tmp_path):
     row = next(line for line in page.splitlines() if line.startswith("| small | tabserve-auto (small)"))
     assert "| 4.00x | 5.00x |" in row  # tabicl's 400 ms and fp32's 500 ms over 100 ms
     assert "| tabserve-auto | 4.00x |" in page
+
+
+def test_a_compile_contention_record_renders_its_three_medians(tmp_path):
+    path = tmp_path / "compile_contention_cpu.json"
+    document = {
+        "benchmark": "compile_contention", "environment": {"cpu": "Some CPU"}, "device": "cpu",
+        "model_size": "tiny", "repeats": 9, "workload": {"description": "8 members"},
+        "alone_ms": 64.4, "beside_ms": 1637.2, "paused_ms": 65.6,
+    }  # fmt: skip
+    path.write_text(json.dumps(document))
+    text = record.render_results([path])
+    assert "## Compile contention: Some CPU (CPU)" in text
+    assert "| 8 members | 64.4 | 1637 | 65.6 |" in text
