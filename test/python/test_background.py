@@ -477,6 +477,44 @@ def test_a_warm_up_holding_what_calls_need_does_not_pause_nor_past_max_pause(mon
     spinning.stop()
 
 
+def test_a_running_warm_up_waits_for_a_quiet_moment_after_a_call(monkeypatch):
+    """The caller's own Python between two calls does not share the interpreter with a warm-up
+    either: it goes on only once no call has run for QUIET_S."""
+    monkeypatch.setattr(background, "QUIET_S", 0.5)
+    spinning = _Spinning()
+    assert spinning.running() > 0
+    with background.foreground():
+        time.sleep(0.05)
+    ended = time.monotonic()
+    paused_at = spinning.count
+    time.sleep(0.2)
+    assert spinning.count == paused_at  # the gap after the call is not quiet yet
+    assert spinning.running() > paused_at
+    assert time.monotonic() - ended >= 0.5
+    spinning.stop()
+
+
+def test_calls_that_never_leave_a_quiet_moment_let_a_warm_up_run_in_their_gaps(monkeypatch):
+    monkeypatch.setattr(background, "MAX_DEFER_S", 0.5)
+    spinning = _Spinning()
+    assert spinning.running() > 0
+    during_calls, seen = [], []  # the warm-up's progress during each call, and at its start
+    start = time.monotonic()
+    while time.monotonic() - start < 2.0:  # calls of 20 ms, 10 ms apart
+        with background.foreground():
+            before = spinning.count
+            seen.append((time.monotonic() - start, before))
+            time.sleep(0.02)
+            during_calls.append(spinning.count - before)
+        time.sleep(0.01)
+    spinning.stop()
+    assert max(during_calls) <= 1  # (at most the step it was in when the call began)
+    early = [count for at, count in seen if at < 0.4]
+    late = [count for at, count in seen if at > 1.0]
+    assert len(set(early)) == 1  # it waited in the first gaps ...
+    assert late[-1] > late[0] > early[0]  # ... then ran in them
+
+
 def test_a_warm_up_waits_until_the_estimator_calls_pause():
     started = threading.Event()
     with background.foreground():

@@ -33,14 +33,17 @@ answered 7.5 tables/s where it had answered 38.)
 Compiling is mostly Python, which shares the interpreter lock with the caller's thread: a
 Python-busy thread beside a model call made the call 21x slower (1,670 ms against 79.5 ms, the
 tiny model on a 2-core CPU, CPython's 5 ms switch interval), and a loop of fresh estimators on an
-H100 fell from 29 to 2 tables/s while compiles ran. So a warm-up starts only once no estimator
-call (:func:`foreground`) has run for :data:`QUIET_S`, or :data:`MAX_DEFER_S` after the worker
-reached it if calls never pause, and once started it pauses at its next Python function call
-whenever an estimator call is in progress, until none is (:func:`_pause_for_callers`; at most
-:data:`MAX_PAUSE_S` in one stretch of calls, so that a call waiting on something the warm-up
-holds cannot wait for ever), the graph-capture lock released meanwhile: an estimator call never
-shares the interpreter with a compile (the same call beside a Python-busy warm-up: 82.2 ms, alone
-84.7 ms). The pause is a trace function on the warm-up's thread, which makes compiles about half
+H100 fell from 29 to 2 tables/s while compiles ran. So a warm-up runs only in quiet moments,
+once no estimator call (:func:`foreground`) has run for :data:`QUIET_S`: it starts in one, and
+once started it pauses at its next Python function call whenever it is not in one, until the
+next (:func:`_pause_for_callers`), the graph-capture lock released meanwhile. An estimator call
+never shares the interpreter with a compile (the same call beside a Python-busy warm-up: 82.2 ms,
+alone 84.7 ms), nor does the caller's own Python between calls (pausing only during calls, a loop
+of fresh estimators on an H100 answered 21 tables/s beside unfinished compiles, against 31 before
+them). Two bounds: calls that never leave a quiet moment for :data:`MAX_DEFER_S` let the warm-up
+run in the gaps between them, and calls in progress without a break for :data:`MAX_PAUSE_S` let
+it run beside them (a call waiting on something the warm-up holds would otherwise wait for
+ever). The pause is a trace function on the warm-up's thread, which makes compiles about half
 as long again (tiny model, ``aot_eager``, 2-core CPU: 4.0 s against 2.7 s): they run in the
 background, and only calls that recur are compiled. :func:`wait_for_compiles` waits until the worker
 is idle (benchmarks use it to time the steady state).
@@ -86,13 +89,13 @@ MAX_QUEUED = 4
 PAY_RUNS = 3
 #: Seconds the interpreter's exit waits for an interrupted warm-up to unwind.
 EXIT_WAIT_S = 5.0
-#: A warm-up starts once no estimator call has run for this many seconds ...
+#: A warm-up runs once no estimator call has run for this many seconds (a quiet moment) ...
 QUIET_S = 0.25
-#: ... or this many seconds after the worker reached it, whichever comes first.
+#: ... or, where calls leave no quiet moment, this many seconds after it began to wait for one
+#: (then it runs in the gaps between calls).
 MAX_DEFER_S = 10.0
-#: The longest a warm-up pauses for one stretch of calls without a moment between them (then
-#: it runs beside them): a call that waited on something the paused warm-up held would
-#: otherwise wait for ever.
+#: The longest a warm-up waits while calls are in progress without a break (then it runs beside
+#: them): a call that waited on something the paused warm-up held would otherwise wait for ever.
 MAX_PAUSE_S = 10.0
 
 
@@ -102,26 +105,34 @@ class _WarmUpInterrupted(BaseException):
 
 #: Per thread: whether a warm-up may pause here (no lock an estimator call needs is held).
 _PAUSING = threading.local()
-#: When the warm-up began pausing for the current stretch of calls (None: there was a moment
-#: without calls since its last pause).
-_stretch: list = [None]
+#: When the warm-up began to wait for a quiet moment (None: it ran in one since).
+_deferred: list = [None]
 
 
 def _pause_for_callers(frame, event, arg):
-    """The warm-up thread's trace function (called at each Python function call): while an
-    estimator call is in progress, wait until none is, the graph-capture lock released meanwhile
-    (the warm-up issues no GPU work while it waits, and takes the lock back before it goes on)."""
-    if not _foreground._active or getattr(_PAUSING, "off", 0):
+    """The warm-up thread's trace function (called at each Python function call): it goes on in
+    a quiet moment (no estimator call for :data:`QUIET_S`); else it waits for one, the
+    graph-capture lock released meanwhile (the warm-up issues no GPU work while it waits, and
+    takes the lock back before it goes on). Two bounds: calls in progress without a break for
+    :data:`MAX_PAUSE_S` (one waiting on something the warm-up holds would wait for ever), and
+    :data:`MAX_DEFER_S` of calls that never leave a quiet moment, after which it runs in the gaps
+    between them."""
+    if getattr(_PAUSING, "off", 0):
         return None
-    if _stretch[0] is None:
-        _stretch[0] = time.monotonic()
-    elif time.monotonic() - _stretch[0] > MAX_PAUSE_S:
-        return None  # calls that never leave a moment between them: run beside them
+    calls, now = _foreground, time.monotonic()
+    if not calls._active and now - calls._last_end >= QUIET_S:
+        _deferred[0] = None
+        return None
+    if calls._active and now - calls._busy_since > MAX_PAUSE_S:
+        return None  # a call that lasts past the bound: run beside it
+    if _deferred[0] is None:
+        _deferred[0] = now
+    if not calls._active and now - _deferred[0] > MAX_DEFER_S:
+        return None  # calls that never leave a quiet moment: run in their gaps
     held = _CAPTURES._is_owned()  # threading.Condition's own use of the RLock's private API
     state = _CAPTURES._release_save() if held else None
     try:
-        if _foreground.wait_while_busy(_stretch[0] + MAX_PAUSE_S):
-            _stretch[0] = None  # a moment without calls: the next stretch starts afresh
+        calls.wait_to_run(QUIET_S, MAX_PAUSE_S, _deferred[0] + MAX_DEFER_S)
     finally:
         if held:
             _CAPTURES._acquire_restore(state)
@@ -175,7 +186,7 @@ class _Worker:
                             job()
                         finally:
                             sys.settrace(None)
-                            _stretch[0] = None
+                            _deferred[0] = None
                 finally:
                     with self._lock:
                         self._pending -= 1

@@ -112,12 +112,14 @@ class _Foreground:
     def __init__(self) -> None:
         self._changed = threading.Condition(threading.Lock())
         self._active = 0
-        self._last_end = time.monotonic()
+        self._busy_since = self._last_end = time.monotonic()
         self._closing = False
 
     @contextlib.contextmanager
     def call(self):
         with self._changed:
+            if not self._active:
+                self._busy_since = time.monotonic()
             self._active += 1
         try:
             yield
@@ -142,16 +144,23 @@ class _Foreground:
                 wait = deadline - now if self._active else quiet - quiet_for
                 self._changed.wait(min(wait, deadline - now))
 
-    def wait_while_busy(self, until: float) -> bool:
-        """Returns once no call is in progress (True), or False at the ``time.monotonic()``
-        ``until`` (or at interpreter exit)."""
+    def wait_to_run(self, quiet: float, max_busy: float, defer_until: float) -> None:
+        """Returns once no call has run for ``quiet`` seconds, once calls have been in progress
+        without a break for ``max_busy`` seconds, at the ``time.monotonic()`` ``defer_until``
+        while no call is in progress, or at interpreter exit."""
         with self._changed:
-            while self._active and not self._closing:
-                left = until - time.monotonic()
+            while not self._closing:
+                now = time.monotonic()
+                if self._active:
+                    left = self._busy_since + max_busy - now
+                    if left <= 0:
+                        return
+                    self._changed.wait(left)
+                    continue
+                left = min(self._last_end + quiet, defer_until) - now
                 if left <= 0:
-                    return False
+                    return
                 self._changed.wait(left)
-        return True
 
     def close(self) -> None:
         with self._changed:
