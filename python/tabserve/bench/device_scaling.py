@@ -270,22 +270,19 @@ def main(argv=None) -> int:
         if cell.name in args.cells:
             described[cell.name] = cell.description
             results += run_cell(cell, lists, args.repeats, args.compile_timeout, say)
+    settings = {
+        "device": device,
+        "quick": args.quick,
+        "counts": list(lists),
+        "repeat_device": args.repeat_device,
+        "repeats": args.repeats,
+        "seed": args.seed,
+        "model_size": args.model_size,
+        "checkpoint_note": note,
+        "cells": described,
+    }
     document = {
-        "schema": SCHEMA,
-        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "environment": report.environment(("pandas",)),
-        "settings": {
-            "device": device,
-            "quick": args.quick,
-            "counts": list(lists),
-            "repeat_device": args.repeat_device,
-            "repeats": args.repeats,
-            "seed": args.seed,
-            "model_size": args.model_size,
-            "checkpoint_note": note,
-            "cells": described,
-        },
-        "command": " ".join([COMMAND, *argv]),
+        **report.record_head(SCHEMA, report.environment(("pandas",)), settings, COMMAND, argv),
         "results": results,
         "targets": targets(results),
     }

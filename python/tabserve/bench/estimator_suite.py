@@ -466,11 +466,7 @@ def _measure(args, argv: list, say) -> dict:
         add_accuracy_and_speedups(done, kinds)
         add_predict_many_speedups(measured)
         return {
-            "schema": SCHEMA,
-            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "environment": environment,
-            "settings": settings,
-            "command": " ".join([COMMAND, *argv]),
+            **report.record_head(SCHEMA, environment, settings, COMMAND, argv),
             "complete": complete,
             "kinds": [k.as_dict(quick) for k in kinds],
             "results": done,

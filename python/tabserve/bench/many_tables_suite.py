@@ -45,7 +45,6 @@ import argparse
 import shutil
 import sys
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -289,11 +288,7 @@ def _run(args, argv: list, say: Callable, run_dir: Path, specs: list) -> dict:
     add_accuracy(results, settings["reference"], tasks)
     add_speedups(results)
     return {
-        "schema": SCHEMA,
-        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "environment": environment,
-        "settings": settings,
-        "command": " ".join([COMMAND, *argv]),
+        **report.record_head(SCHEMA, environment, settings, COMMAND, argv),
         "population": describe(specs),
         "results": results,
         "summary": summarize(results),

@@ -17,6 +17,7 @@ import json
 import os
 import platform
 import subprocess
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -220,6 +221,18 @@ def payload(
     }
     document["targets"] = targets.evaluate(document)
     return document
+
+
+def record_head(schema: str, environment: dict, settings: dict, command: str, argv: list) -> dict:
+    """The keys every suite's record begins with: its schema, when it was made, the machine and
+    versions, the settings and the command line (``command`` and its arguments ``argv``)."""
+    return {
+        "schema": schema,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "environment": environment,
+        "settings": settings,
+        "command": " ".join([command, *argv]),
+    }
 
 
 def write_json(path: Path, document: dict) -> Path:
