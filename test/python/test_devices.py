@@ -223,6 +223,10 @@ def test_caches_follow_the_estimator_to_another_count_of_devices():
     assert one.devices_ == (torch.device("cpu"),)
     assert all(len(one.cache_[m]) == len(two.cache_[m]) for m in two.plan_)
     np.testing.assert_allclose(one.predict_proba(X_test), expected, atol=1e-6, rtol=0)
+    # A refit without a cache keeps nothing of the cache's chunking.
+    refit = two.set_params(kv_cache=False).fit(X, y)
+    assert refit.cache_ is None and refit.cache_steps_ is None
+    np.testing.assert_allclose(refit.predict_proba(X_test), expected, atol=1e-6, rtol=0)
 
 
 def test_a_cache_is_copied_to_another_device_once():

@@ -525,7 +525,7 @@ class _TabICLBase(BaseEstimator):
             for m in self.plan_
         }
         self.y_train_ = y
-        self.cache_ = None
+        self.cache_ = self.cache_steps_ = None  # (a refit without kv_cache keeps neither)
         self._cache_copies = {}
         if self.kv_cache:
             self.cache_ = self._build_caches()
