@@ -343,3 +343,15 @@ def test_cuda_packed_answers_are_each_tasks_own_estimators(recipe, tolerance):
     got = estimator.fit_predict_many(tasks, "predict_proba")
     for i, (want, answer) in enumerate(zip(_loop(estimator, tasks), got)):
         np.testing.assert_allclose(answer, want, atol=tolerance, rtol=0, err_msg=f"task {i}")
+
+
+@requires_cuda
+def test_cuda_packed_regression_with_frames_answers_as_each_tasks_own_estimator():
+    """Tasks preprocessed on the host (DataFrames with strings among them), run on the GPU."""
+    tasks = regression_tasks(8, seed=4)
+    path = reference_checkpoint("reg", "tiny")
+    estimator = TabICLRegressor(model_path=path, device="cuda", n_estimators=4, recipe="exact")
+    got = estimator.fit_predict_many(tasks)
+    for i, (want, answer) in enumerate(zip(_loop(estimator, tasks, "predict"), got)):
+        scale = np.std(np.asarray(tasks[i][1], dtype=np.float64))
+        np.testing.assert_allclose(answer, want, atol=1e-5 * scale, rtol=0, err_msg=f"task {i}")
