@@ -33,6 +33,7 @@ def _every_call_warms_up(monkeypatch):
     """The tiers' mechanics, apart from the policy: a call's warm-up is queued at its first call
     and its compiled model takes over once warmed up (the policy's own tests set it back)."""
     monkeypatch.setattr(background, "COMPILE_AFTER_CALLS", 1)
+    monkeypatch.setattr(background, "COMPILE_AFTER_MS", 0.0)
     monkeypatch.setattr(background, "PAY_RUNS", 0)
 
 
@@ -305,6 +306,28 @@ def test_a_kind_of_call_is_compiled_once_it_recurs_and_a_cache_build_at_once(mon
     assert background_compiles() == 2  # the predictions that follow a cache recur by design
     held.release()
     assert wait_for_compiles(timeout=120) and cache.target is not None
+
+
+@pytest.mark.parametrize("call_ms, queued_at", [(300.0, 5), (1500.0, 2), (5.0, None)])
+def test_a_kind_of_call_is_compiled_once_its_calls_have_taken_their_time(
+    monkeypatch, call_ms, queued_at
+):
+    """Queued at the call after the ready model's calls of that kind reach COMPILE_AFTER_MS
+    (1,000 ms): short calls that recur a few times compile nothing."""
+    clock = {"now": 0.0}
+    monkeypatch.setattr(background, "_clock", lambda: clock["now"])
+    monkeypatch.setattr(background, "COMPILE_AFTER_CALLS", 2)
+    monkeypatch.setattr(background, "COMPILE_AFTER_MS", 1000.0)
+    tiered, ready, target = _pair()
+    _costing(tiered.ready, clock, call_ms)
+    X, y = random_table(12, 2, 30, 8, 5, n_classes=3)
+    held = _HeldWorker()
+    for call in range(1, 7):
+        tiered(X, y)
+        assert background_compiles() == 1 + (queued_at is not None and call >= queued_at), call
+    held.release()
+    assert wait_for_compiles(timeout=120)
+    assert tiered.compiled("forward", X, y) == (queued_at is not None)
 
 
 def test_at_most_max_queued_warm_ups_wait_and_a_call_left_out_is_queued_when_it_recurs(monkeypatch):

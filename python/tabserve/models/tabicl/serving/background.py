@@ -7,10 +7,11 @@ compiles nothing (``ready``, the :data:`READY_PRESET`): each kind of call (entry
 input shapes) is served by ``ready`` until a background thread has run the same call on
 ``target``, with copies of the inputs, and found it faster; from then on ``target`` serves it.
 
-What is compiled, and when: a kind of call is queued for a warm-up at its
-:data:`COMPILE_AFTER_CALLS`-th call (a shape that never recurs, a one-off script's or one of a
-stream of varied tables, is never compiled), except a KV-cache build, queued at once (the
-predictions that follow it recur by design). At most :data:`MAX_QUEUED` warm-ups wait at once:
+What is compiled, and when: a kind of call is queued for a warm-up once it has recurred
+(:data:`COMPILE_AFTER_CALLS` calls) and its calls have taken :data:`COMPILE_AFTER_MS` on
+``ready`` in all (a shape that never recurs, a one-off script's, is never compiled, nor is one of
+a stream of varied small tables, whose compiles would cost minutes to save milliseconds), except a
+KV-cache build, queued at once (the predictions that follow it recur by design). At most :data:`MAX_QUEUED` warm-ups wait at once:
 a recurring call that finds the queue full is queued at a later call. A warm-up then times both
 served models on its inputs (:data:`PAY_RUNS` calls each, interleaved) and ``target`` takes the
 call over only if it answered faster: a call is never moved to a slower model. A call whose
@@ -80,8 +81,15 @@ from .served import (  # noqa: F401  (foreground: the estimators' import)
 #: What serves while a compiled preset compiles: fp16 on padded buckets replayed from CUDA
 #: graphs, nothing compiled (its captures take milliseconds per bucket).
 READY_PRESET = "medium"
-#: The call of a kind (entry point and shapes) at which its warm-up is queued.
+#: The call of a kind (entry point and shapes) at which its warm-up may be queued at the
+#: earliest ...
 COMPILE_AFTER_CALLS = 2
+#: ... once its calls have taken this many milliseconds on ``ready`` in all (on the device's
+#: stream: CUDA events). A compile costs minutes of background work (25-155 s a kind on the
+#: H200) and saves at most part of each later call: a loop of fresh estimators over 60 varied
+#: small tables on an H100 (calls of 10-30 ms, each kind recurring a few times) queued compiles
+#: that had not finished after 100 s and answered 21 tables/s beside them, against 31 before.
+COMPILE_AFTER_MS = 1000.0
 #: Warm-ups queued or running at once in the process.
 MAX_QUEUED = 4
 #: Timed calls of each served model that decide whether ``target`` takes a call over (0: it
@@ -234,6 +242,45 @@ def wait_for_compiles(timeout: float | None = None) -> bool:
     return _worker.wait(timeout)
 
 
+class _Spent:
+    """The milliseconds each kind of call (its signature) has taken on one device: host time
+    on the CPU, the stream's time between two events on CUDA (read once they have passed, so
+    a call never waits for its own clock)."""
+
+    def __init__(self, device: torch.device):
+        self._cuda = torch.device(device).type == "cuda"
+        self._lock = threading.Lock()
+        self._ms: dict = {}
+        self._running: list = []  # (signature, start event, end event) not yet read
+
+    @contextlib.contextmanager
+    def clock(self, key):
+        if not self._cuda:
+            start = _clock()
+            yield
+            with self._lock:
+                self._ms[key] = self._ms.get(key, 0.0) + (_clock() - start) * 1e3
+            return
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        yield
+        end.record()
+        with self._lock:
+            self._running.append((key, start, end))
+
+    def ms(self, key) -> float:
+        """What calls of ``key`` have taken so far (those still running: not yet)."""
+        with self._lock:
+            running = []
+            for one, start, end in self._running:
+                if end.query():
+                    self._ms[one] = self._ms.get(one, 0.0) + start.elapsed_time(end)
+                else:
+                    running.append((one, start, end))
+            self._running = running
+            return self._ms.get(key, 0.0)
+
+
 @dataclass
 class TieredCache:
     """The KV caches of one train block: ``ready``'s, and ``target``'s once its background
@@ -292,6 +339,7 @@ class CompilingTabICL:
         self._state: dict = {}
         #: signature -> (ready's, target's) median ms on the warm-up's inputs
         self.timings: dict = {}
+        self._spent = _Spent(ready.device)
 
     @property
     def target(self):
@@ -335,7 +383,7 @@ class CompilingTabICL:
         if mode != "kv":  # representation caches: unpadded and uncompiled on either model
             return self.ready.build_cache(*args, mode=mode, **kwargs)
         cache = TieredCache(self.ready.build_cache(*args, **kwargs))
-        if self._choose("build_cache", args, kwargs, keep=cache) is not self.ready:
+        if self._choose("build_cache", args, kwargs, keep=cache)[0] is not self.ready:
             cache.target = self.target.build_cache(*args, **kwargs)
         return cache
 
@@ -352,37 +400,46 @@ class CompilingTabICL:
             return self._state.get(_signature(entry, args, kwargs)) == "compiled"
 
     def _serve(self, entry: str, args: tuple, kwargs: dict):
-        return getattr(self._choose(entry, args, kwargs), entry)(*args, **kwargs)
+        served, key = self._choose(entry, args, kwargs)
+        if served is not self.ready:
+            return getattr(served, entry)(*args, **kwargs)
+        with self._spent.clock(key):
+            return getattr(self.ready, entry)(*args, **kwargs)
 
     def _serve_cached(self, entry: str, X: Tensor, cache, args: tuple, kwargs):
         if not isinstance(cache, TieredCache):  # a representation cache: the ready model's
             return getattr(self.ready, entry)(X, cache, *args, **kwargs)
-        if cache.target is not None:
-            served = self._choose(entry, (X, cache.target, *args), kwargs)
-            if served is not self.ready:
-                return getattr(served, entry)(X, cache.target, *args, **kwargs)
-        return getattr(self.ready, entry)(X, cache.ready, *args, **kwargs)
+        if cache.target is None:  # counted once target has a cache to be compiled against
+            return getattr(self.ready, entry)(X, cache.ready, *args, **kwargs)
+        served, key = self._choose(entry, (X, cache.target, *args), kwargs)
+        if served is not self.ready:
+            return getattr(served, entry)(X, cache.target, *args, **kwargs)
+        with self._spent.clock(key):
+            return getattr(self.ready, entry)(X, cache.ready, *args, **kwargs)
 
     def _choose(self, entry: str, args: tuple, kwargs: dict, keep: TieredCache | None = None):
-        """``target`` where this call has warmed up and paid, else ``ready``, queueing its
-        warm-up when it recurs (see the module docstring; ``keep``: the cache whose ``target``
-        half that warm-up builds, queued at once)."""
+        """(``target`` where this call has warmed up and paid, else ``ready``; the call's
+        signature), queueing its warm-up once it recurs and has taken its time (see the module
+        docstring; ``keep``: the cache whose ``target`` half that warm-up builds, queued at
+        once)."""
         key = _signature(entry, args, kwargs)
         with self._lock:
             state = self._state.get(key, 0)
             if state == "compiled":
-                return self.target
+                return self.target, key
             queue = False
             if isinstance(state, int):
                 seen = state + 1
-                due = keep is not None or seen >= COMPILE_AFTER_CALLS
+                due = keep is not None or (
+                    seen >= COMPILE_AFTER_CALLS and self._spent.ms(key) >= COMPILE_AFTER_MS
+                )
                 queue = due and _worker.pending() < MAX_QUEUED
                 self._state[key] = "queued" if queue else seen
         if queue or (keep is not None and state == "queued" and _worker.pending() < MAX_QUEUED):
             # a cache build is queued for every cache (each needs its own target half), within
             # the queue's bound: a cache left out is read by ready
             self._queue(key, entry, args, kwargs, keep, mark=queue)
-        return self.ready
+        return self.ready, key
 
     def _queue(self, key, entry: str, args: tuple, kwargs: dict, keep=None, mark=True) -> None:
         # Private copies: the caller may overwrite its tensors before the warm-up runs. On CUDA
