@@ -504,15 +504,10 @@ class _TabICLBase(BaseEstimator):
             raise TypeError(f"{path} holds a {type(estimator).__name__}, not a {cls.__name__}")
         return estimator
 
-    def _preprocess_device(self) -> torch.device:
-        """Where the tables are preprocessed: ``device_``, or the host for a fit of the packed
-        path (:mod:`.many`), which moves each pack's member tables to the device at once."""
-        return self.__dict__.get("_preprocess_on") or self.device_
-
     def _fit_members(self, X, y: Tensor, n_classes: int) -> None:
         norm_methods = self.norm_methods or DEFAULT_NORM_METHODS
         norm_methods = [norm_methods] if isinstance(norm_methods, str) else list(norm_methods)
-        self.encoder_ = TableEncoder(self._preprocess_device()).fit(X)
+        self.encoder_ = TableEncoder(self.device_).fit(X)
         table = self.encoder_.transform(X)
         self.filter_ = ConstantFeatureFilter().fit(table)
         table = self.filter_.transform(table)
@@ -825,9 +820,7 @@ class TabICLClassifier(ClassifierMixin, _TabICLBase):
                 f"{self.n_classes_} classes exceed max_classes={max_classes}; "
                 "set support_many_classes=True"
             )
-        labels = torch.as_tensor(
-            codes.reshape(-1), dtype=torch.float64, device=self._preprocess_device()
-        )
+        labels = torch.as_tensor(codes.reshape(-1), dtype=torch.float64, device=self.device_)
         self._fit_members(X, labels, self.n_classes_)
         return self
 
@@ -965,8 +958,7 @@ class TabICLRegressor(RegressorMixin, _TabICLBase):
         self.device_ = self.devices_[0]
         self.model_ = self._load_model(X.shape[0])
         y_scaled = ((y - np.float32(self.y_mean_)) / np.float32(self.y_scale_)).astype(np.float32)
-        labels = torch.as_tensor(y_scaled, dtype=torch.float64, device=self._preprocess_device())
-        self._fit_members(X, labels, 0)
+        self._fit_members(X, torch.as_tensor(y_scaled, dtype=torch.float64, device=self.device_), 0)
         return self
 
     @_estimator_call

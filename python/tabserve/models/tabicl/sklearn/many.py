@@ -53,13 +53,6 @@ from .reference_args import torch_threads
 
 #: Tasks read from the iterable and answered together.
 GROUP_TASKS = 256
-#: Where the tasks' tables are preprocessed: on the host, whatever the estimator's device. A
-#: small table's preprocessing is hundreds of tensor operations of a few thousand values each:
-#: on an H100 every one was a kernel launch, and the fits took 15 ms a task (731 ms for the 48
-#: classification tables of the 60-table population, warm; the pass made 34,026 launches and
-#: 1,073 synchronisations), while a pack's member tables reach the device in one copy. The
-#: maths is the same float64 as on the device.
-HOST = torch.device("cpu")
 
 
 @dataclass(frozen=True)
@@ -170,8 +163,7 @@ def pack(groups: list, limits: PackLimits = CPU_LIMITS) -> list:
 
 def _run_pack(engine, device: torch.device, pack: Pack) -> list:
     """One call of ``engine`` on ``device`` for the pack's groups: each group's raw outputs of
-    its real test rows. The groups' tables are padded where they were preprocessed (the host)
-    and reach the device in one copy per input."""
+    its real test rows."""
     bucket = pack.bucket
     if all(g.bucket == bucket for g in pack.groups):  # one shape: no padding, the plain path
         with torch.no_grad():
@@ -186,18 +178,19 @@ def _run_pack(engine, device: torch.device, pack: Pack) -> list:
     for g in pack.groups:
         tables.append(
             ops.pad_to_bucket(
-                g.X, g.n_train, bucket.train_rows, bucket.test_rows, bucket.features, SKIP_VALUE
+                g.X.to(device), g.n_train, bucket.train_rows, bucket.test_rows, bucket.features,
+                SKIP_VALUE,
             )
-        )
-        labels.append(ops.pad_labels(g.y, bucket.train_rows))
+        )  # fmt: skip
+        labels.append(ops.pad_labels(g.y.to(device), bucket.train_rows))
         n_train += [g.n_train] * g.X.shape[0]
         n_features += [g.X.shape[2]] * g.X.shape[0]
     with torch.no_grad():
         raw = engine.padded_forward(
-            torch.cat(tables).to(device),
-            torch.cat(labels).to(device),
-            torch.tensor(n_train, dtype=torch.int64).to(device),
-            torch.tensor(n_features, dtype=torch.int64).to(device),
+            torch.cat(tables),
+            torch.cat(labels),
+            torch.tensor(n_train, dtype=torch.int64, device=device),
+            torch.tensor(n_features, dtype=torch.int64, device=device),
         )
     return _split_outputs(pack, raw)
 
@@ -242,9 +235,7 @@ def _prepare(template, task, index: int, method: str, params: dict, grid: Bucket
     prepared = _Task(index)
     try:
         X_train, y_train, X_test = _split(task, index)
-        estimator = clone(template)
-        estimator._preprocess_on = HOST  # see HOST
-        estimator.fit(X_train, y_train)
+        estimator = clone(template).fit(X_train, y_train)
         X = estimator._test_table(X_test)
         groups = [
             _Group(index, X_m, y_m, Bucket(y_m.shape[1], X_m.shape[1] - y_m.shape[1], X_m.shape[2]))
