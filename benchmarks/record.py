@@ -108,13 +108,15 @@ def load(paths: Iterable[str | Path]) -> list[tuple[Path, dict]]:
         "string_lookup": 4,
         "align_categories": 5,
         "compile_contention": 6,
+        "offload_capacity": 7,
     }
     return sorted(records, key=lambda item: (order[kind(item[1])], item[0].name))
 
 
 def kind(document: object) -> str | None:
     """``"estimator_suite"``, ``"many_tables"``, ``"device_scaling"``, ``"driver"``, ``"string_lookup"``,
-    ``"align_categories"``, ``"compile_contention"`` or None (not a record)."""
+    ``"align_categories"``, ``"compile_contention"``, ``"offload_capacity"`` or None (not a
+    record)."""
     if not isinstance(document, dict):
         return None
     if str(document.get("schema", "")).startswith(SUITE_SCHEMA):
@@ -125,7 +127,9 @@ def kind(document: object) -> str | None:
         return "device_scaling"
     if str(document.get("schema", "")).startswith(DRIVER_SCHEMA):
         return "driver"
-    if document.get("benchmark") in ("string_lookup", "align_categories", "compile_contention"):
+    if document.get("benchmark") in (
+        "string_lookup", "align_categories", "compile_contention", "offload_capacity"
+    ):  # fmt: skip
         return document["benchmark"]
     return None
 
@@ -488,6 +492,48 @@ def render_contention(path: Path, document: dict) -> str:
     return "\n".join(lines)
 
 
+def _rung_cell(rung: dict | None) -> str:
+    if rung is None:
+        return "-"
+    if rung["status"] != "ok":
+        return rung["status"]
+    memory = rung.get("memory") or {}
+    peak = memory.get("peak_allocated_bytes", memory.get("peak_rss_bytes"))
+    seconds = (rung["fit_ms"] + rung["predict_ms"]) / 1e3
+    return f"{seconds:,.1f} s / {format_mib(peak)}"
+
+
+def render_offload(path: Path, document: dict) -> str:
+    """``benchmarks/offload_capacity.py``: each engine's ladder in each mode, a row per width."""
+    lines = _sweep_header("Offload capacity", path, document)
+    settings = document.get("settings", {})
+    results = document.get("results", [])
+    ladders = list(dict.fromkeys((r["engine"], r["mode"]) for r in results))
+    rows = []
+    for features in sorted({r["features"] for r in results}):
+        found = {(r["engine"], r["mode"]): r for r in results if r["features"] == features}
+        diffs = [r.get("max_abs_prob_diff_to_tabicl") for r in found.values()]
+        diffs = [d for d in diffs if d is not None]
+        rows.append(
+            [f"{features:,}", *(_rung_cell(found.get(ladder)) for ladder in ladders),
+             f"{max(diffs):.1e}" if diffs else "-"]
+        )  # fmt: skip
+    lines += [
+        "",
+        (
+            f"Fit + predict of {settings.get('rows', 0):,} train and "
+            f"{settings.get('test_rows', 0):,} test rows, {settings.get('n_estimators', '-')} "
+            "members, one fresh process per table (time / peak MiB; a ladder stops at its first "
+            "failure; max dp: tabserve against tabicl's probabilities):"
+        ),
+        "",
+        markdown_table(
+            ["features", *(f">{engine} {mode}" for engine, mode in ladders), ">max dp"], rows
+        ),
+    ]
+    return "\n".join(lines)
+
+
 def render_estimator_suite(path: Path, document: dict) -> str:
     """The suite's own tables (:mod:`tabserve.bench.estimator_report`), as Markdown."""
     settings = document.get("settings", {})
@@ -579,6 +625,7 @@ RENDERERS = {
     "string_lookup": render_string_lookup,
     "align_categories": render_align,
     "compile_contention": render_contention,
+    "offload_capacity": render_offload,
 }
 
 

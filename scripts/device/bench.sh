@@ -24,6 +24,8 @@
 #   many-tables  the many-tables suite with MANY_ARGS (default: 60 tables), in $OUT/many-tables
 #   contention  benchmarks/compile_contention.py: a served call alone, beside a Python-busy warm-up,
 #             and beside one that pauses for the calls (as the background compiles do)
+#   offload   benchmarks/offload_capacity.py: the widest table tabicl and tabserve fit in each
+#             offload_mode (OFFLOAD_ARGS, e.g. "--engines tabserve --modes cpu")
 #   pytest    PYTEST_ARGS (default: the CUDA tests, -m cuda test/python)
 #   sanitize  compute-sanitizer over the kernels' CUDA tests (check.sh's sanitize stage)
 #   ncu       Nsight Compute over scripts/device/ncu_probe.py (NCU_ARGS, NCU_KERNELS)
@@ -123,6 +125,12 @@ for part in "$@"; do
       timeout "$(left "$LIMIT")" python3 benchmarks/compile_contention.py --device cuda \
         --json "$OUT/compile-contention-cuda.json" >"$LOG/contention.log" 2>&1
       echo "contention rc=$?"; tail -4 "$LOG/contention.log" ;;
+    offload)
+      # shellcheck disable=SC2086  # OFFLOAD_ARGS is a word list
+      timeout "$(left "$LIMIT")" python3 benchmarks/offload_capacity.py --device cuda \
+        --deadline "$(left $((LIMIT - 90)))" ${OFFLOAD_ARGS:-} --json "$OUT/offload-capacity-cuda.json" \
+        >"$LOG/offload.log" 2>&1
+      echo "offload rc=$?"; tail -24 "$LOG/offload.log" | cut -c1-200 ;;
     pytest)
       # shellcheck disable=SC2086
       tests pytest "$(left $((LIMIT - 30)))" ${PYTEST_ARGS:--m cuda test/python} ;;
@@ -138,7 +146,7 @@ for part in "$@"; do
       grep -n "Duration\|Registers Per\|Achieved Occupancy\|Compute (SM) Throughput\|DRAM Throughput" \
         "$OUT/ncu-details.txt" | head -40 ;;
     *) echo "unknown argument $part: a workload ($WORKLOADS) or kernels, profile, align, soak, soak-estimators," \
-         "estimators, many-tables, contention, pytest, sanitize, ncu"; exit 2 ;;
+         "estimators, many-tables, contention, offload, pytest, sanitize, ncu"; exit 2 ;;
   esac
 done
 echo "== done (${SECONDS}s)"

@@ -1,0 +1,50 @@
+"""The offload-capacity benchmark (benchmarks/offload_capacity.py): every engine's ladder in
+every mode runs on the CPU with the tiny model, tabserve agrees with tabicl on each table, a
+ladder stops at its first failure, and the record renders. No timing is asserted."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("tabicl")
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import offload_capacity  # noqa: E402
+import record  # noqa: E402
+
+
+def test_every_ladder_runs_and_tabserve_answers_as_tabicl(tmp_path):
+    out = tmp_path / "offload_capacity_cpu.json"
+    assert offload_capacity.main(["--quick", "--json", str(out)]) == 0
+    document = json.loads(out.read_text())
+    results = document["results"]
+    ladders = {(r["engine"], r["mode"]) for r in results}
+    assert ladders == {(e, m) for e in offload_capacity.ENGINES for m in offload_capacity.MODES}
+    assert all(r["status"] == "ok" for r in results) and len(results) == 2 * 3 * 2
+    for r in results:
+        assert r["fit_ms"] >= 0 and r["predict_ms"] > 0 and r["memory"]["peak_rss_bytes"] > 0
+        if r["engine"] == "tabserve":
+            assert r["max_abs_prob_diff_to_tabicl"] <= 1e-5
+    assert document["widest"] == {e: dict.fromkeys(offload_capacity.MODES, 16) for e in ("tabicl", "tabserve")}
+    text = record.render_results([out])
+    assert "## Offload capacity:" in text and "| 16 |" in text and "tabserve disk" in text
+
+
+def test_a_ladder_stops_at_its_first_failure(tmp_path, monkeypatch):
+    calls = []
+
+    def rung(spec, folder, timeout_s):
+        calls.append((spec["mode"], spec["features"]))
+        status = "oom" if spec["features"] >= 16 and spec["mode"] == "gpu" else "ok"
+        return {**{k: spec[k] for k in ("engine", "mode", "features")}, "status": status,
+                "fit_ms": 1.0, "predict_ms": 1.0, "outputs": str(tmp_path / "none.npy")}  # fmt: skip
+
+    monkeypatch.setattr(offload_capacity, "run_rung", rung)
+    args = offload_capacity.parse_args(["--quick", "--engines", "tabserve", "--features", "4", "16", "64"])
+    results = offload_capacity.climb(args, tmp_path / "clf.ckpt", tmp_path, float("inf"), print)
+    assert [c for c in calls if c[0] == "gpu"] == [("gpu", 4), ("gpu", 16)]  # 64 never tried
+    assert [c for c in calls if c[0] == "cpu"] == [("cpu", 4), ("cpu", 16), ("cpu", 64)]
+    assert offload_capacity.widest(results) == {"tabserve": {"gpu": 4, "cpu": 64, "disk": 64}}
