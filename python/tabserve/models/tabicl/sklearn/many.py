@@ -70,8 +70,10 @@ class PackLimits:
 #: their loop's tables per second): so packs there hold groups of one shape, which run
 #: unpadded. 2**20 cells hold about 1 GiB of the row stage's fp32 activations.
 CPU_LIMITS = PackLimits(cells=1 << 20, waste=0.0)
-#: On a GPU a small pack's time is its launches (H100, the ready preset: 57 packs of 60 tables
-#: at 1.01x their cells, 1.4 s of 2.1 s in the packed calls), so packs grow larger and looser.
+#: On a GPU packs grow larger and looser. What that buys is small: on an H100 (the ready preset,
+#: the 60-table population) 57 packs at 1.01x their cells spent 1.4 s in the packed calls, 19 at
+#: 1.83x 1.35 s, whose kernels kept the GPU busy for about as long (layer norms and the casts
+#: around them took 41% of it, attention 21%, the matrix products 11%).
 CUDA_LIMITS = PackLimits(cells=1 << 22, waste=1.0)
 
 
