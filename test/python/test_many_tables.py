@@ -151,6 +151,53 @@ def test_regressor_answers_are_each_tasks_own_estimators():
         np.testing.assert_allclose(g, w["mean"], rtol=1e-6)
 
 
+@pytest.mark.parametrize("batched", [True, False])
+def test_every_normalisation_preprocessed_together_or_alone_answers_as_each_task(monkeypatch, batched):
+    """The default methods are preprocessed for all the tasks at once, the quantile and robust
+    ones task by task; a batch that fails is preprocessed task by task instead."""
+    from tabserve.models.tabicl.sklearn.preprocessing import preprocess_many
+
+    calls = []
+
+    def counted(tables, method, threshold):
+        calls.append((len(tables), method))
+        if not batched:
+            raise RuntimeError("a batch that fails")
+        return preprocess_many(tables, method, threshold)
+
+    monkeypatch.setattr(many, "preprocess_many", counted)
+    tasks = classification_tasks(6, seed=3)
+    norms = ["none", "power", "quantile_rtdl", "robust"]
+    estimator = _classifier(random_state=5, norm_methods=norms).set_params(n_estimators=6)
+    got = estimator.fit_predict_many(tasks, "predict_proba")
+    for i, (want, answer) in enumerate(zip(_loop(estimator, tasks), got)):
+        np.testing.assert_allclose(answer, want, atol=EXACT, rtol=0, err_msg=f"task {i}")
+    # batches of the five tasks packed (task 3 has 13 classes), of the batched methods only;
+    # a task left on its own is preprocessed alone
+    for method in ("none", "power"):
+        sizes = [count for count, m in calls if m == method]
+        assert sizes and all(size > 1 for size in sizes) and sum(sizes) <= 5
+    assert {m for _, m in calls} == {"none", "power"}
+
+
+def test_preprocessing_batches_hold_every_task_once_within_their_bounds():
+    rs = np.random.RandomState(2)
+    tasks = [
+        many._Task(i, shape=Bucket(int(rs.randint(8, 2000)), int(rs.randint(1, 500)), int(rs.randint(1, 60))))
+        for i in range(200)
+    ]
+    batches = many._batches(tasks)
+    assert sorted(p.index for b in batches for p in b) == list(range(200))
+    for batch in batches:
+        if len(batch) == 1:
+            continue
+        padded = (max(p.shape.train_rows for p in batch) + max(p.shape.test_rows for p in batch)) * sum(
+            p.shape.features for p in batch
+        )
+        real = sum(p.shape.rows * p.shape.features for p in batch)
+        assert padded <= many.PREPROCESS_VALUES and padded <= many.PREPROCESS_WASTE * real
+
+
 def test_answers_match_tabicl_on_a_sample_of_tasks():
     tabicl = pytest.importorskip("tabicl")
     options = {"device": "cpu", "use_amp": False, "use_fa3": False, "allow_auto_download": False}

@@ -288,3 +288,34 @@ def test_cuda_fit_matches_sklearn_with_missing_values(n):
     assert _scaled_error(got, expected).max() <= _bound(z, expected)
     degenerate = np.array([[3.0, 0.0, np.nan], [3.0, 0.0, np.nan], [3.0, np.nan, np.nan]])
     np.testing.assert_array_equal(yeo_johnson_lambdas(torch.from_numpy(degenerate).cuda()).cpu().numpy(), [1.0] * 3)
+
+
+def _tables_of_many_shapes(seed: int = 0) -> list:
+    """Heavy-tailed columns on many scales, a constant column, a one-row table and one whose
+    test rows lie far outside its train range (the transform's overflow path)."""
+    rs = np.random.RandomState(seed)
+    tables = []
+    for i, (n, m, h) in enumerate([(40, 10, 5), (1, 3, 4), (120, 30, 9), (7, 1, 1), (64, 16, 12)]):
+        X = rs.standard_t(2, size=(n + m, h)) * 10 ** rs.uniform(-2, 3, size=h)
+        if h > 2:
+            X[:, 1] = 3.0
+        if i == 2:
+            X[n:, 0] *= 1e6
+        t = torch.tensor(X, dtype=torch.float64)
+        tables.append((t[:n], t[n:]))
+    return tables
+
+
+@pytest.mark.parametrize("method", ["none", "power"])
+def test_many_tables_preprocessed_at_once_are_each_tables_own(method):
+    from tabserve.models.tabicl.sklearn.preprocessing import preprocess_many
+
+    tables = _tables_of_many_shapes()
+    for i, ((train, test), got) in enumerate(zip(tables, preprocess_many(tables, method, 4.0))):
+        alone = MemberPreprocessor(method, 4.0).fit(train)
+        want = torch.cat([alone.train_, alone.transform(test)])
+        assert got.shape == want.shape and torch.isfinite(got).all(), i
+        # the lambdas' search moves within its tolerance when sums run in another order
+        torch.testing.assert_close(got, want, atol=1e-6 if method == "power" else 1e-12, rtol=0)
+    with pytest.raises(ValueError, match="preprocess_many runs"):
+        preprocess_many(tables, "quantile", 4.0)

@@ -520,13 +520,20 @@ class _TabICLBase(BaseEstimator):
             self.class_shuffle_method if self._classification else "none",
             self.random_state,
         )
+        self.y_train_ = y
+        self.cache_ = self.cache_steps_ = None  # (a refit without kv_cache keeps neither)
+        self._cache_copies = {}
+        if self.__dict__.get("_members_later"):  # the packed path preprocesses many at once
+            self._train_table = table
+            return
+        self._fit_preprocessors(table)
+
+    def _fit_preprocessors(self, table: Tensor) -> None:
+        """The members' preprocessing of the encoded train ``table`` (and the KV cache)."""
         self.preprocessors_ = {
             m: MemberPreprocessor(m, self.outlier_threshold, self.random_state).fit(table)
             for m in self.plan_
         }
-        self.y_train_ = y
-        self.cache_ = self.cache_steps_ = None  # (a refit without kv_cache keeps neither)
-        self._cache_copies = {}
         if self.kv_cache:
             self.cache_ = self._build_caches()
 
@@ -571,15 +578,17 @@ class _TabICLBase(BaseEstimator):
             copies[key] = moved_to(cache, device)
         return copies[key]
 
-    def _chunks(self, method: str, X_test: Tensor | None):
+    def _chunks(self, method: str, X_test: Tensor | None, rows: Tensor | None = None):
         """Member tables of one normalisation group, ``batch_size`` members at a time.
 
         Yields ``(X (members, N [+ M], H) float32, y_train (members, N) float32)``; without
-        ``X_test`` only train rows (for the cache).
+        ``X_test`` only train rows (for the cache); ``rows``: the group's preprocessed train and
+        test rows, given (the packed path's).
         """
         members = self.plan_[method]
-        prep = self.preprocessors_[method]
-        rows = prep.train_ if X_test is None else torch.cat([prep.train_, prep.transform(X_test)])
+        if rows is None:
+            prep = self.preprocessors_[method]
+            rows = prep.train_ if X_test is None else torch.cat([prep.train_, prep.transform(X_test)])
         step = self._step(members)
         for start in range(0, len(members), step):
             part = members[start : start + step]
@@ -592,11 +601,6 @@ class _TabICLBase(BaseEstimator):
             if store is None:
                 return engine(X, y_train, **kwargs)
             return engine.forward_offloaded(X, y_train, store, **kwargs)
-
-    def _member_chunks(self, X_test: Tensor) -> list:
-        """The member tables of every normalisation group for ``X_test`` (preprocessed), in
-        plan order: ``(X (members, N + M, H), y_train (members, N))`` pairs."""
-        return [chunk for method in self.plan_ for chunk in self._chunks(method, X_test)]
 
     def fit_predict_many(self, tasks, method: str = "predict", *, errors: str = "raise", **params) -> list:
         """Fits and predicts many tables in one call: for each task ``(X_train, y_train,

@@ -22,6 +22,11 @@ groups, not to a grid. Tasks past the estimator's :class:`~tabserve.buckets.Buck
 largest tables it serves padded), or of more classes than the checkpoint's ``max_classes``, run
 alone through their estimator.
 
+The members' preprocessing (scaling, Yeo-Johnson, outlier clipping: the estimators' default
+normalisations) runs for many tasks at once (:func:`_lay_out`): their columns side by side, each
+padded with NaN past its table's rows, which every statistic skips, so a batch of tasks costs the
+tensor operations of one (on a GPU each is a kernel launch) and each task's rows are its own.
+
 Tasks are read from the iterable :data:`GROUP_TASKS` at a time: ``fit_predict_iter`` holds one
 group's tables, so it serves more tasks than memory holds and yields the answers in order.
 
@@ -49,6 +54,7 @@ from tabserve.buckets import Bucket, BucketGrid
 
 from ..serving.background import foreground
 from ..serving.served import SKIP_VALUE
+from .preprocessing import BATCHED_METHODS, MemberPreprocessor, preprocess_many
 from .reference_args import torch_threads
 
 #: Tasks read from the iterable and answered together.
@@ -221,7 +227,9 @@ def _split(task, index: int):
 @dataclass
 class _Task:
     index: int
-    estimator: object | None = None
+    estimator: object | None = None  # fitted up to its members' preprocessing: to be packed
+    test_table: Tensor | None = None  # its test rows, encoded
+    shape: Bucket | None = None  # (train rows, test rows, features) of its member tables
     groups: list = field(default_factory=list)
     answer: object = None
     error: TaskError | None = None
@@ -232,24 +240,99 @@ def _on_grid(grid: BucketGrid, shape: Bucket) -> bool:
 
 
 def _prepare(template, task, index: int, method: str, params: dict, grid: BucketGrid) -> _Task:
-    """Fits task ``index`` and lays out its member groups; a task that cannot be packed is
-    answered here, by its estimator."""
+    """Fits task ``index`` up to its members' preprocessing (:func:`_lay_out` does that for
+    the packed tasks together); a task that cannot be packed is fitted whole and answered here,
+    by its estimator."""
     prepared = _Task(index)
     try:
         X_train, y_train, X_test = _split(task, index)
-        estimator = clone(template).fit(X_train, y_train)
+        estimator = clone(template)
+        estimator._members_later = True
+        estimator.fit(X_train, y_train)
         X = estimator._test_table(X_test)
-        groups = [
-            _Group(index, X_m, y_m, Bucket(y_m.shape[1], X_m.shape[1] - y_m.shape[1], X_m.shape[2]))
-            for X_m, y_m in estimator._member_chunks(X)
-        ]
-        if estimator._packable() and all(_on_grid(grid, g.bucket) for g in groups):
-            prepared.estimator, prepared.groups = estimator, groups
+        shape = Bucket(estimator._train_table.shape[0], X.shape[0], X.shape[1])
+        if estimator._packable() and _on_grid(grid, shape):
+            prepared.estimator, prepared.test_table, prepared.shape = estimator, X, shape
         else:
+            estimator._fit_preprocessors(estimator._train_table)
             prepared.answer = getattr(estimator, method)(X_test, **params)
     except Exception as error:  # the task's own refusal, reported per task
         prepared.error = error if isinstance(error, TaskError) else TaskError(index, error)
     return prepared
+
+
+#: The most values (padded rows x the tables' columns) the members' preprocessing of many
+#: tasks holds in one batch (:func:`preprocessing.preprocess_many`): 2**22 float64 values are
+#: 32 MiB a copy.
+PREPROCESS_VALUES = 1 << 22
+#: ... and at most this many times the values of its tables: padding is work too.
+PREPROCESS_WASTE = 1.5
+
+
+def _lay_out(prepared: list) -> None:
+    """The member groups of every packed task: each normalisation method's preprocessing for
+    the tasks that use it, in batches of at most :data:`PREPROCESS_VALUES` values (task by task
+    for the methods not batched, and for a batch that failed: a task's own failure is its
+    error), then each task's member tables."""
+    packed = [p for p in prepared if p.estimator is not None]
+    rows: dict = {}  # (task index, method) -> preprocessed train + test rows
+    for method in dict.fromkeys(m for p in packed for m in p.estimator.plan_):
+        users = [p for p in packed if method in p.estimator.plan_]
+        batches = _batches(users) if method in BATCHED_METHODS else [[p] for p in users]
+        for batch in batches:
+            if len(batch) > 1:
+                threshold = batch[0].estimator.outlier_threshold
+                tables = [(p.estimator._train_table, p.test_table) for p in batch]
+                try:
+                    done = preprocess_many(tables, method, threshold)
+                except Exception:  # noqa: BLE001  (each task alone below: whose failure is it)
+                    done = None
+                if done is not None:
+                    rows.update(((p.index, method), out) for p, out in zip(batch, done))
+                    continue
+            for p in batch:
+                _preprocess_alone(p, method, rows)
+    for p in packed:
+        if p.error is not None:
+            p.estimator = None
+            continue
+        est = p.estimator
+        p.groups = [
+            _Group(p.index, X_m, y_m, p.shape)
+            for method in est.plan_
+            for X_m, y_m in est._chunks(method, None, rows=rows[p.index, method])
+        ]
+
+
+def _preprocess_alone(p: _Task, method: str, rows: dict) -> None:
+    """Task ``p``'s preprocessing for ``method`` on its own (its error, if it fails)."""
+    est = p.estimator
+    try:
+        prep = MemberPreprocessor(method, est.outlier_threshold, est.random_state)
+        prep.fit(est._train_table)
+        rows[p.index, method] = torch.cat([prep.train_, prep.transform(p.test_table)])
+    except Exception as error:  # the task's own refusal, reported per task
+        p.error = p.error or TaskError(p.index, error)
+
+
+def _batches(tasks: list) -> list:
+    """``tasks`` in batches for :func:`preprocess_many`, most rows first (the columns of a
+    batch stand side by side, padded to its most train and test rows), each padded to at most
+    :data:`PREPROCESS_VALUES` values and :data:`PREPROCESS_WASTE` times its tasks' own (a task
+    larger than that alone)."""
+    batches: list = []
+    train = test = columns = real = 0
+    for p in sorted(tasks, key=lambda p: (p.shape.train_rows, p.shape.test_rows), reverse=True):
+        own = p.shape.rows * p.shape.features
+        grown = (max(train, p.shape.train_rows), max(test, p.shape.test_rows), columns + p.shape.features)
+        padded = (grown[0] + grown[1]) * grown[2]
+        if batches and padded <= min(PREPROCESS_VALUES, PREPROCESS_WASTE * (real + own)):
+            batches[-1].append(p)
+            (train, test, columns), real = grown, real + own
+        else:
+            batches.append([p])
+            train, test, columns, real = p.shape.train_rows, p.shape.test_rows, p.shape.features, own
+    return batches
 
 
 def _finish(prepared: _Task, method: str, params: dict) -> None:
@@ -260,7 +343,7 @@ def _finish(prepared: _Task, method: str, params: dict) -> None:
         prepared.answer = prepared.estimator._from_raw(raw, method, params)
     except Exception as error:
         prepared.error = TaskError(prepared.index, error)
-    prepared.estimator = prepared.groups = None
+    prepared.estimator = prepared.groups = prepared.test_table = None
 
 
 def _answer_group(
@@ -269,6 +352,7 @@ def _answer_group(
     grid = template.bucket_grid or BucketGrid()
     clock = _Clock(report)
     prepared = [_prepare(template, t, first + i, method, params, grid) for i, t in enumerate(tasks)]
+    _lay_out(prepared)
     clock.lap("fit_ms", template_device(prepared))
     by_engine: dict = {}  # tasks served by one engine pack together
     for p in prepared:

@@ -323,15 +323,107 @@ class MemberPreprocessor:
         return RobustUnitVariance()
 
 
-def _nan_mean_std(z: Tensor, ddof: int) -> tuple[Tensor, Tensor]:
-    """Per column: NumPy's ``nanmean`` and ``nanstd(ddof=ddof)`` (floored at 1e-6), NaN where a
-    column has no values (the outlier bounds then leave it as it is)."""
+def _nan_mean_std(z: Tensor, ddof) -> tuple[Tensor, Tensor]:
+    """Per column: NumPy's ``nanmean`` and ``nanstd(ddof=ddof)`` (floored at 1e-6; ``ddof`` may
+    be a tensor, one per column), NaN where a column has no values (the outlier bounds then
+    leave it as it is)."""
     valid = ~torch.isnan(z)
     count = valid.sum(dim=0, dtype=z.dtype)
     zeroed = torch.where(valid, z, 0.0)
     mean = zeroed.sum(dim=0) / count
     var = torch.where(valid, z - mean, 0.0).square().sum(dim=0) / (count - ddof)
     return mean, torch.clamp(var.sqrt(), min=_SCALE_EPS)
+
+
+# ----------------------------------------------------------------------------- many tables at once
+#: The normalisations :func:`preprocess_many` runs for many tables at once (the estimators'
+#: defaults); the others run table by table.
+BATCHED_METHODS = ("none", "power")
+
+
+def preprocess_many(tables: Sequence[tuple[Tensor, Tensor]], method: str, outlier_threshold: float) -> list:
+    """For each ``(train (n, h), test (m, h))`` float64 table (encoded, no NaN), the rows
+    ``MemberPreprocessor(method, outlier_threshold).fit(train)`` gives: its ``train_`` followed
+    by its ``transform(test)``, ``(n + m, h)``; computed for all the tables at once (``method``
+    in :data:`BATCHED_METHODS`), so their count of tensor operations is one table's.
+
+    The tables' columns stand side by side, each NaN past its own table's rows, and every
+    statistic skips NaN (the Yeo-Johnson search does too), so each table's answer is its own;
+    sums run in another order than one table's, which moves the results in their last bits.
+    """
+    if method not in BATCHED_METHODS:
+        raise ValueError(f"preprocess_many runs {BATCHED_METHODS}, got {method!r}")
+    if not tables:
+        return []
+    widths = [train.shape[1] for train, _ in tables]
+    train = _side_by_side([t for t, _ in tables])  # (max rows, all columns)
+    test = _side_by_side([t for _, t in tables])
+    # per column: its table's train rows, and the outlier statistics' ddof (0 for one row)
+    n = torch.tensor([t.shape[0] for t, _ in tables], dtype=train.dtype).repeat_interleave(
+        torch.tensor(widths)
+    ).to(train.device)
+    mean, std = _mean_std(train, n)
+    scale = std + _SCALE_EPS
+
+    def scaled(X: Tensor) -> Tensor:
+        return ((X - mean) / scale).clamp(-_CLIP, _CLIP)
+
+    z, z_test = scaled(train), scaled(test)
+    if method == "power":
+        lambdas = yeo_johnson_lambdas(z)
+        valid = ~torch.isnan(z)
+        z_min = torch.where(valid, z, math.inf).amin(dim=0)
+        z_max = torch.where(valid, z, -math.inf).amax(dim=0)
+        y = yeo_johnson(z, lambdas)
+        yj_mean, yj_std = _mean_std(y, n)
+        yj_scale = torch.where(yj_std < 10 * torch.finfo(yj_std.dtype).eps, 1.0, yj_std)
+        z = (y - yj_mean) / yj_scale
+        # as MemberPreprocessor.transform: a table any of whose test values overflows is
+        # transformed again clipped to its train range (NaN, the padding, counts as finite)
+        y_test = yeo_johnson(z_test, lambdas)
+        clipped = yeo_johnson(torch.minimum(torch.maximum(z_test, z_min), z_max), lambdas)
+        overflow = (~torch.isfinite(y_test) & ~torch.isnan(z_test)).any(dim=0)
+        table_of = torch.arange(len(tables)).repeat_interleave(torch.tensor(widths)).to(z.device)
+        per_table = torch.zeros(len(tables), dtype=z.dtype, device=z.device).index_add_(
+            0, table_of, overflow.to(z.dtype)
+        )
+        z_test = (torch.where(per_table[table_of] > 0, clipped, y_test) - yj_mean) / yj_scale
+    k = outlier_threshold
+    ddof = (n > 1).to(z.dtype)
+    mean_z, std_z = _nan_mean_std(z, ddof)
+    inliers = torch.where((z < mean_z - k * std_z) | (z > mean_z + k * std_z), math.nan, z)
+    mean_z, std_z = _nan_mean_std(inliers, ddof)
+    lower, upper = mean_z - k * std_z, mean_z + k * std_z
+
+    def clip(z: Tensor) -> Tensor:
+        z = torch.maximum(lower - torch.log1p(z.abs()), z)
+        return torch.minimum(upper + torch.log1p(z.abs()), z)
+
+    train_out, test_out = clip(z), clip(z_test)
+    out, first = [], 0
+    for (t, u), width in zip(tables, widths):
+        columns = slice(first, first + width)
+        out.append(torch.cat([train_out[: t.shape[0], columns], test_out[: u.shape[0], columns]]))
+        first += width
+    return out
+
+
+def _mean_std(x: Tensor, n: Tensor) -> tuple[Tensor, Tensor]:
+    """Each column's mean and population standard deviation over its ``n`` rows of ``x``
+    (NaN past them)."""
+    mean = x.nansum(dim=0) / n
+    spread = torch.where(torch.isnan(x), 0.0, x - mean).square().sum(dim=0)
+    return mean, (spread / n).sqrt()
+
+
+def _side_by_side(tables: Sequence[Tensor]) -> Tensor:
+    """``(max rows, all columns)``: the tables' columns side by side, NaN past each one's rows."""
+    out = tables[0].new_full((max(t.shape[0] for t in tables), sum(t.shape[1] for t in tables)), math.nan)
+    first = 0
+    for t in tables:
+        out[: t.shape[0], first : first + t.shape[1]] = t
+        first += t.shape[1]
+    return out
 
 
 # ----------------------------------------------------------------------------- ensemble plan
