@@ -118,7 +118,8 @@ class TabICLEncoder(nn.Module):
         if self.numerical_names:
             from sklearn.impute import SimpleImputer
 
-            positions = [list(map(str, frame.columns)).index(n) for n in self.numerical_names]
+            names = list(map(str, frame.columns))  # once: a frame's column index may be Arrow's
+            positions = [names.index(n) for n in self.numerical_names]
             fill = SimpleImputer(keep_empty_features=True).fit(frame.iloc[:, positions]).statistics_
         self.numerical_fill = torch.tensor(fill, dtype=torch.float64).to(self.numerical_fill.device)
         return self
