@@ -328,6 +328,9 @@ def test_a_kind_of_call_is_compiled_once_its_calls_have_taken_their_time(
     held.release()
     assert wait_for_compiles(timeout=120)
     assert tiered.compiled("forward", X, y) == (queued_at is not None)
+    counted = dict(tiered._spent._ms)
+    tiered(X, y)  # once queued, a kind's calls are no longer clocked (nor kept)
+    assert (tiered._spent._ms == counted) == (queued_at is not None)
 
 
 def test_at_most_max_queued_warm_ups_wait_and_a_call_left_out_is_queued_when_it_recurs(monkeypatch):

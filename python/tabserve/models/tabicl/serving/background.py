@@ -9,10 +9,11 @@ input shapes) is served by ``ready`` until a background thread has run the same 
 
 What is compiled, and when: a kind of call is queued for a warm-up once it has recurred
 (:data:`COMPILE_AFTER_CALLS` calls) and its calls have taken :data:`COMPILE_AFTER_MS` on
-``ready`` in all (a shape that never recurs, a one-off script's, is never compiled, nor is one of
-a stream of varied small tables, whose compiles would cost minutes to save milliseconds), except a
-KV-cache build, queued at once (the predictions that follow it recur by design). At most :data:`MAX_QUEUED` warm-ups wait at once:
-a recurring call that finds the queue full is queued at a later call. A warm-up then times both
+``ready`` in all (a shape that never recurs, a one-off script's, is never compiled, nor is one
+of a stream of varied small tables, whose compiles would cost minutes to save milliseconds),
+except a KV-cache build, queued at once (the predictions that follow it recur by design). At
+most :data:`MAX_QUEUED` warm-ups wait at once: a recurring call that finds the queue full is
+queued at a later call. A warm-up then times both
 served models on its inputs (:data:`PAY_RUNS` calls each, interleaved) and ``target`` takes the
 call over only if it answered faster: a call is never moved to a slower model. A call whose
 warm-up failed stays on ``ready`` (with a warning), as does one whose compiled model did not
@@ -30,7 +31,7 @@ thread captures a CUDA graph (``served.exclusive_captures``: Inductor's autotuni
 except while it is paused (below): a call of a shape not captured yet waits for that pause
 (``served.CAPTURE_WAIT_S`` at most) and captures, else it is served uncaptured and captured at a
 later call. (Served uncaptured until the warm-ups ended, a loop of fresh estimators on an H100
-answered 7.5 tables/s where it had answered 38.)
+answered 7.5 tables/s; waiting for the pause, 31.)
 Compiling is mostly Python, which shares the interpreter lock with the caller's thread: a
 Python-busy thread beside a model call made the call 21x slower (1,670 ms against 79.5 ms, the
 tiny model on a 2-core CPU, CPython's 5 ms switch interval), and a loop of fresh estimators on an
@@ -46,7 +47,7 @@ run in the gaps between them, and calls in progress without a break for :data:`M
 it run beside them (a call waiting on something the warm-up holds would otherwise wait for
 ever). The pause is a trace function on the warm-up's thread, which makes compiles about half
 as long again (tiny model, ``aot_eager``, 2-core CPU: 4.0 s against 2.7 s): they run in the
-background, and only calls that recur are compiled. :func:`wait_for_compiles` waits until the worker
+background, and only calls that recur and take their time are compiled. :func:`wait_for_compiles` waits until the worker
 is idle (benchmarks use it to time the steady state).
 At interpreter exit a warm-up still running is interrupted, so a short script that fitted and
 predicted once exits at once rather than after its compile.
@@ -255,6 +256,10 @@ class _Spent:
 
     @contextlib.contextmanager
     def clock(self, key):
+        """Adds the time of what runs inside to ``key`` (None: nothing is counted)."""
+        if key is None:
+            yield
+            return
         if not self._cuda:
             start = _clock()
             yield
@@ -401,10 +406,8 @@ class CompilingTabICL:
 
     def _serve(self, entry: str, args: tuple, kwargs: dict):
         served, key = self._choose(entry, args, kwargs)
-        if served is not self.ready:
-            return getattr(served, entry)(*args, **kwargs)
         with self._spent.clock(key):
-            return getattr(self.ready, entry)(*args, **kwargs)
+            return getattr(served, entry)(*args, **kwargs)
 
     def _serve_cached(self, entry: str, X: Tensor, cache, args: tuple, kwargs):
         if not isinstance(cache, TieredCache):  # a representation cache: the ready model's
@@ -419,14 +422,14 @@ class CompilingTabICL:
 
     def _choose(self, entry: str, args: tuple, kwargs: dict, keep: TieredCache | None = None):
         """(``target`` where this call has warmed up and paid, else ``ready``; the call's
-        signature), queueing its warm-up once it recurs and has taken its time (see the module
-        docstring; ``keep``: the cache whose ``target`` half that warm-up builds, queued at
-        once)."""
+        signature while its time on ``ready`` still counts, else None), queueing its warm-up
+        once it recurs and has taken its time (see the module docstring; ``keep``: the cache
+        whose ``target`` half that warm-up builds, queued at once)."""
         key = _signature(entry, args, kwargs)
         with self._lock:
             state = self._state.get(key, 0)
             if state == "compiled":
-                return self.target, key
+                return self.target, None
             queue = False
             if isinstance(state, int):
                 seen = state + 1
@@ -439,7 +442,8 @@ class CompilingTabICL:
             # a cache build is queued for every cache (each needs its own target half), within
             # the queue's bound: a cache left out is read by ready
             self._queue(key, entry, args, kwargs, keep, mark=queue)
-        return self.ready, key
+        counting = isinstance(state, int) and not queue
+        return self.ready, key if counting else None
 
     def _queue(self, key, entry: str, args: tuple, kwargs: dict, keep=None, mark=True) -> None:
         # Private copies: the caller may overwrite its tensors before the warm-up runs. On CUDA
