@@ -11,7 +11,8 @@ its last rung that ran is the widest table that fits. Each rung keeps its time (
 its peak memory (the CUDA allocator's, or the process's resident set on the CPU) and, where both
 engines ran it, the largest difference between their probabilities.
 
-    python benchmarks/offload_capacity.py --device cuda --json benchmarks/results/offload_capacity_h100.json
+    python benchmarks/offload_capacity.py --device cuda \
+        --json benchmarks/results/offload_capacity_h100.json
     python benchmarks/offload_capacity.py --quick          # the CPU, the tiny model, small tables
 
 Results: a line per rung, the widest table per engine and mode, and JSON (``--json``), which
@@ -95,7 +96,9 @@ def child(spec_path: str) -> int:
         )  # fmt: skip
     except Exception as error:  # noqa: BLE001  (the rung's result, not the process's failure)
         oom = "out of memory" in str(error).lower() or type(error).__name__ == "OutOfMemoryError"
-        result.update(status="oom" if oom else "failed", reason=f"{type(error).__name__}: {error}"[:600])
+        result.update(
+            status="oom" if oom else "failed", reason=f"{type(error).__name__}: {error}"[:600]
+        )
     save()
     return 0
 
@@ -119,8 +122,15 @@ def climb(args, checkpoint: Path, run_dir: Path, deadline: float, say) -> list:
         for mode in args.modes:
             for features in args.features:
                 if time.monotonic() > deadline:
-                    results.append({"engine": engine, "mode": mode, "features": features,
-                                    "status": "not run", "reason": "the run's deadline passed"})  # fmt: skip
+                    results.append(
+                        {
+                            "engine": engine,
+                            "mode": mode,
+                            "features": features,
+                            "status": "not run",
+                            "reason": "the run's deadline passed",
+                        }
+                    )
                     break
                 spec = {
                     "engine": engine, "mode": mode, "features": features, "rows": args.rows,
@@ -174,7 +184,9 @@ def _line(r: dict) -> str:
         return f"{head} ({r.get('reason', '')[:120]})"
     peak = peak_bytes(r.get("memory"))
     peak_text = f", peak {peak / 2**30:.2f} GiB" if peak is not None else ""
-    return f"{head}, fit {r['fit_ms'] / 1e3:.2f} s, predict {r['predict_ms'] / 1e3:.2f} s{peak_text}"
+    return (
+        f"{head}, fit {r['fit_ms'] / 1e3:.2f} s, predict {r['predict_ms'] / 1e3:.2f} s{peak_text}"
+    )
 
 
 def parse_args(argv):
@@ -188,9 +200,13 @@ def parse_args(argv):
     p.add_argument("--test-rows", type=int, help="test rows (default 2,000)")
     p.add_argument("--n-estimators", type=int, help="members (default 8, the estimators')")
     p.add_argument("--model-size", choices=("full", "tiny"), help="default: full (tiny --quick)")
-    p.add_argument("--checkpoint", type=Path, help="a classifier checkpoint (default: random weights)")
+    p.add_argument(
+        "--checkpoint", type=Path, help="a classifier checkpoint (default: random weights)"
+    )
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per rung")
-    p.add_argument("--deadline", type=float, default=None, help="seconds after which no rung starts")
+    p.add_argument(
+        "--deadline", type=float, default=None, help="seconds after which no rung starts"
+    )
     p.add_argument("--json", type=Path)
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -213,13 +229,15 @@ def main(argv=None) -> int:
     deadline = time.monotonic() + (args.deadline if args.deadline is not None else float("inf"))
     with tempfile.TemporaryDirectory(prefix="tabserve-offload-") as folder:
         run_dir = Path(folder)
-        checkpoint = args.checkpoint or make_checkpoint("clf", run_dir / "clf.ckpt", args.model_size)
+        checkpoint = args.checkpoint or make_checkpoint(
+            "clf", run_dir / "clf.ckpt", args.model_size
+        )
         results = climb(args, checkpoint, run_dir, deadline, lambda line: print(line, flush=True))
         agreement(results)
     found = widest(results)
     for engine, modes in found.items():
-        print(f"widest ({args.rows:,} + {args.test_rows:,} rows):", engine,
-              ", ".join(f"{mode} {width if width else '-'}" for mode, width in modes.items()))  # fmt: skip
+        widths = ", ".join(f"{mode} {width or '-'}" for mode, width in modes.items())
+        print(f"widest ({args.rows:,} + {args.test_rows:,} rows): {engine} {widths}")
     if args.json:
         report.write_json(args.json, {
             "benchmark": "offload_capacity",

@@ -463,7 +463,8 @@ def test_a_call_captures_its_graph_once_a_running_warm_up_has_paused(monkeypatch
 
     monkeypatch.setattr(serving, "_BucketGraph", _CaptureOnCPU)
     monkeypatch.setattr(_CaptureOnCPU, "threads", [])
-    served = ServedTabICL(_model(), ServingOptions(buckets=True), BucketGrid((16, 64), (8, 32), (8, 16)))
+    grid = BucketGrid((16, 64), (8, 32), (8, 16))
+    served = ServedTabICL(_model(), ServingOptions(buckets=True), grid)
     served.options = served.options.replace(cuda_graphs=True)  # replayed by the stand-in
     X, y = random_table(11, 2, 40, 10, 5, n_classes=3)
     spinning = _Spinning(hold_captures=True, pausable=pausable)

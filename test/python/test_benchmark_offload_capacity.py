@@ -28,7 +28,9 @@ def test_every_ladder_runs_and_tabserve_answers_as_tabicl(tmp_path):
         assert r["fit_ms"] >= 0 and r["predict_ms"] > 0 and r["memory"]["peak_rss_bytes"] > 0
         if r["engine"] == "tabserve":
             assert r["max_abs_prob_diff_to_tabicl"] <= 1e-5
-    assert document["widest"] == {e: dict.fromkeys(offload_capacity.MODES, 16) for e in ("tabicl", "tabserve")}
+    assert document["widest"] == {
+        e: dict.fromkeys(offload_capacity.MODES, 16) for e in ("tabicl", "tabserve")
+    }
     text = record.render_results([out])
     assert "## Offload capacity:" in text and "| 16 |" in text and "tabserve disk" in text
 
@@ -39,11 +41,14 @@ def test_a_ladder_stops_at_its_first_failure(tmp_path, monkeypatch):
     def rung(spec, folder, timeout_s):
         calls.append((spec["mode"], spec["features"]))
         status = "oom" if spec["features"] >= 16 and spec["mode"] == "gpu" else "ok"
-        return {**{k: spec[k] for k in ("engine", "mode", "features")}, "status": status,
-                "fit_ms": 1.0, "predict_ms": 1.0, "outputs": str(tmp_path / "none.npy")}  # fmt: skip
+        labels = {k: spec[k] for k in ("engine", "mode", "features")}
+        done = {"fit_ms": 1.0, "predict_ms": 1.0, "outputs": str(tmp_path / "none.npy")}
+        return {**labels, "status": status, **done}
 
     monkeypatch.setattr(offload_capacity, "run_rung", rung)
-    args = offload_capacity.parse_args(["--quick", "--engines", "tabserve", "--features", "4", "16", "64"])
+    args = offload_capacity.parse_args(
+        ["--quick", "--engines", "tabserve", "--features", "4", "16", "64"]
+    )
     results = offload_capacity.climb(args, tmp_path / "clf.ckpt", tmp_path, float("inf"), print)
     assert [c for c in calls if c[0] == "gpu"] == [("gpu", 4), ("gpu", 16)]  # 64 never tried
     assert [c for c in calls if c[0] == "cpu"] == [("cpu", 4), ("cpu", 16), ("cpu", 64)]

@@ -152,7 +152,9 @@ def test_regressor_answers_are_each_tasks_own_estimators():
 
 
 @pytest.mark.parametrize("batched", [True, False])
-def test_every_normalisation_preprocessed_together_or_alone_answers_as_each_task(monkeypatch, batched):
+def test_every_normalisation_preprocessed_together_or_alone_answers_as_each_task(
+    monkeypatch, batched
+):
     """The default methods are preprocessed for all the tasks at once, the quantile and robust
     ones task by task; a batch that fails is preprocessed task by task instead."""
     from tabserve.models.tabicl.sklearn.preprocessing import preprocess_many
@@ -182,18 +184,15 @@ def test_every_normalisation_preprocessed_together_or_alone_answers_as_each_task
 
 def test_preprocessing_batches_hold_every_task_once_within_their_bounds():
     rs = np.random.RandomState(2)
-    tasks = [
-        many._Task(i, shape=Bucket(int(rs.randint(8, 2000)), int(rs.randint(1, 500)), int(rs.randint(1, 60))))
-        for i in range(200)
-    ]
+    shapes = zip(rs.randint(8, 2000, 200), rs.randint(1, 500, 200), rs.randint(1, 60, 200))
+    tasks = [many._Task(i, shape=Bucket(*map(int, shape))) for i, shape in enumerate(shapes)]
     batches = many._batches(tasks)
     assert sorted(p.index for b in batches for p in b) == list(range(200))
     for batch in batches:
         if len(batch) == 1:
             continue
-        padded = (max(p.shape.train_rows for p in batch) + max(p.shape.test_rows for p in batch)) * sum(
-            p.shape.features for p in batch
-        )
+        rows = max(p.shape.train_rows for p in batch) + max(p.shape.test_rows for p in batch)
+        padded = rows * sum(p.shape.features for p in batch)
         real = sum(p.shape.rows * p.shape.features for p in batch)
         assert padded <= many.PREPROCESS_VALUES and padded <= many.PREPROCESS_WASTE * real
 

@@ -47,8 +47,9 @@ run in the gaps between them, and calls in progress without a break for :data:`M
 it run beside them (a call waiting on something the warm-up holds would otherwise wait for
 ever). The pause is a trace function on the warm-up's thread, which makes compiles about half
 as long again (tiny model, ``aot_eager``, 2-core CPU: 4.0 s against 2.7 s): they run in the
-background, and only calls that recur and take their time are compiled. :func:`wait_for_compiles` waits until the worker
-is idle (benchmarks use it to time the steady state).
+background, and only calls that recur and take their time are compiled.
+:func:`wait_for_compiles` waits until the worker is idle (benchmarks use it to time the steady
+state).
 At interpreter exit a warm-up still running is interrupted, so a short script that fitted and
 predicted once exits at once rather than after its compile.
 """

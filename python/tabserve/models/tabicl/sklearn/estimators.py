@@ -588,7 +588,9 @@ class _TabICLBase(BaseEstimator):
         members = self.plan_[method]
         if rows is None:
             prep = self.preprocessors_[method]
-            rows = prep.train_ if X_test is None else torch.cat([prep.train_, prep.transform(X_test)])
+            rows = prep.train_
+            if X_test is not None:
+                rows = torch.cat([rows, prep.transform(X_test)])
         step = self._step(members)
         for start in range(0, len(members), step):
             part = members[start : start + step]

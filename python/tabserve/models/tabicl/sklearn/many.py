@@ -323,15 +323,15 @@ def _batches(tasks: list) -> list:
     batches: list = []
     train = test = columns = real = 0
     for p in sorted(tasks, key=lambda p: (p.shape.train_rows, p.shape.test_rows), reverse=True):
-        own = p.shape.rows * p.shape.features
-        grown = (max(train, p.shape.train_rows), max(test, p.shape.test_rows), columns + p.shape.features)
+        shape, own = p.shape, p.shape.rows * p.shape.features
+        grown = max(train, shape.train_rows), max(test, shape.test_rows), columns + shape.features
         padded = (grown[0] + grown[1]) * grown[2]
         if batches and padded <= min(PREPROCESS_VALUES, PREPROCESS_WASTE * (real + own)):
             batches[-1].append(p)
             (train, test, columns), real = grown, real + own
         else:
             batches.append([p])
-            train, test, columns, real = p.shape.train_rows, p.shape.test_rows, p.shape.features, own
+            train, test, columns, real = shape.train_rows, shape.test_rows, shape.features, own
     return batches
 
 

@@ -341,7 +341,9 @@ def _nan_mean_std(z: Tensor, ddof) -> tuple[Tensor, Tensor]:
 BATCHED_METHODS = ("none", "power")
 
 
-def preprocess_many(tables: Sequence[tuple[Tensor, Tensor]], method: str, outlier_threshold: float) -> list:
+def preprocess_many(
+    tables: Sequence[tuple[Tensor, Tensor]], method: str, outlier_threshold: float
+) -> list:
     """For each ``(train (n, h), test (m, h))`` float64 table (encoded, no NaN), the rows
     ``MemberPreprocessor(method, outlier_threshold).fit(train)`` gives: its ``train_`` followed
     by its ``transform(test)``, ``(n + m, h)``; computed for all the tables at once (``method``
@@ -418,7 +420,8 @@ def _mean_std(x: Tensor, n: Tensor) -> tuple[Tensor, Tensor]:
 
 def _side_by_side(tables: Sequence[Tensor]) -> Tensor:
     """``(max rows, all columns)``: the tables' columns side by side, NaN past each one's rows."""
-    out = tables[0].new_full((max(t.shape[0] for t in tables), sum(t.shape[1] for t in tables)), math.nan)
+    rows, columns = max(t.shape[0] for t in tables), sum(t.shape[1] for t in tables)
+    out = tables[0].new_full((rows, columns), math.nan)
     first = 0
     for t in tables:
         out[: t.shape[0], first : first + t.shape[1]] = t
