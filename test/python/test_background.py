@@ -12,7 +12,7 @@ import time
 
 import pytest
 import torch
-from tabicl_helpers import our_model, random_table
+from tabicl_helpers import our_model, random_table, requires_cuda
 from tabserve.models.tabicl import TabICLv2
 from tabserve.models.tabicl.serving import background
 from tabserve.models.tabicl.serving.background import (
@@ -616,3 +616,16 @@ print("answered", proba.shape, type(clf.model_).__name__, background_compiles())
     assert child.returncode == 0, child.stderr[-3000:]
     assert "answered (100, 3)" in child.stdout
     assert "Traceback" not in child.stderr and "terminate" not in child.stderr
+
+
+@requires_cuda
+def test_the_clock_of_a_kind_reads_the_time_of_its_work_on_the_device():
+    spent = background._Spent(torch.device("cuda"))
+    a = torch.randn(2048, 2048, device="cuda")
+    with spent.clock("matmuls"):
+        for _ in range(20):
+            a = a @ a.T / 2048
+    with spent.clock(None):  # not counted
+        a = a @ a
+    torch.cuda.synchronize()
+    assert spent.ms("matmuls") > 0 and spent.ms(None) == 0.0 and spent._running == []

@@ -250,7 +250,8 @@ class _Spent:
     a call never waits for its own clock)."""
 
     def __init__(self, device: torch.device):
-        self._cuda = torch.device(device).type == "cuda"
+        self._device = torch.device(device)
+        self._cuda = self._device.type == "cuda"
         self._lock = threading.Lock()
         self._ms: dict = {}
         self._running: list = []  # (signature, start event, end event) not yet read
@@ -267,10 +268,12 @@ class _Spent:
             with self._lock:
                 self._ms[key] = self._ms.get(key, 0.0) + (_clock() - start) * 1e3
             return
+        # on the model's device's stream, whichever device is current in the calling thread
+        stream = torch.cuda.current_stream(self._device)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+        start.record(stream)
         yield
-        end.record()
+        end.record(torch.cuda.current_stream(self._device))
         with self._lock:
             self._running.append((key, start, end))
 
