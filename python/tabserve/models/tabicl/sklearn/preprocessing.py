@@ -291,16 +291,11 @@ class MemberPreprocessor:
         return ((X - self.mean_) / self.scale_).clamp(-_CLIP, _CLIP)
 
     def _fit_outliers(self, z: Tensor) -> None:
-        k = self.outlier_threshold
         ddof = 1 if z.shape[0] > 1 else 0
-        mean, std = _nan_mean_std(z, ddof)
-        inliers = torch.where((z < mean - k * std) | (z > mean + k * std), math.nan, z)
-        mean, std = _nan_mean_std(inliers, ddof)
-        self.lower_, self.upper_ = mean - k * std, mean + k * std
+        self.lower_, self.upper_ = _outlier_bounds(z, ddof, self.outlier_threshold)
 
     def _clip_outliers(self, z: Tensor) -> Tensor:
-        z = torch.maximum(self.lower_ - torch.log1p(z.abs()), z)
-        return torch.minimum(self.upper_ + torch.log1p(z.abs()), z)
+        return _soft_clip(z, self.lower_, self.upper_)
 
     def transform(self, X: Tensor) -> Tensor:
         z = self._scale(X)
@@ -333,6 +328,21 @@ def _nan_mean_std(z: Tensor, ddof) -> tuple[Tensor, Tensor]:
     mean = zeroed.sum(dim=0) / count
     var = torch.where(valid, z - mean, 0.0).square().sum(dim=0) / (count - ddof)
     return mean, torch.clamp(var.sqrt(), min=_SCALE_EPS)
+
+
+def _outlier_bounds(z: Tensor, ddof, k: float) -> tuple[Tensor, Tensor]:
+    """Per column: mean -/+ ``k`` std of the values within ``k`` std of the mean (the
+    reference's outlier bounds; ``ddof`` as :func:`_nan_mean_std`'s)."""
+    mean, std = _nan_mean_std(z, ddof)
+    inliers = torch.where((z < mean - k * std) | (z > mean + k * std), math.nan, z)
+    mean, std = _nan_mean_std(inliers, ddof)
+    return mean - k * std, mean + k * std
+
+
+def _soft_clip(z: Tensor, lower: Tensor, upper: Tensor) -> Tensor:
+    """Values past the bounds pulled back to them, plus the log of their size."""
+    z = torch.maximum(lower - torch.log1p(z.abs()), z)
+    return torch.minimum(upper + torch.log1p(z.abs()), z)
 
 
 # ----------------------------------------------------------------------------- many tables at once
@@ -390,18 +400,8 @@ def preprocess_many(
             0, table_of, overflow.to(z.dtype)
         )
         z_test = (torch.where(per_table[table_of] > 0, clipped, y_test) - yj_mean) / yj_scale
-    k = outlier_threshold
-    ddof = (n > 1).to(z.dtype)
-    mean_z, std_z = _nan_mean_std(z, ddof)
-    inliers = torch.where((z < mean_z - k * std_z) | (z > mean_z + k * std_z), math.nan, z)
-    mean_z, std_z = _nan_mean_std(inliers, ddof)
-    lower, upper = mean_z - k * std_z, mean_z + k * std_z
-
-    def clip(z: Tensor) -> Tensor:
-        z = torch.maximum(lower - torch.log1p(z.abs()), z)
-        return torch.minimum(upper + torch.log1p(z.abs()), z)
-
-    train_out, test_out = clip(z), clip(z_test)
+    lower, upper = _outlier_bounds(z, (n > 1).to(z.dtype), outlier_threshold)
+    train_out, test_out = _soft_clip(z, lower, upper), _soft_clip(z_test, lower, upper)
     out, first = [], 0
     for (t, u), width in zip(tables, widths):
         columns = slice(first, first + width)
