@@ -1,17 +1,15 @@
 """Settings every test process shares."""
 
 import os
+import sys
 import tempfile
+
+import pytest
 
 # The per-user cache (the benchmark driver's own promotions, read by recipe="auto") goes to a
 # folder made for this pytest run, so tests neither read nor write the user's real one; child
 # processes inherit it.
 os.environ["TABSERVE_CACHE_DIR"] = tempfile.mkdtemp(prefix="tabserve-test-cache-")
-
-
-import sys  # noqa: E402
-
-import pytest  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
