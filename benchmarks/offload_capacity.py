@@ -116,34 +116,39 @@ def run_rung(spec: dict, folder: Path, timeout_s: float) -> dict:
 
 
 def climb(args, checkpoint: Path, run_dir: Path, deadline: float, say) -> list:
-    """Every engine's ladder in every mode: its rungs' results, in order."""
+    """Every engine's ladder in every mode: its rungs' results. The engines climb side by side
+    (each width of a mode for every engine before the next width), so a run cut short by its
+    deadline still holds both engines' rungs of the widths it reached, comparable. A rung still
+    running at the deadline is stopped (``status`` ``"stopped"``) and no rung starts after it."""
     results = []
-    for engine in args.engines:
-        for mode in args.modes:
-            for features in args.features:
-                if time.monotonic() > deadline:
-                    results.append(
-                        {
-                            "engine": engine,
-                            "mode": mode,
-                            "features": features,
-                            "status": "not run",
-                            "reason": "the run's deadline passed",
-                        }
-                    )
-                    break
+    for mode in args.modes:
+        climbing = list(args.engines)
+        for features in args.features:
+            for engine in list(climbing):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    results.append(_unrun(engine, mode, features, "the run's deadline passed"))
+                    climbing.remove(engine)
+                    continue
                 spec = {
                     "engine": engine, "mode": mode, "features": features, "rows": args.rows,
                     "test_rows": args.test_rows, "n_estimators": args.n_estimators,
                     "device": args.device, "checkpoint": str(checkpoint),
                 }  # fmt: skip
                 folder = run_dir / f"{engine}-{mode}-{features}"
-                result = run_rung(spec, folder, args.timeout)
+                result = run_rung(spec, folder, min(args.timeout, left))
+                if result["status"] == "timeout" and left < args.timeout:
+                    result.update(status="stopped", reason="still running at the run's deadline")
                 results.append(result)
                 say(_line(result))
                 if result["status"] != "ok":
-                    break
+                    climbing.remove(engine)
     return results
+
+
+def _unrun(engine: str, mode: str, features: int, reason: str) -> dict:
+    return {"engine": engine, "mode": mode, "features": features, "status": "not run",
+            "reason": reason}  # fmt: skip
 
 
 def agreement(results: list) -> None:
@@ -205,7 +210,10 @@ def parse_args(argv):
     )
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per rung")
     p.add_argument(
-        "--deadline", type=float, default=None, help="seconds after which no rung starts"
+        "--deadline",
+        type=float,
+        default=None,
+        help="seconds after which no rung runs (one still running is stopped)",
     )
     p.add_argument("--json", type=Path)
     p.add_argument("--child", help=argparse.SUPPRESS)

@@ -128,7 +128,7 @@ for part in "$@"; do
     offload)
       # shellcheck disable=SC2086  # OFFLOAD_ARGS is a word list
       timeout "$(left "$LIMIT")" python3 benchmarks/offload_capacity.py --device cuda \
-        --deadline "$(left $((LIMIT - 90)))" ${OFFLOAD_ARGS:-} --json "$OUT/offload-capacity-cuda.json" \
+        --deadline "$(left $((LIMIT - 30)))" ${OFFLOAD_ARGS:-} --json "$OUT/offload-capacity-cuda.json" \
         >"$LOG/offload.log" 2>&1
       echo "offload rc=$?"; tail -24 "$LOG/offload.log" | cut -c1-200 ;;
     pytest)

@@ -53,3 +53,35 @@ def test_a_ladder_stops_at_its_first_failure(tmp_path, monkeypatch):
     assert [c for c in calls if c[0] == "gpu"] == [("gpu", 4), ("gpu", 16)]  # 64 never tried
     assert [c for c in calls if c[0] == "cpu"] == [("cpu", 4), ("cpu", 16), ("cpu", 64)]
     assert offload_capacity.widest(results) == {"tabserve": {"gpu": 4, "cpu": 64, "disk": 64}}
+
+
+def test_engines_climb_side_by_side_and_the_deadline_stops_a_running_rung(tmp_path, monkeypatch):
+    calls = []
+
+    def rung(spec, folder, timeout_s):
+        calls.append((spec["engine"], spec["mode"], spec["features"], timeout_s))
+        labels = {k: spec[k] for k in ("engine", "mode", "features")}
+        if spec["features"] == 16:  # the rung outlives the deadline: its timeout stops it
+            return {**labels, "status": "timeout", "reason": f"timeout after {timeout_s:g} s"}
+        done = {"fit_ms": 1.0, "predict_ms": 1.0, "outputs": str(tmp_path / "none.npy")}
+        return {**labels, "status": "ok", **done}
+
+    monkeypatch.setattr(offload_capacity, "run_rung", rung)
+    args = offload_capacity.parse_args(["--quick", "--modes", "gpu", "--features", "4", "16", "64"])
+    deadline = offload_capacity.time.monotonic() + 100.0
+    results = offload_capacity.climb(args, tmp_path / "clf.ckpt", tmp_path, deadline, print)
+    assert [c[:3] for c in calls] == [
+        ("tabicl", "gpu", 4), ("tabserve", "gpu", 4), ("tabicl", "gpu", 16), ("tabserve", "gpu", 16)
+    ]  # fmt: skip
+    assert all(0 < c[3] <= 100.0 for c in calls)  # no rung runs past the deadline
+    assert [r["status"] for r in results] == ["ok", "ok", "stopped", "stopped"]
+    assert offload_capacity.widest(results) == {"tabicl": {"gpu": 4}, "tabserve": {"gpu": 4}}
+
+
+def test_no_rung_starts_after_the_deadline(tmp_path, monkeypatch):
+    monkeypatch.setattr(offload_capacity, "run_rung", lambda *a: pytest.fail("a rung ran"))
+    args = offload_capacity.parse_args(["--quick", "--modes", "cpu"])
+    results = offload_capacity.climb(args, tmp_path / "clf.ckpt", tmp_path, 0.0, print)
+    assert [(r["engine"], r["status"]) for r in results] == [
+        ("tabicl", "not run"), ("tabserve", "not run")
+    ]
