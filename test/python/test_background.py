@@ -37,6 +37,17 @@ def _every_call_warms_up(monkeypatch):
     monkeypatch.setattr(background, "PAY_RUNS", 0)
 
 
+def test_the_ready_preset_compiles_nothing_at_first_use():
+    """What answers a kind of call before its compile (and every packed call) must not compile
+    at first use: no torch.compile and no Triton kernels (compiled by Triton at their first
+    call); tabserve's own CUDA attention kernel is built with the extension."""
+    from tabserve.models.tabicl.serving.options import PRESETS
+
+    ready = PRESETS[background.READY_PRESET].options
+    assert not ready.compiled and not ready.triton_kernels
+    assert ready.stage_kernels("row").small_heads and ready.stage_kernels("col").small_heads
+
+
 class _HeldWorker:
     """Holds the background worker on a job of its own until :meth:`release`: what a test
     checks before the warm-ups run cannot race them."""
