@@ -20,7 +20,7 @@ PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
 def test_every_imported_third_party_package_is_declared():
     declared = {name.split(">")[0].split("=")[0].split("[")[0] for name in PROJECT["dependencies"]}
     for requirement in ("torch", "numpy", "pandas", "pyarrow", "scikit-learn", "platformdirs",
-                        "huggingface_hub"):  # fmt: skip
+                        "psutil", "huggingface_hub"):  # fmt: skip
         assert requirement in declared
     assert "tabicl==2.2.0" in PROJECT["optional-dependencies"]["bench"]
 

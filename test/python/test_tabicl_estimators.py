@@ -443,6 +443,51 @@ def test_cuda_default_serves_at_once_then_compiled_within_the_gate(task):
         assert decided and third.model_.timings
 
 
+@pytest.mark.parametrize("mode", ["auto", "gpu", "cpu", "disk"])
+@pytest.mark.parametrize("has_disk", [True, False])
+def test_where_a_gpu_call_keeps_its_column_output_is_tabicls_choice(mode, has_disk):
+    """offload_target against tabicl 2.2.0's own rule (InferenceManager._resolve_offload_mode)
+    over outputs around every threshold: the device's free memory, the host's, the disk's."""
+    from tabicl._model.inference import InferenceManager
+    from tabserve.models.tabicl.sklearn.reference_args import offload_target
+
+    if mode == "disk" and not has_disk:
+        return
+    manager = InferenceManager(enc_name="tf_col", out_dim=128)
+    manager.configure(offload=mode, device="cpu", disk_offload_dir="/x" if has_disk else None)
+    names = {"GPU": "device", "CPU": "cpu", "DISK": "disk"}
+    mib = 1 << 20
+    device_free, host_free, disk_free = 40_000, 60_000, 90_000  # MiB
+    outputs = sorted(
+        {1, 19_999, 20_000, 20_001, 39_999, 40_000, 40_001, 50_999, 51_000, 51_001, 84_000,
+         84_522, 84_523, 200_000}  # fmt: skip
+    )
+    for output in outputs:
+        for free in (device_free, 0):
+            want, _ = manager._resolve_offload_mode(output, free, host_free, disk_free)
+            got = offload_target(
+                mode, output * mib, free * mib, host_free * mib, disk_free * mib if has_disk else None
+            )
+            assert got == names[want.name], (mode, has_disk, output, free)
+
+
+@requires_cuda
+def test_a_gpu_call_whose_column_output_the_device_cannot_hold_is_offloaded(monkeypatch):
+    from tabserve.models.tabicl.sklearn import reference_args
+
+    frame, y = _mixed_frame()
+    X_train, y_train, X_test = frame.iloc[:130], y[:130], frame.iloc[130:]
+    params = {"model_path": reference_checkpoint("clf", "tiny"), "device": "cuda", "recipe": "exact"}
+    on_device = TabICLClassifier(**params).fit(X_train, y_train).predict_proba(X_test)
+    stores = []
+    real_store = reference_args.host_store
+    monkeypatch.setattr(reference_args, "device_free_bytes", lambda device: 1)
+    monkeypatch.setattr(reference_args, "host_store", lambda d: stores.append(d) or real_store(d))
+    got = TabICLClassifier(**params).fit(X_train, y_train).predict_proba(X_test)
+    assert stores  # "auto" kept the column stage's output in host memory
+    np.testing.assert_allclose(got, on_device, atol=1e-5, rtol=0)
+
+
 @pytest.mark.parametrize("mode", ["cpu", True, "disk"])
 def test_offload_modes_match_the_reference_and_leave_no_files(mode, tmp_path, monkeypatch, request):
     """tabicl's offload_mode: the column stage's output on the host or in a file, streamed back

@@ -8,7 +8,8 @@ Face Hub cache, downloading it where ``allow_auto_download``; ``use_amp=False`` 
 (fp32); ``use_fa3`` is accepted (tabserve's presets bring their own attention kernels);
 ``offload_mode`` ``"cpu"`` / True keep the column stage's output in host memory and ``"disk"`` in
 a file under ``disk_offload_dir``, streamed back a chunk of rows at a time (one-shot
-predictions; ``"auto"``, ``"gpu"``, False keep it on the device); ``n_jobs``
+predictions); ``"auto"``, ``"gpu"``, False keep it on the device while it fits, and where it
+does not, a call on a GPU takes host memory or disk as tabicl's rule does; ``n_jobs``
 sets PyTorch's CPU threads for each call; ``verbose`` logs on the ``tabserve`` logger;
 ``inference_config`` is refused in favour of ``recipe``. Inference runs the serving ``recipe``
 and preprocessing runs as tensor maths on ``device``. A fitted estimator pickles without the
@@ -598,8 +599,10 @@ class _TabICLBase(BaseEstimator):
 
     def _one_shot(self, engine: Engine, X: Tensor, y_train: Tensor, **kwargs) -> Tensor:
         """``engine``'s one-shot call, or its offloaded call where ``offload_mode`` keeps the
-        column stage's output on the host or on disk."""
-        with offload_store(self) as store:
+        column stage's output on the host or on disk (:func:`.reference_args.offload_target`).
+        That output holds an embedding per cell of ``X`` (tables, rows, features), in its dtype."""
+        output_bytes = X.numel() * engine.config.embed_dim * X.element_size()
+        with offload_store(self, output_bytes) as store:
             if store is None:
                 return engine(X, y_train, **kwargs)
             return engine.forward_offloaded(X, y_train, store, **kwargs)

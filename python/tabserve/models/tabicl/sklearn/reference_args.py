@@ -13,6 +13,7 @@ import os
 import shutil
 from pathlib import Path
 
+import psutil
 import torch
 
 from ..network.offload import DiskStore, host_store
@@ -25,26 +26,86 @@ CHECKPOINT_VERSIONS = {
     "clf": ("tabicl-classifier-v2-20260212.ckpt",),
     "reg": ("tabicl-regressor-v2-20260212.ckpt",),
 }
-#: tabicl's ``offload_mode`` values that keep the column stage's output on the device (tabicl's
-#: "auto" offloads past a share of the GPU's free memory; tabserve's keeps it on the device and
-#: bounds memory by member and test-row chunks); "cpu" / True keep it in host memory and "disk"
-#: in a file under ``disk_offload_dir`` (:mod:`..network.offload`).
+#: tabicl's ``offload_mode`` values that keep the column stage's output on the device while it
+#: fits (:func:`offload_target`); "cpu" / True keep it in host memory and "disk" in a file under
+#: ``disk_offload_dir`` (:mod:`..network.offload`).
 ON_DEVICE_OFFLOAD_MODES = ("auto", "gpu", False)
 OFFLOAD_MODES = (*ON_DEVICE_OFFLOAD_MODES, "cpu", True, "disk")
+#: tabicl's rule for where a call on a GPU keeps the column stage's output (:func:`offload_target`):
+#: on the device while it takes at most this share of the device's free memory ("auto"; "gpu" /
+#: False: all of it), in host memory while it takes at most :data:`HOST_SHARE` of the host's
+#: available memory, on disk while it takes at most :data:`DISK_SHARE` of the free space past
+#: :data:`DISK_RESERVE` bytes under ``disk_offload_dir``.
+DEVICE_SHARE = {"auto": 0.5, "gpu": 1.0}
+HOST_SHARE = 0.85
+DISK_SHARE = 0.95
+DISK_RESERVE = 1 << 30
 AUTO_FLAGS = (True, False, "auto")
 
 logger = logging.getLogger("tabserve")
 
 
-def offload_store(estimator):
-    """A context giving the store of one offloaded call (:mod:`..network.offload`), or None
-    where ``offload_mode`` keeps the column stage's output on the device."""
-    offload = estimator.offload_mode
-    if _one_of(offload, ("cpu", True)):
-        return contextlib.nullcontext(host_store(estimator.device_))
-    if _one_of(offload, ("disk",)):
-        return DiskStore(estimator.disk_offload_dir)
+def offload_store(estimator, output_bytes: int):
+    """A context giving the store of one call whose column stage's output takes
+    ``output_bytes`` (:mod:`..network.offload`), or None where it stays on the device."""
+    offload, device, folder = estimator.offload_mode, estimator.device_, estimator.disk_offload_dir
+    if device.type == "cuda":
+        mode = _mode_name(offload)
+        disk_free = None if folder is None else shutil.disk_usage(_existing(Path(folder))).free
+        target = offload_target(
+            mode, output_bytes, device_free_bytes(device), psutil.virtual_memory().available,
+            disk_free,
+        )  # fmt: skip
+        if target != {"auto": "device", "gpu": "device"}.get(mode, mode):
+            logger.info(
+                "offload_mode=%r: the column stage's output (%.1f GiB) is kept on %s",
+                offload, output_bytes / 2**30, target,
+            )  # fmt: skip
+    else:  # the device is the host: only a store asked for is used
+        target = {"cpu": "cpu", "disk": "disk"}.get(_mode_name(offload), "device")
+    if target == "cpu":
+        return contextlib.nullcontext(host_store(device))
+    if target == "disk":
+        return DiskStore(folder)
     return contextlib.nullcontext(None)
+
+
+def _mode_name(offload) -> str:
+    """``"auto"``, ``"gpu"``, ``"cpu"`` or ``"disk"`` (False is "gpu", True is "cpu")."""
+    return "gpu" if offload is False else "cpu" if offload is True else offload
+
+
+def _existing(folder: Path) -> Path:
+    """``folder``, or its nearest existing parent (the disk it will be made on)."""
+    while not folder.exists() and folder.parent != folder:
+        folder = folder.parent
+    return folder
+
+
+def offload_target(
+    mode: str, output_bytes: int, device_free: int, host_free: int, disk_free: int | None
+) -> str:
+    """Where a call on a GPU keeps its column stage's output of ``output_bytes``: ``"device"``,
+    ``"cpu"`` (host memory) or ``"disk"``, by tabicl's rule: the ``mode`` asked for where the
+    output fits there (:data:`DEVICE_SHARE`, :data:`HOST_SHARE`, :data:`DISK_SHARE`), else the
+    next of host memory and disk where it fits, else host memory (swap as the last resort).
+    ``disk_free``: the free bytes under ``disk_offload_dir`` (None: no folder)."""
+    if mode == "disk" and disk_free is None:
+        raise ValueError("offload_mode='disk' needs disk_offload_dir, the folder of its files")
+    fits = {
+        "device": mode in DEVICE_SHARE and output_bytes <= DEVICE_SHARE[mode] * device_free,
+        "cpu": mode != "disk" and output_bytes <= HOST_SHARE * host_free,
+        "disk": disk_free is not None
+        and output_bytes <= DISK_SHARE * max(0, disk_free - DISK_RESERVE),
+    }
+    return next((where for where in ("device", "cpu", "disk") if fits[where]), "cpu")
+
+
+def device_free_bytes(device: torch.device) -> int:
+    """Memory a new tensor can take on CUDA ``device``: the driver's free memory and the
+    blocks PyTorch's allocator holds unused."""
+    free, _ = torch.cuda.mem_get_info(device)
+    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
 
 
 def check_reference_args(estimator, task: str) -> None:
