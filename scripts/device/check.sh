@@ -7,7 +7,7 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-$PWD/device-out}
 mkdir -p "$OUT"
-if ls .whl/*.whl >/dev/null 2>&1; then  # pure-Python packages carried as wheels (tabicl, ...)
+if ls .whl/*.whl >/dev/null 2>&1; then  # packages carried as wheels (tabicl, ...)
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
 fi
