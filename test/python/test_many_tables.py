@@ -380,13 +380,9 @@ def test_a_pack_of_one_shape_runs_unpadded_and_answers_as_the_padded_path():
 # ---------------------------------------------------------------------------- CUDA
 @requires_cuda
 @pytest.mark.parametrize("recipe, tolerance", [("exact", 1e-5), (None, 2e-2)])
-@pytest.mark.parametrize("part", [3, 16])
-def test_cuda_packed_answers_are_each_tasks_own_estimators(recipe, tolerance, part, monkeypatch):
+def test_cuda_packed_answers_are_each_tasks_own_estimators(recipe, tolerance):
     """On the GPU: the exact recipe packs in fp32 (the memory-efficient kernels with a count per
-    table), the default packs on the ready fp16 preset, within the driver's gate of the loop;
-    in parts of 3 tasks each part is fitted on its own stream while the previous one's packed
-    calls run."""
-    monkeypatch.setattr(many, "PIPELINE_TASKS", part)
+    table), the default packs on the ready fp16 preset, within the driver's gate of the loop."""
     tasks = classification_tasks(8, seed=9)
     path = reference_checkpoint("clf", "tiny")
     estimator = TabICLClassifier(model_path=path, device="cuda", n_estimators=4, recipe=recipe)

@@ -36,8 +36,7 @@ PADDING_COLUMNS = (
 )  # fmt: skip
 PADDING_TITLE = (
     f"Padding of {TABSERVE_PACKED}, and where its warm pass's time goes (fits: each task's fit and "
-    "member tables, on one GPU while the packed calls queued before them run; packed calls: "
-    "queuing them and the device's tail; a member table: one ensemble member)"
+    "member tables; a member table: one ensemble member)"
 )
 
 ACCURACY_TITLE = "Accuracy against the reference, task by task (the worst task in brackets)"

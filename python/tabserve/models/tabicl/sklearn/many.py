@@ -27,9 +27,6 @@ normalisations) runs for many tasks at once (:func:`_lay_out`): their columns si
 padded with NaN past its table's rows, which every statistic skips, so a batch of tasks costs the
 tensor operations of one (on a GPU each is a kernel launch) and each task's rows are its own.
 
-On one GPU the host fits the next :data:`PIPELINE_TASKS` tasks while the device runs the packed
-calls of those before them (:func:`_answer_group`).
-
 Tasks are read from the iterable :data:`GROUP_TASKS` at a time: ``fit_predict_iter`` holds one
 group's tables, so it serves more tasks than memory holds and yields the answers in order.
 
@@ -43,7 +40,6 @@ or changed.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import time
 from collections.abc import Iterable, Iterator
@@ -58,7 +54,6 @@ from tabserve.buckets import Bucket, BucketGrid
 
 from ..serving.background import foreground
 from ..serving.served import SKIP_VALUE
-from .devices import resolve_devices
 from .preprocessing import BATCHED_METHODS, MemberPreprocessor, preprocess_many
 from .reference_args import torch_threads
 
@@ -266,9 +261,6 @@ def _prepare(template, task, index: int, method: str, params: dict, grid: Bucket
     return prepared
 
 
-#: Tasks fitted and packed together on one GPU while the previous ones' packed calls run
-#: (:func:`_answer_group`).
-PIPELINE_TASKS = 16
 #: The most values (padded rows x the tables' columns) the members' preprocessing of many
 #: tasks holds in one batch (:func:`preprocessing.preprocess_many`): 2**22 float64 values are
 #: 32 MiB a copy.
@@ -357,63 +349,42 @@ def _finish(prepared: _Task, method: str, params: dict) -> None:
 def _answer_group(
     template, tasks: list, first: int, method: str, params: dict, report: dict | None
 ) -> list:
-    """Each task of ``tasks`` fitted, packed and answered. On one GPU the tasks go through in
-    parts of :data:`PIPELINE_TASKS`: each part's packed calls are queued on the device and the
-    next part is fitted while they run, its tensor work on a stream of its own (its
-    synchronisations then wait for the fits alone, not for the queued packs)."""
+    # Every task is fitted before any pack runs. Fitting the next tasks while the device ran
+    # the packed calls of those before them (the fits' tensor work on a stream of its own) was
+    # slower on an H100 (60 tables, warm: 1.78 s in parts of 16 tasks, 1.84 s of 8, 1.76 s of
+    # 32, against 1.64 s in one part): the fits took as long as alone (589 against 571 ms), and
+    # smaller parts made more packs (25 against 19).
     grid = template.bucket_grid or BucketGrid()
     clock = _Clock(report)
-    devices = resolve_devices(template.device)
-    fitting = None
-    if len(devices) == 1 and devices[0].type == "cuda":
-        fitting = torch.cuda.Stream(devices[0])
-    step = PIPELINE_TASKS if fitting is not None else max(1, len(tasks))
-    prepared: list = []
-    for start in range(0, len(tasks), step):
-        with torch.cuda.stream(fitting) if fitting is not None else contextlib.nullcontext():
-            part = [
-                _prepare(template, task, first + start + i, method, params, grid)
-                for i, task in enumerate(tasks[start : start + step])
-            ]
-            _lay_out(part)
-        if fitting is not None:
-            fitting.synchronize()  # the packed calls read the member tables
-        clock.lap("fit_ms", None)
-        _run_packs(part, report)
-        clock.lap("packs_ms", None)
-        prepared += part
-    clock.lap("packs_ms", template_device(prepared))  # what the device still had queued
-    for p in prepared:
-        _finish(p, method, params)
-    clock.lap("answers_ms", None)
-    return prepared
-
-
-def _run_packs(prepared: list, report: dict | None) -> None:
-    """The packed calls of the fitted tasks of ``prepared``: each group's ``output``. Tasks
-    served by one engine pack together; packs go to the estimator's devices in turn
-    (:func:`.devices.spread`)."""
-    by_engine: dict = {}
+    prepared = [_prepare(template, t, first + i, method, params, grid) for i, t in enumerate(tasks)]
+    _lay_out(prepared)
+    clock.lap("fit_ms", template_device(prepared))
+    by_engine: dict = {}  # tasks served by one engine pack together
     for p in prepared:
         if p.estimator is not None:
             by_engine.setdefault(id(p.estimator.model_), (p.estimator, []))[1].extend(p.groups)
     limits = limits_for(template_device(prepared))
     for fitted, groups in by_engine.values():
         packs = pack(groups, limits)
+        # Packs go to the estimator's devices in turn (:func:`.devices.spread`).
         jobs = [lambda engine, device, one=one: _run_pack(engine, device, one) for one in packs]
         for one, outputs in zip(packs, fitted._spread(jobs)):
             for group, output in zip(one.groups, outputs):
                 group.output = output
             if report is not None:
                 _count(report, one)
+    clock.lap("packs_ms", template_device(prepared))
+    for p in prepared:
+        _finish(p, method, params)
+    clock.lap("answers_ms", None)
+    return prepared
 
 
 class _Clock:
     """Adds the time of each stage of a group to ``report`` (nothing without one): ``fit_ms``
     (the tasks' fits and member tables), ``packs_ms`` (the packed calls), ``answers_ms`` (each
-    task's answer from its outputs). A lap waits for ``device``'s queued work where it is given.
-    On one GPU a part's fits overlap the packed calls queued before them, so ``fit_ms`` is the
-    host's time fitting and ``packs_ms`` the time queuing the calls and the device's tail."""
+    task's answer from its outputs). A lap waits for ``device``'s queued work, so the time of
+    a stage is its own, not the next one's."""
 
     def __init__(self, report: dict | None):
         self.report = report
