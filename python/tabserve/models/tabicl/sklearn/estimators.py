@@ -600,8 +600,9 @@ class _TabICLBase(BaseEstimator):
     def _one_shot(self, engine: Engine, X: Tensor, y_train: Tensor, **kwargs) -> Tensor:
         """``engine``'s one-shot call, or its offloaded call where ``offload_mode`` keeps the
         column stage's output on the host or on disk (:func:`.reference_args.offload_target`).
-        That output holds an embedding per cell of ``X`` (tables, rows, features), in its dtype."""
-        output_bytes = X.numel() * engine.config.embed_dim * X.element_size()
+        That output holds an embedding per cell of ``X`` (tables, rows, features), in its dtype
+        (every device's engine serves ``model_``'s checkpoint)."""
+        output_bytes = X.numel() * self.model_.config.embed_dim * X.element_size()
         with offload_store(self, output_bytes) as store:
             if store is None:
                 return engine(X, y_train, **kwargs)
