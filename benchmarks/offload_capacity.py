@@ -83,6 +83,7 @@ def child(spec_path: str) -> int:
         small = _table(64, 16, 8, seed=1)
         TabICLClassifier(**params).fit(small[0], small[1]).predict_proba(small[2])
         X_train, y_train, X_test = _table(spec["rows"], spec["test_rows"], spec["features"])
+        kept_on = _watch_fallbacks() if spec["engine"] == "tabserve" else set()
         with timing.peak_memory_of(device) as memory:
             start = time.perf_counter()
             estimator = TabICLClassifier(**params).fit(X_train, y_train)
@@ -95,6 +96,8 @@ def child(spec_path: str) -> int:
             status="ok", fit_ms=(fitted - start) * 1e3, predict_ms=(done - fitted) * 1e3,
             memory=memory,
         )  # fmt: skip
+        if kept_on:
+            result["kept_on"] = sorted(kept_on)
     except Exception as error:  # noqa: BLE001  (the rung's result, not the process's failure)
         oom = "out of memory" in str(error).lower() or type(error).__name__ == "OutOfMemoryError"
         result.update(
@@ -102,6 +105,24 @@ def child(spec_path: str) -> int:
         )
     save()
     return 0
+
+
+def _watch_fallbacks() -> set:
+    """The places tabserve's calls kept their column output where the mode asked for another
+    (its ``tabserve`` logger says so: ``reference_args.offload_store``), filled as calls run."""
+    import logging
+
+    places: set = set()
+
+    class Watch(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if str(record.msg).startswith("offload_mode=") and record.args:
+                places.add(record.args[-1])
+
+    logger = logging.getLogger("tabserve")
+    logger.setLevel(logging.INFO)
+    logger.addHandler(Watch())
+    return places
 
 
 # ----------------------------------------------------------------------------- the ladders
@@ -190,8 +211,10 @@ def _line(r: dict) -> str:
         return f"{head} ({r.get('reason', '')[:120]})"
     peak = peak_bytes(r.get("memory"))
     peak_text = f", peak {peak / 2**30:.2f} GiB" if peak is not None else ""
+    kept = f", kept on {'/'.join(r['kept_on'])}" if r.get("kept_on") else ""
     return (
-        f"{head}, fit {r['fit_ms'] / 1e3:.2f} s, predict {r['predict_ms'] / 1e3:.2f} s{peak_text}"
+        f"{head}, fit {r['fit_ms'] / 1e3:.2f} s, predict {r['predict_ms'] / 1e3:.2f} s"
+        f"{peak_text}{kept}"
     )
 
 

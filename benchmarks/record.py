@@ -500,7 +500,8 @@ def _rung_cell(rung: dict | None) -> str:
     memory = rung.get("memory") or {}
     peak = memory.get("peak_allocated_bytes", memory.get("peak_rss_bytes"))
     seconds = (rung["fit_ms"] + rung["predict_ms"]) / 1e3
-    return f"{seconds:,.1f} s / {format_mib(peak)}"
+    kept = f" (kept on {'/'.join(rung['kept_on'])})" if rung.get("kept_on") else ""
+    return f"{seconds:,.1f} s / {format_mib(peak)}{kept}"
 
 
 def render_offload(path: Path, document: dict) -> str:
@@ -524,7 +525,9 @@ def render_offload(path: Path, document: dict) -> str:
             f"Fit + predict of {settings.get('rows', 0):,} train and "
             f"{settings.get('test_rows', 0):,} test rows, {settings.get('n_estimators', '-')} "
             "members, one fresh process per table (time / peak MiB; a ladder stops at its first "
-            "failure; max dp: tabserve against tabicl's probabilities):"
+            "failure; kept on: where tabserve's calls kept the column output when it did not fit "
+            "where the mode asked, by tabicl's rule; max dp: tabserve against tabicl's "
+            "probabilities):"
         ),
         "",
         markdown_table(

@@ -85,3 +85,34 @@ def test_no_rung_starts_after_the_deadline(tmp_path, monkeypatch):
     assert [(r["engine"], r["status"]) for r in results] == [
         ("tabicl", "not run"), ("tabserve", "not run")
     ]
+
+
+def test_a_rung_records_where_tabserves_calls_fell_back(monkeypatch, tmp_path):
+    """The child's watch reads what the estimators log when a GPU call's column output does not
+    fit where its mode asked (reference_args.offload_store), and the record shows it."""
+    import logging
+    import types
+
+    import torch
+    from tabserve.models.tabicl.sklearn import reference_args
+
+    logger = logging.getLogger("tabserve")  # the watch's handler and level end with the test
+    monkeypatch.setattr(logger, "handlers", list(logger.handlers))
+    monkeypatch.setattr(logger, "level", logger.level)
+    kept_on = offload_capacity._watch_fallbacks()
+    monkeypatch.setattr(reference_args, "device_free_bytes", lambda device: 1 << 20)
+    estimator = types.SimpleNamespace(
+        offload_mode=False, device_=torch.device("cuda", 0), disk_offload_dir=None
+    )
+    with reference_args.offload_store(estimator, 1 << 19) as store:
+        assert store is None  # fits on the device: nothing said
+    assert kept_on == set()
+    with reference_args.offload_store(estimator, 1 << 21) as store:
+        assert store is not None  # past the device's free memory: host memory
+    assert kept_on == {"cpu"}
+    rung = {"engine": "tabserve", "mode": "gpu", "features": 2000, "status": "ok", "fit_ms": 1.0,
+            "predict_ms": 1.0, "memory": {"peak_allocated_bytes": 1 << 30}, "kept_on": ["cpu"]}  # fmt: skip
+    assert "kept on cpu" in offload_capacity._line(rung)
+    out = tmp_path / "offload_capacity_h100.json"
+    out.write_text(json.dumps({"benchmark": "offload_capacity", "environment": {}, "results": [rung]}))
+    assert "(kept on cpu)" in record.render_results([out])
