@@ -390,10 +390,11 @@ PRESETS: dict[str, Preset] = dict(
             "fp32 eager, TF32 off: the reference's answers (within 1e-5); CPU and GPU",
         ),
         # tabserve's small-head attention needs no compile, so the ready preset has it: on an
-        # H100 (60 varied small tables, full-size model) it took a fresh process's first answer
-        # from 2.00 to 1.43 s and the packed pass from 2.43 to 1.83 s, the loop unchanged (2.41
-        # against 2.27 s). Its fused feed-forward and norm-linear kernels are Triton's, compiled
-        # at first use: 16.6 s for the first answer, 86 s for a first packed pass.
+        # H100 (full-size model, default recipe) it took a fresh process's first fit + predict
+        # of a 200 + 50-row table (after the imports) from 2.00 to 1.43 s, and 60 varied small
+        # tables packed from 2.43 to 1.83 s, the loop unchanged (2.41 against 2.27 s). Its fused
+        # feed-forward and norm-linear kernels are Triton's, compiled at first use: 16.6 s for
+        # that first fit + predict, 86 s for a first packed pass.
         _preset(
             "medium",
             "fp16 on padded buckets replayed from CUDA graphs, tabserve's small-head attention, "
