@@ -59,7 +59,7 @@ choose_python() {
 ensure_python_packages() {
   # module name -> pip requirement
   local pairs=(numpy:numpy pandas:pandas pyarrow:pyarrow sklearn:scikit-learn pytest:pytest
-               platformdirs:platformdirs huggingface_hub:huggingface_hub
+               platformdirs:platformdirs psutil:psutil huggingface_hub:huggingface_hub
                safetensors:safetensors rich:rich matplotlib:matplotlib ninja:ninja
                setuptools:setuptools tabicl:tabicl==2.2.0
                'ray.data:ray[data]>=2.59,<2.64')
