@@ -21,3 +21,15 @@ def _background_compiles_end_with_their_test():
     background = sys.modules.get("tabserve.models.tabicl.serving.background")
     if background is not None:
         assert background.wait_for_compiles(600), "a background warm-up outlived its test by 600 s"
+
+
+#: The reason every CUDA test gives for skipping without a GPU.
+NO_GPU = "needs a CUDA GPU"
+
+
+def pytest_collection_modifyitems(items):
+    """A test that skips without a GPU is a CUDA test: ``-m cuda`` (the GPU machine's test
+    stages) selects it, whichever helper or decorator gave it the skip."""
+    for item in items:
+        if any(mark.kwargs.get("reason") == NO_GPU for mark in item.iter_markers("skipif")):
+            item.add_marker(pytest.mark.cuda)
