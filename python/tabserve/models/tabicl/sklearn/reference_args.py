@@ -49,20 +49,20 @@ def offload_store(estimator, output_bytes: int):
     """A context giving the store of one call whose column stage's output takes
     ``output_bytes`` (:mod:`..network.offload`), or None where it stays on the device."""
     offload, device, folder = estimator.offload_mode, estimator.device_, estimator.disk_offload_dir
+    mode = _mode_name(offload)
+    asked = "device" if mode in DEVICE_SHARE else mode
+    target = asked  # on the CPU the device is the host: only a store asked for is used
     if device.type == "cuda":
-        mode = _mode_name(offload)
         disk_free = None if folder is None else shutil.disk_usage(_existing(Path(folder))).free
         target = offload_target(
             mode, output_bytes, device_free_bytes(device), psutil.virtual_memory().available,
             disk_free,
         )  # fmt: skip
-        if target != {"auto": "device", "gpu": "device"}.get(mode, mode):
+        if target != asked:
             logger.info(
                 "offload_mode=%r: the column stage's output (%.1f GiB) is kept on %s",
                 offload, output_bytes / 2**30, target,
             )  # fmt: skip
-    else:  # the device is the host: only a store asked for is used
-        target = {"cpu": "cpu", "disk": "disk"}.get(_mode_name(offload), "device")
     if target == "cpu":
         return contextlib.nullcontext(host_store(device))
     if target == "disk":
