@@ -4,7 +4,7 @@ first fit and the first predict.
     python scripts/device/first_answer.py --checkpoint clf.ckpt --out DIR [--kind small]
 
 Phases, each timed from the previous one's end: importing torch, the CUDA context (one tensor on
-the device), importing tabserve's estimators and scikit-learn, building the table, the first fit,
+the device), importing scikit-learn, then tabserve's estimators, building the table, the first fit,
 the first predict, then a second fit + predict of the same shape. Writes ``DIR/phases.json`` and
 the 40 heaviest functions (cumulative time) of the first fit and of the first predict to
 ``DIR/profile.txt``. Run it twice over the same caches to see a restarted process.
@@ -51,6 +51,9 @@ def main() -> int:
     torch.zeros(1, device=args.device)
     sync()
     lap("device_context")
+    import sklearn.base  # noqa: F401  (scikit-learn's own share of the estimators' import)
+
+    lap("import_sklearn")
     from tabserve.models.tabicl import TabICLClassifier, TabICLRegressor
 
     lap("import_estimators")
