@@ -33,13 +33,3 @@ def pytest_collection_modifyitems(items):
     for item in items:
         if any(mark.kwargs.get("reason") == NO_GPU for mark in item.iter_markers("skipif")):
             item.add_marker(pytest.mark.cuda)
-
-
-@pytest.fixture
-def capture_at_first_call(monkeypatch):
-    """Served models capture a key's CUDA graph at its first call (served.CAPTURING_CALL = 1),
-    for the tests that follow captures and replays call by call; test_capture_policy.py checks
-    the default, under which a key's first call runs uncaptured."""
-    from tabserve.models.tabicl.serving import served
-
-    monkeypatch.setattr(served, "CAPTURING_CALL", 1)

@@ -24,9 +24,6 @@ from tabserve.models.tabicl.serving.options import ServingOptions
 from tabserve.models.tabicl.serving.served import ServedTabICL
 from torch._dynamo.utils import counters
 
-# These tests follow captures call by call (conftest.capture_at_first_call).
-pytestmark = pytest.mark.usefixtures("capture_at_first_call")
-
 GRID = BucketGrid(train_rows=(16,), test_rows=(8,), features=(6,))
 TABLES = 2
 RECIPE = ServingOptions(buckets=True)

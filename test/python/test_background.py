@@ -24,9 +24,6 @@ from tabserve.models.tabicl.serving.background import (
 from tabserve.models.tabicl.serving.options import ServingOptions
 from tabserve.models.tabicl.serving.served import ServedTabICL
 
-# These tests follow captures call by call (conftest.capture_at_first_call).
-pytestmark = pytest.mark.usefixtures("capture_at_first_call")
-
 # Dynamo traces, nothing is generated: a compiled served model in seconds on the CPU.
 TRACED = ServingOptions(compile="default", compile_backend="eager")
 

@@ -27,9 +27,6 @@ from tabserve.models.tabicl.serving.options import PRESETS, ServingOptions, serv
 from tabserve.models.tabicl.serving.served import PaddedCache, ServedTabICL, serve
 from torch.utils._pytree import tree_leaves
 
-# These tests follow captures call by call (conftest.capture_at_first_call).
-pytestmark = pytest.mark.usefixtures("capture_at_first_call")
-
 #: Whole-model compile with dynamic shapes, flash attention first, fp16.
 DYNAMIC_FLASH = ServingOptions(
     precision="fp16",

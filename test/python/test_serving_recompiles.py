@@ -23,9 +23,6 @@ from tabserve.models.tabicl.serving.options import ServingOptions
 from tabserve.models.tabicl.serving.served import ServedTabICL
 from torch._dynamo.utils import counters
 
-# These tests follow captures call by call (conftest.capture_at_first_call).
-pytestmark = pytest.mark.usefixtures("capture_at_first_call")
-
 #: Whole-model compile with dynamic shapes, flash attention first, fp16.
 DYNAMIC_FLASH = ServingOptions(
     precision="fp16",

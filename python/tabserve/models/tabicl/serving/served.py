@@ -79,16 +79,6 @@ MAX_CACHED_GRAPHS = 32
 #: CUDA graphs of unpadded one-shot calls (``shape_graphs``) kept per served model, the least
 #: recently replayed dropped first (their memory stays in the shared pool for later captures).
 MAX_SHAPE_GRAPHS = 16
-#: The call of a key (a bucket and batch, a cache or table shape) that captures its CUDA graph;
-#: the calls before it run the same kernels uncaptured. A capture costs two warm-up passes, the
-#: captured pass, a device-wide synchronisation and the release of the allocator's cached
-#: blocks: the first predict of a fresh process on an H100 (small table, ``medium``) spent
-#: 0.30 s of its 0.40 s entering the capture. From the second call, a shape called once (a
-#: one-shot fit + predict, a table whose shape does not recur) never pays it.
-CAPTURING_CALL = 2
-#: Keys whose calls before their capture a served model counts (the least recently called
-#: forgotten first).
-MAX_COUNTED_KEYS = 4096
 
 #: Held by a thread capturing a CUDA graph, and by the background warm-up for its whole run
 #: (:func:`exclusive_captures`). A capture registers the process's CUDA generator and, without
@@ -106,8 +96,6 @@ _CAPTURES = threading.RLock()
 #: whatever the capture's error mode. Such a thread compiles and runs the graph's function; the
 #: caller's next call of that shape captures it.
 _NO_CAPTURES = threading.local()
-#: Set while a thread warms a served model up (:func:`captures_at_once`).
-_AT_ONCE = threading.local()
 
 
 #: The longest a call of a shape not captured yet waits for a running warm-up to pause and
@@ -202,18 +190,6 @@ def exclusive_captures():
     """``with exclusive_captures():`` no other thread captures a CUDA graph meanwhile (their
     calls run uncaptured); this thread's own captures go ahead."""
     return _CAPTURES
-
-
-@contextlib.contextmanager
-def captures_at_once():
-    """``with captures_at_once():`` this thread's calls capture a key's graph at its first call
-    (what a warm-up is for), not at the :data:`CAPTURING_CALL`."""
-    before = getattr(_AT_ONCE, "active", False)
-    _AT_ONCE.active = True
-    try:
-        yield
-    finally:
-        _AT_ONCE.active = before
 
 
 @contextlib.contextmanager
@@ -408,7 +384,6 @@ class ServedTabICL:
         self._cached_graphs = _RecentGraphs(MAX_CACHED_GRAPHS)
         self._shape_graphs = _RecentGraphs(MAX_SHAPE_GRAPHS)
         self._hierarchy_graphs = _RecentGraphs(MAX_SHAPE_GRAPHS)
-        self._calls = _RecentGraphs(MAX_COUNTED_KEYS)  # calls of keys not captured yet
         self._pool = torch.cuda.graph_pool_handle() if self.options.graphs else None
         # Ahead-of-time bucket packages (load_buckets): kind -> {(bucket, batch): runner}.
         self._aot: dict = {"forward": {}, "build_cache": {}, "forward_cached": {}}
@@ -550,16 +525,10 @@ class ServedTabICL:
             return fn(*inputs, *static)
         no_captures = getattr(_NO_CAPTURES, "active", False)
         graphs = store if store is not None else self._cached_graphs if static else self._graphs
-        early = (
-            key not in graphs
-            and self._count_call((id(graphs), key)) < CAPTURING_CALL
-            and not getattr(_AT_ONCE, "active", False)
-        )
-        if early or (no_captures and not (no_captures == "replay" and key in graphs)):
-            # Uncaptured, outside the graphs' lock: a call before the key's capturing one
-            # (CAPTURING_CALL), or a background warm-up,
-            # which compiles here for tens of seconds (25-155 s on the H200) while a caller's
-            # replay of a shape already captured must not wait for it.
+        if no_captures and not (no_captures == "replay" and key in graphs):
+            # Outside the graphs' lock: a background warm-up compiles here for tens of seconds
+            # (25-155 s on the H200), and a caller's replay of a shape already captured must not
+            # wait for it.
             with freezing(self.options.freeze):
                 return fn(*inputs, *static)
         with self._graph_lock:
@@ -588,15 +557,6 @@ class ServedTabICL:
                 self._graph_done = torch.cuda.Event()
                 self._graph_done.record(stream)
             return outputs
-
-    def _count_call(self, key) -> int:
-        """This call's number among ``key``'s (1 for its first). A background warm-up's call
-        counts, so that a caller's calls of its shape capture no later than they would have."""
-        with self._graph_lock:
-            count = self._calls.get(key, 0) + 1
-            self._calls[key] = count
-            self._calls.used(key)
-        return count
 
     # ------------------------------------------------------------------ model API
     @property
@@ -886,11 +846,6 @@ class ServedTabICL:
         the bucket and predicts from it. Returns the number of buckets warmed."""
         buckets = self.grid.buckets() if buckets is None else buckets
         generator = torch.Generator().manual_seed(0)
-        with captures_at_once():
-            self._warm_up(buckets, generator, tables, kv_cache)
-        return len(buckets)
-
-    def _warm_up(self, buckets, generator, tables: int, kv_cache: bool) -> None:
         for bucket in buckets:
             rows = bucket.train_rows + bucket.test_rows
             X = torch.randn(tables, rows, bucket.features, generator=generator).to(self.device)
@@ -902,6 +857,7 @@ class ServedTabICL:
             if kv_cache:
                 cache = self.build_cache(X[:, : bucket.train_rows], y)
                 self.forward_with_cache(X[:, bucket.train_rows :], cache)
+        return len(buckets)
 
     def export_buckets(
         self, directory, buckets: Sequence[Bucket], tables: int = 1, kv_cache: bool = False
