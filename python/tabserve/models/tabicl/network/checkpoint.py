@@ -223,16 +223,6 @@ def read_checkpoint(path: PathLike) -> tuple[TabICLv2Config, StateDict]:
     return loaded
 
 
-def checkpoint_is_read(path: PathLike) -> bool:
-    """Whether :func:`read_checkpoint` holds ``path`` as it is now (False for a missing file)."""
-    try:
-        key = checkpoint_identity(path)
-    except FileNotFoundError:
-        return False
-    with _lock:
-        return key in _read
-
-
 def forget_read_checkpoints() -> int:
     """Empties :func:`read_checkpoint`'s cache; returns how many checkpoints it held."""
     with _lock:
@@ -251,7 +241,6 @@ __all__ = [
     "CheckpointError",
     "ConfigError",
     "checkpoint_identity",
-    "checkpoint_is_read",
     "load_checkpoint",
     "read_checkpoint",
     "save_safetensors",

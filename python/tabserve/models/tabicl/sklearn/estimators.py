@@ -33,7 +33,6 @@ compiled (:mod:`..serving.model_cache`). :func:`tabserve.wait_for_compiles` wait
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import copy
 import functools
@@ -42,7 +41,6 @@ import io
 import numbers
 import os
 import pickle
-import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,7 +59,7 @@ from torch import Tensor
 
 from tabserve.buckets import BucketGrid
 
-from ..network.checkpoint import checkpoint_is_read, read_checkpoint
+from ..network.checkpoint import read_checkpoint
 from ..network.engine import Engine
 from ..network.quantiles import quantile_stats
 from ..serving.background import foreground
@@ -204,41 +202,6 @@ def _estimator_call(method):
     return wrapper
 
 
-class _Loading:
-    """A call (loading the model) run on a thread of its own, or at once with ``inline``;
-    :meth:`result` waits for it and returns its value or raises its exception. The thread runs
-    with the caller's current CUDA device (``device``: a thread starts on device 0)."""
-
-    def __init__(self, load, inline: bool = False, device: torch.device | None = None):
-        self._value = self._error = None
-        self._thread = None
-        if inline:
-            self._run(load, None)
-        else:
-            self._thread = threading.Thread(
-                target=self._run, args=(load, device), name="tabserve-load"
-            )
-            self._thread.start()
-
-    def _run(self, load, device) -> None:
-        try:
-            with torch.cuda.device(device) if device is not None else contextlib.nullcontext():
-                self._value = load()
-        except BaseException as error:  # noqa: BLE001  (raised in the caller's thread)
-            self._error = error
-
-    def join(self) -> None:
-        """Waits for the call; raises what it raised."""
-        if self._thread is not None:
-            self._thread.join()
-        if self._error is not None:
-            raise self._error
-
-    def result(self):
-        self.join()
-        return self._value
-
-
 class _TabICLBase(BaseEstimator):
     """Shared fit / member plumbing; subclasses define the task."""
 
@@ -344,21 +307,8 @@ class _TabICLBase(BaseEstimator):
             return "auto" if self.device_.type == "cuda" else "exact"
         return self.recipe
 
-    def _start_loading(self, n_train: int, n_classes: int | None = None) -> _Loading:
-        """:meth:`_load_model`, begun. Where the checkpoint is still to be read (a fresh
-        process), on a thread of its own while the caller fits the members' preprocessing, which
-        does not need the model: reading, verifying and building the network took 0.25 s of a
-        fresh process's 0.94 s first fit on an H100 host, the preprocessing 0.39 s. The path is
-        resolved here, so a missing file or an unreachable Hub raises before any other work."""
+    def _load_model(self, n_train: int, n_classes: int | None = None):
         path = checkpoint_path(self.model_path, self.allow_auto_download, self.checkpoint_version)
-        cuda = self.device_.type == "cuda"
-        return _Loading(
-            functools.partial(self._load_model, path, n_train, n_classes),
-            inline=checkpoint_is_read(path),
-            device=torch.device("cuda", torch.cuda.current_device()) if cuda else None,
-        )
-
-    def _load_model(self, path: Path, n_train: int, n_classes: int | None = None):
         config, _ = read_checkpoint(path)  # once per process and file
         if config.is_regression == self._classification:
             kind = "regression" if config.is_regression else "classification"
@@ -555,25 +505,7 @@ class _TabICLBase(BaseEstimator):
             raise TypeError(f"{path} holds a {type(estimator).__name__}, not a {cls.__name__}")
         return estimator
 
-    def _check_model(self) -> None:
-        """What the fit's table asks of ``model_`` (its classes), checked once it is loaded."""
-
-    def _fit_members(self, X, y: Tensor, n_classes: int, loading: _Loading) -> None:
-        """The members' preprocessing and plan, fitted while ``loading`` loads ``model_``
-        (waited for before the KV cache, which needs it, and before returning). A failure
-        waits for the loading too, which sets attributes that the failed fit's undoing
-        restores, and a failed loading is what the fit raises (it came first before)."""
-        try:
-            self._fit_members_beside(X, y, n_classes, loading)
-        except BaseException:
-            loading.join()
-            raise
-
-    def _model_loaded(self, loading: _Loading) -> None:
-        self.model_ = loading.result()
-        self._check_model()
-
-    def _fit_members_beside(self, X, y: Tensor, n_classes: int, loading: _Loading) -> None:
+    def _fit_members(self, X, y: Tensor, n_classes: int) -> None:
         norm_methods = self.norm_methods or DEFAULT_NORM_METHODS
         norm_methods = [norm_methods] if isinstance(norm_methods, str) else list(norm_methods)
         self.encoder_ = TableEncoder(self.device_).fit(X)
@@ -594,19 +526,15 @@ class _TabICLBase(BaseEstimator):
         self._cache_copies = {}
         if self.__dict__.get("_members_later"):  # the packed path preprocesses many at once
             self._train_table = table
-            self._model_loaded(loading)
             return
-        self._fit_preprocessors(table, loading)
+        self._fit_preprocessors(table)
 
-    def _fit_preprocessors(self, table: Tensor, loading: _Loading | None = None) -> None:
-        """The members' preprocessing of the encoded train ``table`` (and the KV cache);
-        ``loading``: ``model_`` still to be set from it."""
+    def _fit_preprocessors(self, table: Tensor) -> None:
+        """The members' preprocessing of the encoded train ``table`` (and the KV cache)."""
         self.preprocessors_ = {
             m: MemberPreprocessor(m, self.outlier_threshold, self.random_state).fit(table)
             for m in self.plan_
         }
-        if loading is not None:
-            self._model_loaded(loading)
         if self.kv_cache:
             self.cache_ = self._build_caches()
 
@@ -891,12 +819,7 @@ class TabICLClassifier(ClassifierMixin, _TabICLBase):
         self.n_classes_ = len(self.classes_)
         self.devices_ = resolve_devices(self.device)
         self.device_ = self.devices_[0]
-        loading = self._start_loading(X.shape[0], self.n_classes_)
-        labels = torch.as_tensor(codes.reshape(-1), dtype=torch.float64, device=self.device_)
-        self._fit_members(X, labels, self.n_classes_, loading)
-        return self
-
-    def _check_model(self) -> None:
+        self.model_ = self._load_model(X.shape[0], self.n_classes_)
         max_classes = self.model_.config.max_classes
         if self.n_classes_ > max_classes and self.kv_cache:
             raise ValueError(
@@ -907,6 +830,9 @@ class TabICLClassifier(ClassifierMixin, _TabICLBase):
                 f"{self.n_classes_} classes exceed max_classes={max_classes}; "
                 "set support_many_classes=True"
             )
+        labels = torch.as_tensor(codes.reshape(-1), dtype=torch.float64, device=self.device_)
+        self._fit_members(X, labels, self.n_classes_)
+        return self
 
     @_estimator_call
     def predict_proba(self, X) -> np.ndarray:
@@ -1040,10 +966,9 @@ class TabICLRegressor(RegressorMixin, _TabICLBase):
         self.y_scale_ = std if std >= 10 * np.finfo(np.float64).eps else 1.0
         self.devices_ = resolve_devices(self.device)
         self.device_ = self.devices_[0]
-        loading = self._start_loading(X.shape[0])
+        self.model_ = self._load_model(X.shape[0])
         y_scaled = ((y - np.float32(self.y_mean_)) / np.float32(self.y_scale_)).astype(np.float32)
-        y_train = torch.as_tensor(y_scaled, dtype=torch.float64, device=self.device_)
-        self._fit_members(X, y_train, 0, loading)
+        self._fit_members(X, torch.as_tensor(y_scaled, dtype=torch.float64, device=self.device_), 0)
         return self
 
     @_estimator_call
