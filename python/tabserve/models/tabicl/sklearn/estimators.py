@@ -819,6 +819,10 @@ class TabICLClassifier(ClassifierMixin, _TabICLBase):
         self.n_classes_ = len(self.classes_)
         self.devices_ = resolve_devices(self.device)
         self.device_ = self.devices_[0]
+        # Loaded before the members' preprocessing, not beside it: a fresh process's first fit
+        # that loaded on a thread of its own measured 742 against 783 ms (small table) and
+        # 1,183 against 853 ms (DataFrame table) on an H100 host: both load and preprocess in
+        # Python under one interpreter lock.
         self.model_ = self._load_model(X.shape[0], self.n_classes_)
         max_classes = self.model_.config.max_classes
         if self.n_classes_ > max_classes and self.kv_cache:
