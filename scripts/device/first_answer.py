@@ -5,9 +5,11 @@ first fit and the first predict.
 
 Phases, each timed from the previous one's end: importing torch, the CUDA context (one tensor on
 the device), importing scikit-learn, then tabserve's estimators, building the table, the first fit,
-the first predict, then a second fit + predict of the same shape. Writes ``DIR/phases.json`` and
-the 40 heaviest functions (cumulative time) of the first fit and of the first predict to
-``DIR/profile.txt``. Run it twice over the same caches to see a restarted process.
+the first predict, then a second fit + predict of the same shape. Writes
+``DIR/phases_LABEL.json``, the 40 heaviest functions (cumulative time) of the first fit and of the
+first predict to ``DIR/profile_LABEL.txt`` and their whole profiles to
+``DIR/LABEL_first_fit.prof`` and ``DIR/LABEL_first_predict.prof`` (``python -m pstats``). Run it
+twice over the same caches to see a restarted process.
 """
 
 from __future__ import annotations
@@ -16,12 +18,13 @@ import time
 
 STARTED = time.perf_counter()
 
-import argparse  # noqa: E402
-import cProfile  # noqa: E402
-import io  # noqa: E402
-import json  # noqa: E402
-import pstats  # noqa: E402
-from pathlib import Path  # noqa: E402
+import argparse
+import cProfile
+import functools
+import io
+import json
+import pstats
+from pathlib import Path
 
 
 def main() -> int:
@@ -44,6 +47,7 @@ def main() -> int:
     import torch
 
     lap("import_torch")
+
     def sync():
         if args.device == "cuda":
             torch.cuda.synchronize()
@@ -64,30 +68,29 @@ def main() -> int:
     lap("table")
     cls = TabICLRegressor if kind.task == "reg" else TabICLClassifier
     text = io.StringIO()
+
+    def step(name: str, profiled: bool, call) -> None:
+        profile = cProfile.Profile() if profiled else None
+        if profile:
+            profile.enable()
+        call()
+        sync()
+        if profile:
+            profile.disable()
+            profile.dump_stats(args.out / f"{args.label}_{name}.prof")
+            text.write(f"==== {name}\n")
+            pstats.Stats(profile, stream=text).sort_stats("cumulative").print_stats(40)
+        lap(name)
+
     for round_ in ("first", "second"):
         estimator = cls(model_path=args.checkpoint, device=args.device)
-        profile = cProfile.Profile() if round_ == "first" else None
-        if profile:
-            profile.enable()
-        estimator.fit(table["X_train"], table["y_train"])
-        sync()
-        if profile:
-            profile.disable()
-            stats = pstats.Stats(profile, stream=text)
-            text.write(f"==== {round_} fit\n")
-            stats.sort_stats("cumulative").print_stats(40)
-        lap(f"{round_}_fit")
-        profile = cProfile.Profile() if round_ == "first" else None
-        if profile:
-            profile.enable()
-        estimator.predict(table["X_test"])
-        sync()
-        if profile:
-            profile.disable()
-            stats = pstats.Stats(profile, stream=text)
-            text.write(f"==== {round_} predict\n")
-            stats.sort_stats("cumulative").print_stats(40)
-        lap(f"{round_}_predict")
+        first = round_ == "first"
+        step(
+            f"{round_}_fit",
+            first,
+            functools.partial(estimator.fit, table["X_train"], table["y_train"]),
+        )
+        step(f"{round_}_predict", first, functools.partial(estimator.predict, table["X_test"]))
     phases["total_to_first_answer"] = round(
         sum(v for k, v in phases.items() if not k.startswith("second")), 1
     )
