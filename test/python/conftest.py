@@ -5,6 +5,7 @@ import sys
 import tempfile
 
 import pytest
+from cuda_helpers import NO_GPU
 
 # The per-user cache (the benchmark driver's own promotions, read by recipe="auto") goes to a
 # folder made for this pytest run, so tests neither read nor write the user's real one; child
@@ -21,10 +22,6 @@ def _background_compiles_end_with_their_test():
     background = sys.modules.get("tabserve.models.tabicl.serving.background")
     if background is not None:
         assert background.wait_for_compiles(600), "a background warm-up outlived its test by 600 s"
-
-
-#: The reason every CUDA test gives for skipping without a GPU.
-NO_GPU = "needs a CUDA GPU"
 
 
 def pytest_collection_modifyitems(items):

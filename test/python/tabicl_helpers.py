@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from cuda_helpers import requires_cuda
 
 _PYTHON_DIR = Path(__file__).resolve().parents[2] / "python"
 try:
@@ -34,8 +35,6 @@ except ImportError:
 tabicl = pytest.importorskip("tabicl")
 from tabicl import InferenceConfig
 from tabicl._model.tabicl import TabICL
-
-requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 #: Full keyword set written by the reference training code into a checkpoint's config.
 REFERENCE_CONFIG_KEYS = [
@@ -169,7 +168,7 @@ def device_params():
         "cuda",
         marks=[
             pytest.mark.cuda,
-            pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+            requires_cuda,
         ],
     )
     return ["cpu", cuda]

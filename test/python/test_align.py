@@ -11,21 +11,14 @@ import pandas as pd
 import pyarrow as pa
 import pytest
 import torch
+from cuda_helpers import requires_cuda
 from sklearn.preprocessing import OrdinalEncoder
 from tabserve.align import AlignCategories, CategoryTypeError, NotFittedError, _sizes_dynamic
 from tabserve.tables import CategoricalColumn, Table, mark_dynamic
 from torch._dynamo.testing import CompileCounterWithBackend
 from torch._dynamo.utils import counters
 
-HAS_CUDA = torch.cuda.is_available()
-_skip_no_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
-
-
-def cuda(test):
-    return pytest.mark.cuda(_skip_no_cuda(test))
-
-
-DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, _skip_no_cuda])]
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, requires_cuda])]
 
 LONG = "long label " * 60  # 660 bytes
 
@@ -276,7 +269,7 @@ def test_load_state_dict_reports_bad_state():
         AlignCategories().set_extra_state({"version": 99})
 
 
-@cuda
+@requires_cuda
 def test_state_dict_moves_between_devices():
     train, test = random_frames(6, columns=6)
     on_cpu = AlignCategories().fit(Table.from_pandas(train))
@@ -354,7 +347,7 @@ def test_compiled_one_graph_over_35_batches_matches_eager_and_sklearn():
     assert counters["stats"]["unique_graphs"] == counter.frame_count
 
 
-@cuda
+@requires_cuda
 def test_compiled_on_cuda_matches_eager():
     train, batches = _compile_batches(8)
     align = AlignCategories().to("cuda").fit(Table.from_pandas(train, categorical=["i", "f"], device="cuda"))

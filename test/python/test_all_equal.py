@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from cuda_helpers import requires_cuda
 from tabserve import ops
-
-requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 SKIP = -100.0
 

@@ -17,6 +17,7 @@ import textwrap
 
 import pytest
 import torch
+from cuda_helpers import requires_cuda
 from tabicl_helpers import our_model, random_table
 from tabserve.buckets import BucketGrid
 from tabserve.models.tabicl.serving import aot
@@ -265,7 +266,7 @@ def _child(function: str, directory) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@requires_cuda
 @pytest.mark.xfail(
     raises=AotLoadCrash,
     strict=True,

@@ -602,7 +602,7 @@ print("submitted", background.background_compiles())
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@requires_cuda
 def test_cuda_script_that_predicts_once_exits_cleanly_during_its_compile():
     """The estimator's default on CUDA: the first answer while the preset compiles in the
     background, then the interpreter exits mid-compile without an error or abort."""

@@ -23,6 +23,7 @@ import pytest
 import tabserve
 import torch
 import torch.nn.functional as F
+from cuda_helpers import NO_GPU
 from sklearn.exceptions import NotFittedError as SklearnNotFittedError
 from tabicl_helpers import build_reference_model, checkpoint_payload, reference_checkpoint
 from tabserve import (
@@ -44,7 +45,6 @@ from tabserve.models.tabicl import (
     TabICLv2,
 )
 
-requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 NAN, INF = float("nan"), float("inf")
 CHECKPOINT_ERRORS = (CheckpointError, ConfigError)
 
@@ -608,7 +608,7 @@ def _case_id(case: Case) -> str:
 @pytest.mark.parametrize("case", REFUSED, ids=_case_id)
 def test_refused_and_state_survives(world, case):
     if case.cuda and not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
+        pytest.skip(NO_GPU)
     params = {"clf": world.clf.get_params(), "reg": world.reg.get_params()}
     try:
         with pytest.raises(case.error, match=case.match):

@@ -15,6 +15,7 @@ import sys
 import numpy as np
 import pytest
 import torch
+from cuda_helpers import requires_cuda
 from tabicl_helpers import device_params, reference_checkpoint
 from tabserve.models.tabicl import TabICLClassifier, TabICLRegressor
 from tabserve.models.tabicl.sklearn.reference_args import CHECKPOINT_VERSIONS, HF_REPO
@@ -391,7 +392,7 @@ def test_load_takes_tabicls_device_argument(tmp_path):
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@requires_cuda
 @pytest.mark.parametrize("keep_training_data", [True, False])
 def test_a_gpu_fit_loads_on_the_cpu(tmp_path, keep_training_data):
     """Fitted on CUDA with the default recipe (reduced precision there), loaded with

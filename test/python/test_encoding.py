@@ -7,16 +7,10 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
+from cuda_helpers import requires_cuda
 from tabserve.encoding import TabICLEncoder, encode_categoricals, tabicl_columns
 
 TransformToNumerical = pytest.importorskip("tabicl._sklearn.preprocessing").TransformToNumerical
-
-HAS_CUDA = torch.cuda.is_available()
-_skip_no_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
-
-
-def cuda(test):
-    return pytest.mark.cuda(_skip_no_cuda(test))
 
 
 def tabicl_frame(rows: int, seed: int, unseen: bool = False) -> pd.DataFrame:
@@ -127,7 +121,7 @@ def test_encode_categoricals_and_errors():
         encoder(wrong)
 
 
-@cuda
+@requires_cuda
 def test_matches_tabicl_on_cuda():
     train, test = tabicl_frame(80, 3), tabicl_frame(50, 4, unseen=True)
     (want,) = reference(train, [test])

@@ -18,6 +18,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from cuda_helpers import requires_cuda
 from tabicl_helpers import interpreter_child, our_model
 from tabserve import ops
 from tabserve.kernels import feed_forward as ff
@@ -25,7 +26,6 @@ from tabserve.models.tabicl.network.layers import AttentionBlock
 from tabserve.models.tabicl.network.stage_kernels import STAGES, StageKernels, use_stage_kernels
 from tabserve.models.tabicl.serving.options import PRESETS, ServingOptions
 
-requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 requires_triton = pytest.mark.skipif(
     importlib.util.find_spec("triton") is None, reason="Triton is not installed"
 )

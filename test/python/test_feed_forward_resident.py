@@ -12,12 +12,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from cuda_helpers import requires_cuda
 from tabserve import ops
 from tabserve.kernels import feed_forward as ff
 from tabserve.models.tabicl.network.stage_kernels import StageKernels
 from test_feed_forward import agreement, block
-
-requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 DIM, HIDDEN = ops.RESIDENT_DIM, ops.RESIDENT_HIDDEN
 HALF = (torch.float16, torch.bfloat16)

@@ -21,11 +21,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from cuda_helpers import requires_cuda
 from tabicl_helpers import interpreter_child
 from tabserve import ops
 from tabserve.kernels import flash_attention as fa
 
-requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 requires_triton = pytest.mark.skipif(
     importlib.util.find_spec("triton") is None, reason="Triton is not installed"
 )

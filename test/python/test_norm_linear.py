@@ -16,6 +16,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
+from cuda_helpers import requires_cuda
 from tabicl_helpers import interpreter_child, our_model
 from tabserve import ops
 from tabserve.kernels import norm_linear as nl
@@ -24,7 +25,6 @@ from tabserve.models.tabicl.network.stage_kernels import StageKernels, use_stage
 from tabserve.models.tabicl.serving.options import PRESETS, ServingOptions
 from test_feed_forward import agreement, assert_model_outputs_agree, block, fused_and_plain
 
-requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 requires_triton = pytest.mark.skipif(
     importlib.util.find_spec("triton") is None, reason="Triton is not installed"
 )

@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from cuda_helpers import requires_cuda
 from tabicl_helpers import our_model, random_table, reference_checkpoint
 from tabserve.buckets import BucketGrid
 from tabserve.models.tabicl.network.model import TabICLv2Cache
@@ -607,7 +608,7 @@ def _cuda_model(task: str):
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@requires_cuda
 @pytest.mark.parametrize(
     "recipe",
     [
@@ -664,7 +665,7 @@ def test_cuda_padded_equals_unpadded(recipe):
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@requires_cuda
 @pytest.mark.parametrize(
     "changes", [{}, {"rope_in_projection": True}], ids=["small", "small-rope-in-projection"]
 )
@@ -708,7 +709,7 @@ def test_cuda_fused_fp16_kernels_pad_as_they_compute_unpadded(changes, monkeypat
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@requires_cuda
 @pytest.mark.parametrize("name", list(PRESETS))
 def test_cuda_preset_meets_the_drivers_limits_on_small_tables(name):
     """Each preset on the GPU on small tables (the driver gates them on full-size ones): against
@@ -1038,7 +1039,7 @@ def test_graph_replays_are_serialised_between_threads(monkeypatch):
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@requires_cuda
 def test_cuda_graph_recipe_shared_by_two_threads_on_their_own_streams():
     served = ServedTabICL(_cuda_model("clf"), ServingOptions(buckets=True, cuda_graphs=True), GRID)
     tables = [tuple(t.cuda() for t in random_table(800 + i, 2, 10, 5, 5, 3)) for i in range(12)]

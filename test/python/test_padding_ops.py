@@ -8,18 +8,11 @@ import pytest
 import tabserve  # noqa: F401  (registers torch.ops.tabserve)
 import torch
 import torch.nn.functional as F
+from cuda_helpers import requires_cuda
 from tabicl_helpers import device_params
 from tabserve import ops
 from tabserve.buckets import BucketGrid
 from torch import nn
-
-HAS_CUDA = torch.cuda.is_available()
-_skip_no_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
-
-
-def cuda(test):
-    return pytest.mark.cuda(_skip_no_cuda(test))
-
 
 try:  # the reference implementation, when installed
     from tabicl._model.ssmax import QASSMaxMLP as ReferenceQASSMax
@@ -415,7 +408,7 @@ def test_qassmax_scale_rejects_bad_arguments_by_name():
 # -- CUDA only ------------------------------------------------------------------------------------
 
 
-@cuda
+@requires_cuda
 @pytest.mark.parametrize("backend", ["auto", "efficient", "masked"])
 @pytest.mark.parametrize("per_batch", [False, True])
 def test_prefix_attention_cuda_fp32_equals_sdpa_on_sliced_keys(backend, per_batch):
@@ -426,7 +419,7 @@ def test_prefix_attention_cuda_fp32_equals_sdpa_on_sliced_keys(backend, per_batc
         torch.testing.assert_close(got, expected, atol=2e-5, rtol=0)
 
 
-@cuda
+@requires_cuda
 @pytest.mark.parametrize("backend", ["auto", "flash", "efficient", "masked"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_prefix_attention_cuda_half_precision(backend, dtype):
@@ -438,7 +431,7 @@ def test_prefix_attention_cuda_half_precision(backend, dtype):
         torch.testing.assert_close(got.float(), expected, atol=atol, rtol=0)
 
 
-@cuda
+@requires_cuda
 @pytest.mark.parametrize(
     "dtype, head_dim, value_dim",
     [(torch.float16, 4, 4), (torch.bfloat16, 12, 12), (torch.float32, 2, 2), (torch.float16, 8, 4)],
@@ -462,7 +455,7 @@ def test_prefix_attention_cuda_auto_runs_shapes_no_fused_kernel_takes(dtype, hea
             ops.prefix_attention(q, k, v, n, backend=backend)
 
 
-@cuda
+@requires_cuda
 def test_prefix_attention_cuda_clamps_out_of_range_counts():
     q, k, v = (torch.randn(2, 2, length, 8, device="cuda") for length in (5, 9, 9))
     got = ops.prefix_attention(q, k, v, torch.tensor([0, 50], device="cuda"))
@@ -470,7 +463,7 @@ def test_prefix_attention_cuda_clamps_out_of_range_counts():
     torch.testing.assert_close(got, expected, atol=2e-5, rtol=0)
 
 
-@cuda
+@requires_cuda
 @pytest.mark.parametrize("backend", ["auto", "efficient", "masked"])
 def test_prefix_attention_cuda_graph_replays_for_every_count(backend):
     dtype = torch.float16
@@ -556,7 +549,7 @@ def assert_within_the_composites_error(got, q, counts, per_batch, weights):
     assert fused_error <= 2 * composite_error + bound, (fused_error, composite_error)
 
 
-@cuda
+@requires_cuda
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("elementwise", [True, False])
 def test_qassmax_scale_cuda_within_the_composites_error(dtype, elementwise):
@@ -577,7 +570,7 @@ def test_qassmax_scale_cuda_within_the_composites_error(dtype, elementwise):
         assert_within_the_composites_error(got, q, counts, per_batch, weights)
 
 
-@cuda
+@requires_cuda
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_qassmax_scale_cuda_any_mlp_width_and_many_tiles(dtype):
     """The kernel pads the query MLP's hidden width to its tensor-core tiles (16) and walks many
@@ -615,7 +608,7 @@ def test_qassmax_scale_cuda_any_mlp_width_and_many_tiles(dtype):
         assert_within_the_composites_error(got, q, counts, True, weights)
 
 
-@cuda
+@requires_cuda
 def test_qassmax_scale_cuda_keeps_a_strided_head_dim():
     """q whose head_dim is not contiguous (the kernel's rows need it): the composite, in q's
     strides, within its error against float64 maths."""
@@ -637,7 +630,7 @@ def test_qassmax_scale_cuda_keeps_a_strided_head_dim():
     assert_within_the_composites_error(got, q, [40], False, weights)
 
 
-@cuda
+@requires_cuda
 def test_qassmax_scale_cuda_per_batch_counts_past_the_grid_limit():
     module = reference_qassmax(1, 16, True, 4)
     weights = [
@@ -657,14 +650,14 @@ def test_qassmax_scale_cuda_per_batch_counts_past_the_grid_limit():
     assert_within_the_composites_error(got, q, counts.tolist(), True, weights)
 
 
-@cuda
+@requires_cuda
 def test_pad_to_bucket_cuda_equals_cpu_on_a_large_table():
     x = torch.randn(8, 3000 + 700, 37)
     got = ops.pad_to_bucket(x.cuda(), 3000, 3072, 768, 40, fill=-2.0)
     assert torch.equal(got.cpu(), ops.pad_to_bucket(x, 3000, 3072, 768, 40, fill=-2.0))
 
 
-@cuda
+@requires_cuda
 def test_cuda_ops_reject_mixed_devices():
     q, k, v = (torch.randn(2, 2, length, 8, device="cuda") for length in (5, 9, 9))
     with pytest.raises(RuntimeError, match="n_keys is on cpu"):

@@ -7,12 +7,12 @@ import math
 import pytest
 import tabserve  # noqa: F401  (registers torch.ops.tabserve)
 import torch
+from cuda_helpers import requires_cuda
 from tabicl_helpers import device_params
 from tabserve import ops
 from tabserve.models.tabicl.network import layers
 from tabserve.models.tabicl.network.layers import RotaryEmbedding
 
-HAS_CUDA = torch.cuda.is_available()
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 
 
@@ -173,7 +173,7 @@ def test_model_rope_uses_the_operator_where_enabled_with_the_same_bits(device, m
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@requires_cuda
 def test_cuda_large_grid_stride_and_cpu_agreement():
     # More elements than one launch's 65,536 x 256 threads: the grid-stride loop covers them.
     x = head_split(9, 20_000, 68, 8, 16, torch.float16, "cuda")

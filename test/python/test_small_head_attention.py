@@ -8,12 +8,12 @@ import copy
 import pytest
 import tabserve  # noqa: F401  (registers torch.ops.tabserve)
 import torch
+from cuda_helpers import requires_cuda
 from tabicl_helpers import our_model, random_table
 from tabserve import ops
 from tabserve.models.tabicl.network.stage_kernels import StageKernels, use_stage_kernels
 
-HAS_CUDA = torch.cuda.is_available()
-cuda_only = [pytest.mark.cuda, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")]
+cuda_only = [pytest.mark.cuda, requires_cuda]
 
 
 def exact(q, k, v, n=None, scale=0.25):
@@ -253,7 +253,7 @@ def on_cuda_cases(cases):
 
     def decorate(test):
         for mark in (
-            pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU"),
+            requires_cuda,
             pytest.mark.cuda,
             pytest.mark.parametrize("case", cases, ids=lambda c: "b{}-h{}-q{}-k{}".format(*c[:4])),
             pytest.mark.parametrize("spare", [0, 1], ids=["aligned", "unaligned"]),
@@ -298,7 +298,7 @@ def test_cuda_equals_float64_maths_within_the_fused_kernels_error(case, dtype, s
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@requires_cuda
 def test_cuda_clamps_counts_and_takes_a_batch_past_the_grid_limit():
     q, k, v = packed_qkv(6, 70_000, 1, 5, 9, torch.float16, "cuda")  # batch > 65,535
     counts = torch.randint(-3, 14, (70_000,), generator=torch.Generator().manual_seed(0))
@@ -310,7 +310,7 @@ def test_cuda_clamps_counts_and_takes_a_batch_past_the_grid_limit():
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@requires_cuda
 def test_cuda_graph_replays_with_a_new_count():
     q, k, v = packed_qkv(7, 3, 8, 128, 600, torch.float16, "cuda")
     n = torch.tensor(600, device="cuda")
@@ -343,7 +343,7 @@ def test_cuda_rotary_in_the_kernel_is_bitwise_rotating_first(case, dtype, spare)
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@requires_cuda
 def test_cuda_refuses_fp32():
     q, k, v = packed_qkv(8, 1, 1, 4, 4, torch.float32, "cuda")
     with pytest.raises(RuntimeError, match="float16 or bfloat16"):
@@ -351,7 +351,7 @@ def test_cuda_refuses_fp32():
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@requires_cuda
 @pytest.mark.parametrize("task", ["clf", "reg"])
 def test_cuda_model_on_the_kernel_matches_sdpa_in_fp16(task, monkeypatch):
     """The released architecture's column and row stages (8 heads of 16) on
@@ -385,7 +385,7 @@ def test_cuda_model_on_the_kernel_matches_sdpa_in_fp16(task, monkeypatch):
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@requires_cuda
 @pytest.mark.parametrize("col_backend", ["head16-short", "head16-flash"])
 def test_cuda_model_stages_on_the_kernel_match_sdpa_in_fp16(col_backend, monkeypatch):
     """The full v2 model with the row stage on the kernel (RoPE rotated in the kernel, the CLS
@@ -439,7 +439,7 @@ def test_cuda_model_stages_on_the_kernel_match_sdpa_in_fp16(col_backend, monkeyp
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@requires_cuda
 @pytest.mark.parametrize("scale", [0.7, -0.3, 0.0])
 @pytest.mark.parametrize("keys, n", [(50, [50, 21]), (300, [300, 133])], ids=["chunk", "streamed"])
 def test_cuda_scales_of_any_sign(scale, keys, n):

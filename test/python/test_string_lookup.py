@@ -6,14 +6,12 @@ import random
 import numpy as np
 import pyarrow as pa
 import pytest
-import torch
-
 import tabserve
-from tabserve import StringColumn, StringIndex
-from tabserve import ops
+import torch
+from cuda_helpers import requires_cuda
+from tabserve import StringColumn, StringIndex, ops
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
 # -- the independent reference --------------------------------------------------------------
@@ -300,14 +298,14 @@ def test_dictionary_lookup_rejects_bad_codes_by_name(corrupt, match):
     np.testing.assert_array_equal(dictionary_lookup(index, queries, codes, code_columns).numpy(), expected)
 
 
-@cuda
+@requires_cuda
 def test_dictionary_lookup_rejects_codes_on_another_device():
     index, queries, codes, code_columns, _ = dictionary_case(10, 3, 10, "cuda")
     with pytest.raises(RuntimeError, match="codes is on cpu"):
         dictionary_lookup(index, queries, codes.cpu(), code_columns)
 
 
-@cuda
+@requires_cuda
 def test_dictionary_lookup_cuda_equals_cpu_and_replays_in_a_cuda_graph():
     index, queries, codes, code_columns, expected = dictionary_case(11, 40, 2000, "cuda")
     out = dictionary_lookup(index, queries, codes, code_columns, check_offsets=False)
@@ -331,7 +329,7 @@ def test_table_capacity_matches_the_operator():
         assert StringIndex(column).slot_row.shape[0] == ops.table_capacity(rows)
 
 
-@cuda
+@requires_cuda
 def test_index_moves_between_devices():
     vocabulary, query = random_case(3)
     index = StringIndex(StringColumn.from_pylist(vocabulary))
@@ -454,7 +452,7 @@ def test_torchscript_calls_the_operator():
     assert codes.tolist() == index.lookup(q).tolist()
 
 
-@cuda
+@requires_cuda
 def test_lookup_inside_cuda_graph_capture():
     vocabulary, query = random_case(21, vocabulary_size=100, query_size=80)
     index = StringIndex(StringColumn.from_pylist(vocabulary, device="cuda"))
@@ -475,7 +473,7 @@ def test_lookup_inside_cuda_graph_capture():
     assert codes.tolist() == dict_codes(vocabulary, query)
 
 
-@cuda
+@requires_cuda
 def test_cuda_and_cpu_agree_on_large_random_case():
     vocabulary, query = random_case(77, vocabulary_size=20_000, query_size=30_000, max_length=300)
     cpu = StringIndex(StringColumn.from_pylist(vocabulary)).lookup(StringColumn.from_pylist(query))
@@ -501,7 +499,7 @@ def labels_of_mean_length(rng, count, mean, distinct=None):
 TILE_MEANS = [5, 40, 700, 3000, 6000]
 
 
-@cuda
+@requires_cuda
 @pytest.mark.parametrize("mean", TILE_MEANS)
 @pytest.mark.parametrize("hash_bits", [64, 4])
 def test_cuda_lookup_matches_dict_for_every_tile_shape(mean, hash_bits):
@@ -522,7 +520,7 @@ def test_cuda_lookup_matches_dict_for_every_tile_shape(mean, hash_bits):
     assert codes.tolist() == dict_codes(vocabulary, query)
 
 
-@cuda
+@requires_cuda
 @pytest.mark.parametrize("start", range(8))
 @pytest.mark.parametrize("mean", [6, 100, 2000])
 def test_cuda_lookup_of_labels_at_the_edges_of_misaligned_tensors(start, mean):
@@ -540,7 +538,7 @@ def test_cuda_lookup_of_labels_at_the_edges_of_misaligned_tensors(start, mean):
     assert index.lookup(column).tolist() == dict_codes(vocabulary, query)
 
 
-@cuda
+@requires_cuda
 def test_cuda_and_cpu_agree_on_labels_with_fixed_width_numeric_fields():
     # Two 8-digit fields: labels whose words differ by small multiples of each other, where a
     # hash linear in the words gives many labels one value.
@@ -628,7 +626,7 @@ def test_index_build_rejects_bad_vocabularies():
         StringIndex.from_columns([])
 
 
-@cuda
+@requires_cuda
 def test_cuda_ops_reject_mixed_devices_and_bad_offsets():
     args = raw_lookup_args("cuda")
     with pytest.raises(RuntimeError, match="query_data is on cpu"):

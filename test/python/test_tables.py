@@ -6,20 +6,12 @@ import pyarrow as pa
 import pytest
 import torch
 import torch.utils._pytree as pytree
-from torch._dynamo.testing import CompileCounterWithBackend
-
+from cuda_helpers import requires_cuda
 from tabserve.strings import StringColumn
 from tabserve.tables import CategoricalColumn, Table, category_kind, mark_dynamic
+from torch._dynamo.testing import CompileCounterWithBackend
 
-HAS_CUDA = torch.cuda.is_available()
-_skip_no_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
-
-
-def cuda(test):
-    return pytest.mark.cuda(_skip_no_cuda(test))
-
-
-DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, _skip_no_cuda])]
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, requires_cuda])]
 
 
 def mixed_frame(rows: int = 7) -> pd.DataFrame:
@@ -269,7 +261,7 @@ def test_mark_dynamic_gives_one_graph_for_sizes_zero_and_one():
     assert counter.frame_count == 1
 
 
-@cuda
+@requires_cuda
 def test_from_pandas_to_cuda_and_back():
     frame = mixed_frame()
     table = Table.from_pandas(frame, device="cuda")
