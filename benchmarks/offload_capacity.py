@@ -7,10 +7,10 @@ tabicl's rule, where the output does not fit where it was asked for. This climbs
 ever wider tables (``--rows`` train and ``--test-rows`` test rows, each of ``--features``) for
 every engine (tabicl 2.2.0, tabserve) and mode: each rung is a fresh process that fits and
 predicts once with the estimators' defaults (``n_estimators`` members), after one small fit +
-predict that sets up the device. A ladder stops at its first rung that fails (out of memory, an error, ``--timeout``), so
-its last rung that ran is the widest table that fits. Each rung keeps its time (fit, predict),
-its peak memory (the CUDA allocator's, or the process's resident set on the CPU) and, where both
-engines ran it, the largest difference between their probabilities.
+predict that sets up the device. A ladder stops at its first rung that fails (out of memory, an
+error, ``--timeout``), so its last rung that ran is the widest table that fits. Each rung keeps
+its time (fit, predict), its peak memory (the CUDA allocator's, or the process's resident set on
+the CPU) and, where both engines ran it, the largest difference between their probabilities.
 
     python benchmarks/offload_capacity.py --device cuda \
         --json benchmarks/results/offload_capacity_h100.json

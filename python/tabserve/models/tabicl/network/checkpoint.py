@@ -88,6 +88,7 @@ def _load_reference(path: Path) -> tuple[TabICLv2Config, StateDict]:
 
     checking = threading.Thread(target=verify, name="tabserve-checkpoint-crc")
     checking.start()
+    payload = failure = None
     try:
         payload = torch.load(path, map_location="cpu", weights_only=True)
     except (
@@ -98,16 +99,15 @@ def _load_reference(path: Path) -> tuple[TabICLv2Config, StateDict]:
         pickle.UnpicklingError,
         ValueError,
     ) as e:
-        checking.join()
-        if verdict:
-            raise verdict[0] from e
-        raise CheckpointError(
-            f"cannot read checkpoint {path} (corrupted or truncated?): {e}"
-        ) from e
+        failure = e
     finally:
         checking.join()
     if verdict:
         raise verdict[0]
+    if failure is not None:
+        raise CheckpointError(
+            f"cannot read checkpoint {path} (corrupted or truncated?): {failure}"
+        ) from failure
     if not isinstance(payload, Mapping) or "config" not in payload or "state_dict" not in payload:
         found = sorted(payload) if isinstance(payload, Mapping) else type(payload).__name__
         raise CheckpointError(
