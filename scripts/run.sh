@@ -62,7 +62,7 @@ ensure_python_packages() {
                platformdirs:platformdirs psutil:psutil huggingface_hub:huggingface_hub
                safetensors:safetensors rich:rich matplotlib:matplotlib ninja:ninja
                setuptools:setuptools tabicl:tabicl==2.2.0
-               'ray.data:ray[data]>=2.59,<2.64')
+               'ray.data:ray[data]>=2.59,<2.64' aiohttp:aiohttp)
   local wanted=()
   for pair in "${pairs[@]}"; do
     "$PY" -c "import ${pair%%:*}" 2>/dev/null || wanted+=("${pair#*:}")

@@ -327,6 +327,7 @@ def test_fsspecs_http_filesystem_is_whole_or_marked_missing():
 
 def test_the_extra_is_declared_and_installed_by_setup():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    (requirement,) = project["optional-dependencies"]["ray"]
-    assert requirement.startswith("ray[data]>=")
-    assert f"'ray.data:{requirement}'" in (ROOT / "scripts" / "run.sh").read_text()
+    requirement, http = project["optional-dependencies"]["ray"]
+    assert requirement.startswith("ray[data]>=") and http == "aiohttp"
+    setup = (ROOT / "scripts" / "run.sh").read_text()
+    assert f"'ray.data:{requirement}'" in setup and "aiohttp:aiohttp" in setup
