@@ -129,3 +129,38 @@ def test_matches_tabicl_on_cuda():
     got = encoder.transform(test)
     assert got.device.type == "cuda"
     np.testing.assert_array_equal(got.cpu().numpy(), want)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_training_means_are_simple_imputers_bit_for_bit(seed):
+    from sklearn.impute import SimpleImputer
+
+    rng = np.random.default_rng(seed)
+    rows = int(rng.integers(1, 300))
+    holes = lambda: rng.random(rows) < 0.3  # noqa: E731
+    frame = pd.DataFrame(
+        {
+            "f64": np.where(holes(), np.nan, rng.normal(1e3, 1e4, rows)),
+            "f32": np.where(holes(), np.nan, rng.normal(0, 1, rows)).astype(np.float32),
+            "u8": rng.integers(0, 255, rows).astype(np.uint8),
+            "Int64": pd.array(np.where(holes(), None, rng.integers(-9, 9, rows)), dtype="Int64"),
+            "Float32": pd.array(np.where(holes(), None, rng.random(rows)), dtype="Float32"),
+            "all_nan": np.full(rows, np.nan),
+        }
+    )
+    for columns in (list(frame.columns), ["f32"], ["f32", "Float32"]):
+        want = SimpleImputer(keep_empty_features=True).fit(frame[columns]).statistics_
+        got = TabICLEncoder().fit(frame[columns]).numerical_fill.numpy()
+        np.testing.assert_array_equal(got, want.astype(np.float64))
+
+
+def test_an_infinite_training_value_is_refused_like_simple_imputer():
+    from sklearn.impute import SimpleImputer
+
+    frame = pd.DataFrame({"s": ["a", "b", "c"], "x": [1.0, np.inf, 2.0]})
+    with pytest.raises(ValueError, match="infinity") as want:
+        SimpleImputer(keep_empty_features=True).fit(frame[["x"]])
+    encoder = TabICLEncoder()
+    with pytest.raises(ValueError, match="infinity") as got:
+        encoder.fit(frame)
+    assert str(got.value) == str(want.value)
