@@ -409,11 +409,6 @@ def test_cuda_default_serves_at_once_then_compiled_within_the_gate(task, monkeyp
     decide here (COMPILE_AFTER_MS = 0): the second call queues the compile however fast the
     device answered the first."""
     from tabserve.models.tabicl.serving import background
-    from tabserve.models.tabicl.serving.background import (
-        CompilingTabICL,
-        background_compiles,
-        wait_for_compiles,
-    )
 
     monkeypatch.setattr(background, "COMPILE_AFTER_MS", 0.0)
 
@@ -434,13 +429,13 @@ def test_cuda_default_serves_at_once_then_compiled_within_the_gate(task, monkeyp
         answer = lambda est: est.predict(X_test)  # noqa: E731
     first = make()
     np.testing.assert_allclose(answer(first), expected, atol=2e-2 * spread, rtol=0)
-    if isinstance(first.model_, CompilingTabICL):
+    if isinstance(first.model_, background.CompilingTabICL):
         # the call recurs: its compile is queued, and the ready preset answers meanwhile
         second = make()
         assert second.model_ is first.model_  # shared, with what it compiles
         np.testing.assert_allclose(answer(second), expected, atol=2e-2 * spread, rtol=0)
-        assert background_compiles() > 0
-        assert wait_for_compiles(timeout=900)
+        assert background.background_compiles() > 0
+        assert background.wait_for_compiles(timeout=900)
         third = make()
         np.testing.assert_allclose(answer(third), expected, atol=2e-2 * spread, rtol=0)
         # the compiled preset took the call over, or was timed slower and left it to ready
