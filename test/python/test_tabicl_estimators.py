@@ -207,52 +207,6 @@ def test_kv_cache_matches_uncached_and_reference(mode):
     )
 
 
-class _CountingEngine:
-    """An engine that records the tables of each one-shot call and answers as ``engine``."""
-
-    def __init__(self, engine):
-        self.engine, self.calls = engine, []
-
-    def __call__(self, X, y_train, **kwargs):
-        self.calls.append(X.shape[0])
-        return self.engine(X, y_train, **kwargs)
-
-    def __getattr__(self, name):
-        return getattr(self.engine, name)
-
-
-@pytest.mark.parametrize(
-    "batch_size, bound, calls",
-    [(8, None, [8]), (3, None, [3, 3, 2]), (None, None, [8]), (8, 1000, [4, 4]), (3, 1000, [3, 1, 3, 1])],
-)
-def test_a_small_tables_members_share_calls_across_normalisation_groups(
-    batch_size, bound, calls, monkeypatch
-):
-    """Without a KV cache, a table whose member tables together fit the device's packed-call
-    bound runs its members in calls of ``batch_size`` across the normalisation groups; past the
-    bound, one group per call (tabicl's calls). The probabilities are those of each group's
-    own calls."""
-    from tabserve.models.tabicl.sklearn import many
-
-    if bound is not None:
-        monkeypatch.setattr(many, "CPU_LIMITS", many.PackLimits(cells=bound, waste=0.0))
-    X, y = datasets.load_breast_cancer(return_X_y=True)
-    X_train, y_train, X_test = _split(X, y, 120)
-    path = reference_checkpoint("clf", "tiny")
-    ours = TabICLClassifier(model_path=path, device="cpu", batch_size=batch_size)
-    ours.fit(X_train, y_train)
-    engine = ours.model_
-    ours.model_ = counting = _CountingEngine(engine)
-    got = ours.predict_proba(X_test)
-    assert counting.calls == calls
-    table = ours._test_table(X_test)
-    kwargs = {"return_logits": True, "softmax_temperature": ours.softmax_temperature}
-    per_group = torch.cat(
-        [engine(X_m, y_m, **kwargs) for method in ours.plan_ for X_m, y_m in ours._chunks(method, table)]
-    )
-    np.testing.assert_allclose(got, ours._probabilities(per_group).numpy(), atol=1e-6, rtol=0)
-
-
 def test_sklearn_conventions():
     clf = TabICLClassifier(n_estimators=3, model_path="x.ckpt", random_state=1)
     assert clf.get_params()["n_estimators"] == 3

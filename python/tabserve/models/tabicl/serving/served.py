@@ -311,10 +311,10 @@ class _BucketGraph:
     Warmed up on a side stream (lazy initialisation must not be captured), captured into the
     shared ``pool``. ``static`` inputs are used in place (not copied): the KV cache.
 
-    Captured at a key's first call: capturing at its second instead made a fresh process's
-    first predict slower (H100, small table, ``medium``: 0.54 s against 0.40 s; DataFrame
-    table 0.61 s against 0.48 s), measured with an estimator's predict calling each key twice
-    (a call per normalisation group), which a small table's predict now does in one call.
+    Captured at a key's first call: an estimator's predict calls each key twice (one call per
+    normalisation group), so capturing at the second call instead ran one more pass and made
+    a fresh process's first predict slower (H100, small table, ``medium``: 0.54 s against
+    0.40 s; DataFrame table 0.61 s against 0.48 s).
     """
 
     def __init__(self, fn, inputs: Sequence[Tensor], static: Sequence = (), pool=None):

@@ -648,21 +648,14 @@ class _TabICLBase(BaseEstimator):
         """Per-member outputs in plan order, from ``run(engine, X, y)`` or
         ``run_cached(engine, X_test, cache)``: chunks spread over ``devices_``, or all run on
         ``on = (engine, device)`` in this thread (a block of a prediction split by rows)."""
-        if self.cache_ is None:
-            jobs = [
-                lambda engine, device, X_m=X_m, y_m=y_m: run(engine, X_m.to(device), y_m.to(device))
-                for X_m, y_m in self._one_shot_chunks(X_test)
-            ]
-        else:
-            jobs = self._cached_jobs(X_test, run_cached)
-        if on is not None:
-            return [job(*on) for job in jobs]
-        return self._spread(jobs)
-
-    def _cached_jobs(self, X_test: Tensor, run_cached) -> list:
-        """``job(engine, device)`` of each KV cache chunk, in plan order."""
         jobs = []
         for method, members in self.plan_.items():
+            if self.cache_ is None:
+                jobs.extend(
+                    lambda engine, device, X_m=X_m, y_m=y_m: run(engine, X_m.to(device), y_m.to(device))
+                    for X_m, y_m in self._chunks(method, X_test)
+                )
+                continue
             X_members = member_tables(
                 self.preprocessors_[method].transform(X_test), members
             ).float()
@@ -674,24 +667,9 @@ class _TabICLBase(BaseEstimator):
                         engine, part.to(device), self._cache_on(method, index, device)
                     )
                 )
-        return jobs
-
-    def _one_shot_chunks(self, X_test: Tensor) -> list:
-        """A prediction's member tables without a KV cache, ``(X, y_train)`` per model call, in
-        plan order: each normalisation group's chunks (:meth:`_chunks`), or, on one device, all
-        the members' tables in calls of ``batch_size`` across the groups where together they
-        hold at most the cells of the device's packed call (:func:`.many.limits_for`). Members
-        are independent, so the answers are the same, in fewer calls: one with the defaults
-        (8 members, 2 groups). Larger tables keep a call per group, as tabicl runs them, and
-        its memory per call."""
-        chunks = [chunk for method in self.plan_ for chunk in self._chunks(method, X_test)]
-        devices = len(getattr(self, "devices_", ()) or (None,))
-        cells = sum(X.numel() for X, _ in chunks)
-        if len(chunks) == 1 or devices > 1 or cells > many.limits_for(self.device_).cells:
-            return chunks
-        X, y = torch.cat([X for X, _ in chunks]), torch.cat([y for _, y in chunks])
-        step = self.batch_size or X.shape[0]
-        return [(X[i : i + step], y[i : i + step]) for i in range(0, X.shape[0], step)]
+        if on is not None:
+            return [job(*on) for job in jobs]
+        return self._spread(jobs)
 
     def _cache_step(self, method: str) -> int:
         steps = getattr(self, "cache_steps_", None)  # absent from pickles of one device
