@@ -214,30 +214,30 @@ def test_auto_splits_an_uneven_cached_plan_by_rows(monkeypatch):
 
 
 def test_caches_follow_the_estimator_to_another_count_of_devices():
-    # Fitted on two devices the members' caches are built in chunks of one; unpickled on one
-    # device, the prediction reads them in the same chunks.
+    # Fitted on two devices the members' caches are built in chunks of half the members;
+    # unpickled on one device, the prediction reads them in the same chunks.
     X, y, X_test = _data(5)
     two = _classifier(TWO_CPUS, kv_cache=True).fit(X, y)
     expected = two.predict_proba(X_test)
     one = pickle.loads(pickle.dumps(pickle.loads(pickle.dumps(two)).set_params(device="cpu")))
     assert one.devices_ == (torch.device("cpu"),)
-    assert all(len(one.cache_[m]) == len(two.cache_[m]) for m in two.plan_)
+    members = sum(len(m) for m in two.plan_.values())
+    assert len(one.cache_) == len(two.cache_) == 2 and one.cache_step_ == -(-members // 2)
     np.testing.assert_allclose(one.predict_proba(X_test), expected, atol=1e-6, rtol=0)
     # A refit without a cache keeps nothing of the cache's chunking.
     refit = two.set_params(kv_cache=False).fit(X, y)
-    assert refit.cache_ is None and refit.cache_steps_ is None
+    assert refit.cache_ is None and refit.cache_step_ is None
     np.testing.assert_allclose(refit.predict_proba(X_test), expected, atol=1e-6, rtol=0)
 
 
 def test_a_cache_is_copied_to_another_device_once():
     X, y, _ = _data(6)
     clf = _classifier("cpu", kv_cache=True).fit(X, y)
-    method = next(iter(clf.plan_))
-    built = clf.cache_[method][0]
-    assert clf._cache_on(method, 0, torch.device("cpu")) is built  # where it was built: itself
+    built = clf.cache_[0]
+    assert clf._cache_on(0, torch.device("cpu")) is built  # where it was built: itself
     meta = torch.device("meta")
-    copy = clf._cache_on(method, 0, meta)
-    assert copy is clf._cache_on(method, 0, meta)  # kept, not copied again
+    copy = clf._cache_on(0, meta)
+    assert copy is clf._cache_on(0, meta)  # kept, not copied again
     assert isinstance(copy, type(built)) and copy.n_train == built.n_train
     assert copy.icl[0][0].device == meta and copy.icl[0][0].shape == built.icl[0][0].shape
     assert not getattr(pickle.loads(pickle.dumps(clf)), "_cache_copies", {})  # never pickled

@@ -5,6 +5,7 @@ pickling / saving without the network."""
 from __future__ import annotations
 
 import inspect
+import io
 import logging
 import os
 import pickle
@@ -309,6 +310,47 @@ def test_a_fitted_estimator_pickles_small_and_predicts_the_same(task, kv_cache):
     assert (again.cache_ is not None) == bool(kv_cache)
     np.testing.assert_allclose(predict(again), expected, atol=1e-6, rtol=0)
     np.testing.assert_array_equal(predict(est), expected)  # pickling left the original whole
+
+
+def test_the_kv_cache_is_built_batch_size_members_at_a_time_across_the_normalisation_groups():
+    # 8 members in two normalisation groups of 4: one cache of 8 members, or chunks of 3, 3 and 2
+    # with batch_size=3, each chunk holding members of both groups; the same answers as uncached.
+    X, y, X_test = _table(3)
+    params = {"model_path": reference_checkpoint("clf", "tiny"), "device": "cpu", "random_state": 1}
+    expected = TabICLClassifier(**params).fit(X, y).predict_proba(X_test)
+    for batch_size, sizes in ((8, [8]), (3, [3, 3, 2])):
+        est = TabICLClassifier(**params, kv_cache=True, batch_size=batch_size).fit(X, y)
+        assert [len(group) for group in est.plan_.values()] == [4, 4]
+        assert [cache.icl[0][0].shape[0] for cache in est.cache_] == sizes
+        np.testing.assert_allclose(est.predict_proba(X_test), expected, atol=1e-6, rtol=0)
+
+
+def test_a_pickle_with_a_kv_cache_per_normalisation_group_is_rebuilt_or_refused():
+    X, y, X_test = _table(4)
+    est = TabICLClassifier(
+        model_path=reference_checkpoint("clf", "tiny"), device="cpu", n_estimators=4, kv_cache=True
+    ).fit(X, y)
+    expected = est.predict_proba(X_test)
+
+    def per_group(state: dict, training_data: bool) -> dict:
+        fitted = torch.load(io.BytesIO(state["_fitted"]), weights_only=False)
+        fitted["cache_"] = {method: [fitted["cache_"][0]] for method in est.plan_}
+        fitted["cache_steps_"] = {method: 2 for method in est.plan_}
+        del fitted["cache_step_"]
+        if not training_data:
+            fitted["y_train_"] = None
+        buffer = io.BytesIO()
+        torch.save(fitted, buffer)
+        return dict(state, _fitted=buffer.getvalue())
+
+    again = TabICLClassifier.__new__(TabICLClassifier)
+    again.__setstate__(per_group(est.__getstate__(), training_data=True))
+    assert isinstance(again.cache_, list) and not hasattr(again, "cache_steps_")
+    np.testing.assert_allclose(again.predict_proba(X_test), expected, atol=1e-6, rtol=0)
+    with pytest.raises(ValueError, match="saved without its training data"):
+        TabICLClassifier.__new__(TabICLClassifier).__setstate__(
+            per_group(est.__getstate__(), training_data=False)
+        )
 
 
 def test_save_keeps_the_kv_cache_unless_asked_and_load_checks_the_kind(tmp_path):
