@@ -398,6 +398,28 @@ def test_dataframe_with_integer_column_names_matches_reference():
     np.testing.assert_allclose(ours.fit(X_train, y_train).predict_proba(X_test), expected, atol=ATOL, rtol=0)
 
 
+def test_a_dataframe_with_infinity_is_refused_as_the_reference_refuses_it():
+    frame, y = _mixed_frame(rows=60, seed=3)
+    numeric = frame.select_dtypes("number").columns[0]
+    bad = frame.iloc[40:].copy()
+    bad.loc[bad.index[1], numeric] = -np.inf
+    ref, ours = _classifiers("tiny", n_estimators=2)
+    errors = []
+    for estimator in (ref, ours):
+        with pytest.raises(ValueError) as fit_error:
+            clone(estimator).fit(bad, y[40:])
+        estimator.fit(frame.iloc[:40], y[:40])
+        with pytest.raises(ValueError) as predict_error:
+            estimator.predict_proba(bad)
+        errors.append((str(fit_error.value), str(predict_error.value)))
+    assert errors[0] == errors[1]
+    assert "Input X contains infinity" in errors[1][1]
+    finite = frame.iloc[40:]
+    np.testing.assert_allclose(
+        ours.predict_proba(finite), ref.predict_proba(finite), atol=ATOL, rtol=0
+    )  # the refused call left the fitted estimator whole
+
+
 @pytest.mark.cuda
 @requires_cuda
 @pytest.mark.parametrize("task", ["clf", "reg"])

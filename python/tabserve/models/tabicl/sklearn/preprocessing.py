@@ -53,34 +53,27 @@ class TableEncoder:
         self.is_frame_ = hasattr(X, "columns")
         if self.is_frame_:
             # DataFrames go through the device encoder (AlignCategories: one string-lookup call
-            # for all categorical columns), which reproduces tabicl's TransformToNumerical.
+            # for all categorical columns), which reproduces tabicl's TransformToNumerical, its
+            # error for infinities included.
             from tabserve.encoding import TabICLEncoder
 
             # Fitted on the host, then moved: its vocabularies must live where the tables'
             # codes do (the string lookup takes all of its operands on one device).
             self.frame_encoder_ = TabICLEncoder().fit(X).to(self.device)
-            self.categorical_ = list(self.frame_encoder_.categorical_names)
-            self.numeric_ = list(self.frame_encoder_.numerical_names)
+            return self
         numeric = self._numeric(X)
         means = numeric.nanmean(dim=0)
         self.fill_ = torch.where(torch.isnan(means), torch.zeros_like(means), means)
         return self
 
     def _numeric(self, X) -> Tensor:
-        """Float64 tensor of the numeric part; ValueError for infinities or non-numeric data."""
-        if self.is_frame_:
-            from tabserve.encoding import tabicl_table
-
-            # By the names' positions: the fitted names are strings, a frame's columns may be
-            # integers (pd.DataFrame(array)).
-            values = tabicl_table(X, (), self.numeric_).numerical.numpy()
-        else:
-            try:
-                values = np.asarray(X, dtype=np.float64)
-            except (TypeError, ValueError) as e:
-                raise ValueError(
-                    f"a NumPy X must be numeric ({e}); pass a pandas DataFrame for categorical / string columns"
-                ) from None
+        """Float64 tensor of a NumPy ``X``; ValueError for infinities or non-numeric data."""
+        try:
+            values = np.asarray(X, dtype=np.float64)
+        except (TypeError, ValueError) as e:
+            raise ValueError(
+                f"a NumPy X must be numeric ({e}); pass a pandas DataFrame for categorical / string columns"
+            ) from None
         if values.ndim != 2:
             raise ValueError(f"X must be 2-D (rows, features), got shape {values.shape}")
         if np.isinf(values).any():
@@ -90,9 +83,15 @@ class TableEncoder:
         return torch.from_numpy(values).to(self.device)
 
     def transform(self, X) -> Tensor:
-        numeric = self._numeric(X)  # also rejects infinities with a clear message
         if self.is_frame_:
-            return self.frame_encoder_.transform(X, device=self.device)
+            # The frame's columns are read once, on the host, where the infinities are refused
+            # as tabicl's imputer refuses them; then moved, as one table.
+            from sklearn.utils import assert_all_finite
+
+            table = self.frame_encoder_.to_table(X, "cpu")
+            assert_all_finite(table.numerical.numpy(), allow_nan=True, input_name="X")
+            return self.frame_encoder_(table.to(self.device))
+        numeric = self._numeric(X)  # also rejects infinities with a clear message
         return torch.where(torch.isnan(numeric), self.fill_, numeric)
 
 
