@@ -112,6 +112,32 @@ def test_missing_entries_are_refused(tmp_path, payload):
         TabICLv2.from_checkpoint(_save(tmp_path, payload))
 
 
+@pytest.mark.parametrize(
+    "values",
+    [[float("nan")], [float("inf")], [-float("inf")], [float("inf"), -float("inf")]],
+    ids=["nan", "inf", "-inf", "inf-and--inf"],
+)
+def test_non_finite_weights_are_refused_by_name(tmp_path, payload, values):
+    state = payload["state_dict"]
+    names = sorted(state)
+    for name in (names[3], names[-1]):
+        flat = state[name].view(-1)
+        flat[torch.arange(len(values)) * 2 % flat.numel()] = torch.tensor(values)
+    with pytest.raises(CheckpointError, match="NaN or infinite weights") as refused:
+        load_checkpoint(_save(tmp_path, payload))
+    assert str([names[3], names[-1]]) in str(refused.value)
+
+
+def test_finite_weights_whose_sum_overflows_are_taken(tmp_path, payload):
+    # float64 weights near the top of its range: their sum is infinite, each weight finite.
+    state = payload["state_dict"]
+    name = sorted(state)[0]
+    state[name] = torch.full_like(state[name], 1.5e308, dtype=torch.float64)
+    assert not state[name].sum().isfinite()
+    _, loaded = load_checkpoint(_save(tmp_path, payload))
+    assert torch.equal(loaded[name], state[name])
+
+
 def test_corrupted_and_truncated_files_are_refused(tmp_path):
     data = reference_checkpoint("clf", "tiny").read_bytes()
     truncated = tmp_path / "truncated.ckpt"

