@@ -270,17 +270,27 @@ class ColumnEmbedding(nn.Module):
             out = out + self._set_transformer(labelled, rows, n_train)[0]
         return _as_rows(out / len(bases), row_prefix)
 
-    def offloaded(self, X: Tensor, y_train: Tensor, num_classes: int, store) -> Tensor:
-        """The stage's output ``(B, H, T, E)`` in a tensor of ``store`` (:mod:`.offload`),
-        computed and written a chunk of feature groups at a time (at most ``max_cells`` cells of
-        a chunk on the device): the numbers of :meth:`forward`, whose groups never interact."""
+    def offloaded(
+        self, X: Tensor, y_train: Tensor, num_classes: int, store, row_parts: Sequence[slice]
+    ) -> list[Tensor]:
+        """The stage's output in a tensor of ``store`` (:mod:`.offload`), computed and written
+        a chunk of feature groups at a time (at most ``max_cells`` cells of a chunk on the
+        device): the numbers of :meth:`forward`, whose groups never interact.
+
+        Returns a block per slice of rows of ``row_parts`` (the row stage's chunks:
+        consecutive slices covering the rows, as :func:`.layers.chunk_slices` makes them), each
+        ``(H, B, rows, E)`` and contiguous in the store: every write of a chunk of groups and
+        every read of a block is then one contiguous run of memory, which a CUDA device copies
+        to and from pinned memory directly (a strided slice of the host tensor is first
+        gathered by the host into unpinned memory, and the copy waits for it)."""
         batch, rows, features = X.shape
         n_train = y_train.shape[1]
+        spans = [range(rows)[part] for part in row_parts]
         bases = None
         if num_classes > self.max_classes:
             bases = mixed_radix_bases(num_classes, self.max_classes)
             digits = list(mixed_radix_digits(y_train, bases))
-        out = None
+        blocks = None
         for groups in chunk_slices(features, batch * rows, self.max_cells):
             cells = self.cells(X, groups=groups)
             if bases is None:
@@ -290,10 +300,20 @@ class ColumnEmbedding(nn.Module):
                 for digit in digits:
                     part = part + self.tf_col(self._with_labels(cells, digit), n_train)[0]
                 part = part / len(bases)
-            if out is None:
-                out = store((batch, features, rows, part.shape[-1]), part.dtype)
-            out[:, groups].copy_(part)
-        return out
+            if blocks is None:
+                width = part.shape[-1]
+                flat = store((features * batch * rows * width,), part.dtype)
+                cells_per_row = features * batch * width
+                blocks = [
+                    flat[span.start * cells_per_row : span.stop * cells_per_row].view(
+                        features, batch, len(span), width
+                    )
+                    for span in spans
+                ]
+            for block, span in zip(blocks, spans):
+                rows_of_part = part[:, :, span.start : span.stop].transpose(0, 1).contiguous()
+                block[groups].copy_(rows_of_part, non_blocking=True)
+        return blocks
 
     def build_cache(
         self,

@@ -546,13 +546,14 @@ class TabICLv2(nn.Module):
         if X.shape[1] == y_train.shape[1]:
             return self.no_predictions(X, num_classes)
         y_train = y_train.to(X.dtype)
-        cells = self.col_embedder.offloaded(X, y_train, num_classes, store)  # (B, H, T, E)
-        batch, features, rows = cells.shape[:3]
+        batch, rows, features = X.shape
         tokens = batch * (features + self.config.row_num_cls)
+        parts = chunk_slices(rows, tokens, self.row_interactor.max_tokens)
+        blocks = self.col_embedder.offloaded(X, y_train, num_classes, store, parts)  # (H, B, T, E)
         R = torch.cat(
             [
-                self.row_interactor(cells[:, :, part].to(X.device).transpose(1, 2))
-                for part in chunk_slices(rows, tokens, self.row_interactor.max_tokens)
+                self.row_interactor(block.to(X.device, non_blocking=True).permute(1, 2, 0, 3))
+                for block in blocks
             ],
             dim=1,
         )

@@ -3,8 +3,9 @@
 The column stage's output ``(tables, features, rows, embedding)`` is the largest tensor of a
 call (512 MiB for one table of 10,000 rows and 100 features in fp32). An offloaded call
 (:meth:`~.model.TabICLv2.forward_offloaded`) computes it a chunk of feature groups at a time,
-keeps it in a store, and streams it back a chunk of rows at a time to the row stage, so the
-device holds one chunk of either. A store is a function ``(shape, dtype) -> Tensor``:
+keeps it in a store, laid out in blocks of the row stage's chunks of rows, and streams it back a
+block at a time to the row stage, so the device holds one chunk of either and every copy is one
+contiguous run. A store is a function ``(shape, dtype) -> Tensor``:
 
 * :func:`host_store`: host memory, pinned when the model runs on CUDA (copies to the device
   then overlap the host).
