@@ -576,7 +576,7 @@ class _TabICLBase(BaseEstimator):
         """The members' tables for their KV caches, ``step`` members at a time in plan order,
         across the normalisation groups: ``(X (members, rows, H) float32, y_train (members,
         N) float32 or None without ``labels``)``, ``rows_of(method)`` being the group's
-        preprocessed rows.
+        preprocessed rows (called once per group).
 
         A cached prediction of few rows reads the network's weights once per call: one call of
         a table's 8 members instead of one per normalisation group (4 and 4) took a 1-row
@@ -684,18 +684,14 @@ class _TabICLBase(BaseEstimator):
         ``run_cached(engine, X_test, cache)``: chunks spread over ``devices_``, or all run on
         ``on = (engine, device)`` in this thread (a block of a prediction split by rows)."""
         if self.cache_ is not None:
-            tests = {}
-
-            def rows_of(method):
-                if method not in tests:
-                    tests[method] = self.preprocessors_[method].transform(X_test)
-                return tests[method]
-
+            chunks = self._cached_chunks(
+                lambda method: self.preprocessors_[method].transform(X_test), self._cache_step()
+            )
             jobs = [
                 lambda engine, device, part=part, index=index: run_cached(
                     engine, part.to(device), self._cache_on(index, device)
                 )
-                for index, (part, _) in enumerate(self._cached_chunks(rows_of, self._cache_step()))
+                for index, (part, _) in enumerate(chunks)
             ]
         else:
             jobs = [
