@@ -137,6 +137,12 @@ def _joined(parts: list):
     return torch.cat(parts)
 
 
+def _joined_members(parts: list) -> Tensor:
+    """Member tables (or labels) of one model call stacked along the members: the one part
+    as it is, or several concatenated."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
 def _is_fitted_name(name: str) -> bool:
     """scikit-learn's convention: fitted attributes end with an underscore."""
     return name.endswith("_") and not name.startswith("_")
@@ -548,7 +554,8 @@ class _TabICLBase(BaseEstimator):
             self.cache_ = self._build_caches()
 
     def _build_caches(self) -> list:
-        """The KV caches of the members' chunks (:meth:`_cached_chunks`; ``kv_cache="repr"``:
+        """The KV caches of the members' chunks, ``batch_size`` members across the normalisation
+        groups (:meth:`_member_chunks`; ``kv_cache="repr"``:
         representation caches)."""
         mode = "repr" if self.kv_cache == "repr" else "kv"
         step = self._step(self._entries())
@@ -556,8 +563,8 @@ class _TabICLBase(BaseEstimator):
             lambda engine, device, X_m=X_m, y_m=y_m: _Kept(
                 engine.build_cache(X_m.to(device), y_m.to(device), mode=mode)
             )
-            for X_m, y_m in self._cached_chunks(
-                lambda method: self.preprocessors_[method].train_, step, labels=True
+            for X_m, y_m in self._member_chunks(
+                self._entries(), lambda method: self.preprocessors_[method].train_, step
             )
         ]
         # A chunk's cache stays on the device that built it (job i on devices_[i % n]; the
@@ -572,28 +579,28 @@ class _TabICLBase(BaseEstimator):
         """``(method, member)`` of every member, in plan order."""
         return [(method, member) for method, members in self.plan_.items() for member in members]
 
-    def _cached_chunks(self, rows_of, step: int, labels: bool = False):
-        """The members' tables for their KV caches, ``step`` members at a time in plan order,
-        across the normalisation groups: ``(X (members, rows, H) float32, y_train (members,
-        N) float32 or None without ``labels``)``, ``rows_of(method)`` being the group's
-        preprocessed rows (called once per group).
+    def _member_chunks(self, entries: list, rows_of, step: int, labels: bool = True):
+        """The member tables of ``entries`` (``(method, member)`` in plan order), ``step``
+        members per model call: ``(X (members, rows, H) float32, y_train (members, N) float32,
+        or None without ``labels``)``, ``rows_of(method)`` being the group's preprocessed rows
+        (read once per group). A call may hold members of several normalisation groups.
 
-        A cached prediction of few rows reads the network's weights once per call: one call of
-        a table's 8 members instead of one per normalisation group (4 and 4) took a 1-row
-        prediction from 76-78 ms to 58-62 ms (full-size network, 1,000 train rows, 50
-        features, 2-core CPU; 100 and 1,000 rows within the noise, 0.84-1.06x)."""
-        entries = self._entries()
+        The KV caches take their chunks across the groups: a cached prediction of few rows
+        reads the network's weights once per call, and one call of a table's 8 members instead
+        of one per normalisation group (4 and 4) took a 1-row prediction from 76-78 ms to
+        58-62 ms (full-size network, 1,000 train rows, 50 features, 2-core CPU; 100 and 1,000
+        rows within the noise, 0.84-1.06x)."""
         rows = {}
         for start in range(0, len(entries), step):
             tables, ys = [], []
             for method, group in itertools.groupby(entries[start : start + step], key=lambda e: e[0]):
                 members = [member for _, member in group]
                 if method not in rows:
-                    rows[method] = rows_of(method)
+                    rows[method] = rows_of(method).float()  # cast once, before the members' copies
                 tables.append(member_tables(rows[method], members))
                 if labels:
-                    ys.append(member_labels(self.y_train_, members))
-            yield torch.cat(tables).float(), torch.cat(ys).float() if labels else None
+                    ys.append(member_labels(self.y_train_, members).float())
+            yield _joined_members(tables), _joined_members(ys) if labels else None
 
     def _cache_on(self, index: int, device: torch.device):
         """Chunk ``index``'s KV cache on ``device``: the one built there, else a copy made at
@@ -616,20 +623,15 @@ class _TabICLBase(BaseEstimator):
         predict: 1.18x on the suite's quick ``mixed`` table, 1.06-1.13x on ``small`` (600 + 150
         rows), 0.97-0.99x on its quick 60-row shape; not measured on a GPU.
 
-        Yields ``(X (members, N [+ M], H) float32, y_train (members, N) float32)``; without
-        ``X_test`` only train rows (for the cache); ``rows``: the group's preprocessed train and
-        test rows, given (the packed path's).
+        Yields ``(X (members, N + M, H) float32, y_train (members, N) float32)``
+        (:meth:`_member_chunks`); ``rows``: the group's preprocessed train and test rows, given
+        (the packed path's).
         """
-        members = self.plan_[method]
         if rows is None:
             prep = self.preprocessors_[method]
-            rows = prep.train_
-            if X_test is not None:
-                rows = torch.cat([rows, prep.transform(X_test)])
-        step = self._step(members)
-        for start in range(0, len(members), step):
-            part = members[start : start + step]
-            yield member_tables(rows, part).float(), member_labels(self.y_train_, part).float()
+            rows = torch.cat([prep.train_, prep.transform(X_test)])
+        members = [(method, member) for member in self.plan_[method]]
+        return self._member_chunks(members, lambda _: rows, self._step(members))
 
     def _one_shot(self, engine: Engine, X: Tensor, y_train: Tensor, **kwargs) -> Tensor:
         """``engine``'s one-shot call, or its offloaded call where ``offload_mode`` keeps the
@@ -684,8 +686,11 @@ class _TabICLBase(BaseEstimator):
         ``run_cached(engine, X_test, cache)``: chunks spread over ``devices_``, or all run on
         ``on = (engine, device)`` in this thread (a block of a prediction split by rows)."""
         if self.cache_ is not None:
-            chunks = self._cached_chunks(
-                lambda method: self.preprocessors_[method].transform(X_test), self._cache_step()
+            chunks = self._member_chunks(
+                self._entries(),
+                lambda method: self.preprocessors_[method].transform(X_test),
+                self._cache_step(),
+                labels=False,
             )
             jobs = [
                 lambda engine, device, part=part, index=index: run_cached(
