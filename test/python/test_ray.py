@@ -255,7 +255,7 @@ def test_many_tables_answer_as_fit_predict_many_in_task_order():
 def test_a_refused_task_is_a_record_in_its_slot_and_the_others_go_on():
     template, tasks = _template(), _tasks(6, seed=4)
     X_train, y, X_test = tasks[1]
-    tasks[1] = (X_train, np.full(len(y), "only"), X_test)  # one class
+    tasks[1] = (X_train, np.full(len(y), np.nan), X_test)  # NaN labels
     tasks[4] = (X_train, y)  # not a task
     want = template.fit_predict_many(tasks, errors="return")
     got = list(fit_predict_many_dataset(template, tasks, tasks_per_call=2, num_workers=2))

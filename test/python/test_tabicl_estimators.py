@@ -108,6 +108,29 @@ def test_many_classes_match_reference():
     _assert_same_classifier("tiny", X, y, rows=260, n_estimators=2)
 
 
+@pytest.mark.parametrize(
+    "params", [{}, {"kv_cache": True}, {"n_estimators": 3, "average_logits": False}]
+)
+def test_a_single_class_is_answered_as_the_reference_answers_it(params):
+    rs = np.random.RandomState(2)
+    X, y = rs.randn(40, 5), np.full(30, "only", dtype=object)
+    ref, ours = _classifiers("tiny", **params)
+    expected = ref.fit(X[:30], y).predict_proba(X[30:])
+    got = ours.fit(X[:30], y).predict_proba(X[30:])
+    assert got.dtype == expected.dtype and got.shape == expected.shape == (10, 1)
+    np.testing.assert_array_equal(got, expected)
+    np.testing.assert_array_equal(ours.predict(X[30:]), ref.predict(X[30:]))
+    assert ours.n_classes_ == ref.n_classes_ == 1
+    with pytest.raises(ValueError, match="features"):  # its input is still checked
+        ours.predict_proba(X[30:, :4])
+    # Packed with a table of two classes, each task answers as its own estimator does.
+    other = np.arange(30) % 2
+    answers = ours.fit_predict_many([(X[:30], y, X[30:]), (X[:30], other, X[30:])], "predict_proba")
+    np.testing.assert_array_equal(answers[0], expected)
+    alone = clone(ours).fit(X[:30], other).predict_proba(X[30:])
+    np.testing.assert_allclose(answers[1], alone, atol=1e-6, rtol=0)  # the packed path's gate
+
+
 def _mixed_frame(rows: int = 180, seed: int = 0) -> tuple:
     rs = np.random.RandomState(seed)
     colour = rs.choice(["red", "green", "blue", None], rows, p=[0.4, 0.3, 0.2, 0.1])
@@ -243,13 +266,12 @@ def test_nan_features_are_imputed_like_the_reference():
     "make, match",
     [
         (lambda X, y: (np.where(X > 6, np.inf, X), y), "Input X contains infinity"),
-        (lambda X, y: (X, np.zeros_like(y)), "at least 2 classes"),
         (lambda X, y: (X[:0], y[:0]), r"0 sample\(s\)"),
         (lambda X, y: (X, y[:-1]), "inconsistent numbers of samples"),
         (lambda X, y: (X.astype(str).astype(object) + "x", y), "could not convert string to float"),
         (lambda X, y: (X, np.where(y == 0, np.nan, y)), "NaN labels"),
     ],
-    ids=["inf", "single-class", "zero-rows", "length", "strings-in-numpy", "nan-labels"],
+    ids=["inf", "zero-rows", "length", "strings-in-numpy", "nan-labels"],
 )
 def test_bad_fit_input_raises(make, match):
     X, y = datasets.load_iris(return_X_y=True)

@@ -550,7 +550,7 @@ class _TabICLBase(BaseEstimator):
             m: MemberPreprocessor(m, self.outlier_threshold, self.random_state).fit(table)
             for m in self.plan_
         }
-        if self.kv_cache:
+        if self.kv_cache and not self._certain():
             self.cache_ = self._build_caches()
 
     def _build_caches(self) -> list:
@@ -574,6 +574,10 @@ class _TabICLBase(BaseEstimator):
         # even where it runs on another count of devices (an estimator unpickled elsewhere).
         self.cache_step_ = step
         return [cache.value for cache in caches]
+
+    def _certain(self) -> bool:
+        """Whether the answers are known without the members' outputs (the classifier's)."""
+        return False
 
     def _entries(self) -> list:
         """``(method, member)`` of every member, in plan order."""
@@ -837,7 +841,7 @@ class TabICLClassifier(ClassifierMixin, _TabICLBase):
         """Fit preprocessing and the member plan (and the KV cache if ``kv_cache``).
 
         Raises:
-            ValueError: zero rows, a single class, NaN labels, length mismatch, infinite features,
+            ValueError: zero rows, NaN labels, length mismatch, infinite features,
             too many classes for the requested mode, bad checkpoint.
         """
         self._check_params()
@@ -849,10 +853,6 @@ class TabICLClassifier(ClassifierMixin, _TabICLBase):
             raise ValueError("y contains None among its labels")
         check_classification_targets(y)
         self.classes_, codes = np.unique(y, return_inverse=True)
-        if len(self.classes_) < 2:
-            raise ValueError(
-                f"classification needs at least 2 classes; y has 1 class ({self.classes_[0]!r})"
-            )
         self.n_classes_ = len(self.classes_)
         self.devices_ = resolve_devices(self.device)
         self.device_ = self.devices_[0]
@@ -879,6 +879,8 @@ class TabICLClassifier(ClassifierMixin, _TabICLBase):
     def predict_proba(self, X) -> np.ndarray:
         """Class probabilities ``(rows, n_classes)`` float32, columns in ``classes_`` order."""
         X_test = self._test_table(X)
+        if self._certain():
+            return np.ones((X_test.shape[0], 1), dtype=np.float32)
         kwargs = {
             "return_logits": bool(self.average_logits),
             "softmax_temperature": self.softmax_temperature,
@@ -920,8 +922,13 @@ class TabICLClassifier(ClassifierMixin, _TabICLBase):
         proba = self._probabilities(logits).cpu().numpy()
         return proba if method == "predict_proba" else self.classes_[proba.argmax(axis=1)]
 
+    def _certain(self) -> bool:
+        # tabicl fits a single class and answers it with probability 1, as a softmax over one
+        # class must: the members' outputs cannot change that answer, so none are computed.
+        return self.n_classes_ == 1
+
     def _packable(self) -> bool:
-        return self.n_classes_ <= self.model_.config.max_classes
+        return not self._certain() and self.n_classes_ <= self.model_.config.max_classes
 
     def predict(self, X) -> np.ndarray:
         """Most probable class label of each row."""
