@@ -131,6 +131,34 @@ def test_a_single_class_is_answered_as_the_reference_answers_it(params):
     np.testing.assert_allclose(answers[1], alone, atol=1e-6, rtol=0)  # the packed path's gate
 
 
+def _positional_inputs():
+    rs = np.random.RandomState(3)
+    X = rs.randn(50, 3)
+    strings = rs.choice(["u", "v", "w"], 50).astype(object)
+    named = pd.DataFrame(X, columns=["a", "b", "c"])
+    mixed = named.assign(s=strings)
+    return {
+        "named frame, then an array": (named[:36], X[36:]),
+        "unnamed frame, then a list": (pd.DataFrame(X[:36]), X[36:].tolist()),
+        "unnamed frame, then other labels": (
+            pd.DataFrame(X[:36]),
+            pd.DataFrame(X[36:], columns=[7, 8, 9]),
+        ),
+        "frame with strings, then an object array": (mixed[:36], mixed[36:].to_numpy(dtype=object)),
+    }
+
+
+@pytest.mark.parametrize("case", sorted(_positional_inputs()))
+@pytest.mark.filterwarnings("ignore:X does not have valid feature names")
+def test_a_frame_fitted_estimator_reads_other_inputs_by_position_as_the_reference(case):
+    X_train, X_test = _positional_inputs()[case]
+    y = np.arange(36) % 3
+    ref, ours = _classifiers("tiny", n_estimators=2)
+    expected = ref.fit(X_train, y).predict_proba(X_test)
+    got = ours.fit(X_train, y).predict_proba(X_test)
+    np.testing.assert_allclose(got, expected, atol=ATOL, rtol=0)
+
+
 def _mixed_frame(rows: int = 180, seed: int = 0) -> tuple:
     rs = np.random.RandomState(seed)
     colour = rs.choice(["red", "green", "blue", None], rows, p=[0.4, 0.3, 0.2, 0.1])

@@ -51,6 +51,7 @@ import torch
 from sklearn.base import BaseEstimator, ClassifierMixin, RegressorMixin
 from sklearn.utils.multiclass import check_classification_targets
 from sklearn.utils.validation import (
+    check_array,
     check_consistent_length,
     check_is_fitted,
     column_or_1d,
@@ -219,7 +220,14 @@ class _TabICLBase(BaseEstimator):
         """``X`` checked with scikit-learn's helpers (``n_features_in_`` and
         ``feature_names_in_`` recorded at fit, compared at predict). DataFrames stay as they
         are: their column kinds decide the encoding. Anything else becomes a 2-D numeric array,
-        NaN allowed; sparse, complex, 1-D, empty and infinite data raise."""
+        NaN allowed; sparse, complex, 1-D, empty and infinite data raise. An estimator fitted on
+        a DataFrame reads a later array as tabicl does: by position, as a frame of its values
+        (strings kept)."""
+        encoder = getattr(self, "encoder_", None)
+        if not reset and getattr(encoder, "is_frame_", False) and not hasattr(X, "columns"):
+            import pandas as pd
+
+            X = pd.DataFrame(check_array(X, dtype=None, ensure_all_finite=False, input_name="X"))
         if hasattr(X, "columns") and hasattr(X, "dtypes"):
             X = validate_data(self, X, reset=reset, skip_check_array=True)
             rows, columns = X.shape

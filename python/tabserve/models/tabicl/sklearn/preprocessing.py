@@ -60,6 +60,7 @@ class TableEncoder:
             # Fitted on the host, then moved: its vocabularies must live where the tables'
             # codes do (the string lookup takes all of its operands on one device).
             self.frame_encoder_ = TabICLEncoder().fit(X).to(self.device)
+            self.columns_ = [str(name) for name in X.columns]
             return self
         numeric = self._numeric(X)
         means = numeric.nanmean(dim=0)
@@ -88,11 +89,28 @@ class TableEncoder:
             # as tabicl's imputer refuses them; then moved, as one table.
             from sklearn.utils import assert_all_finite
 
-            table = self.frame_encoder_.to_table(X, "cpu")
+            table = self.frame_encoder_.to_table(self._by_position(X), "cpu")
             assert_all_finite(table.numerical.numpy(), allow_nan=True, input_name="X")
             return self.frame_encoder_(table.to(self.device))
         numeric = self._numeric(X)  # also rejects infinities with a clear message
         return torch.where(torch.isnan(numeric), self.fill_, numeric)
+
+
+    def _by_position(self, X):
+        """``X`` (a DataFrame, or an array read as one) under the fitted frame's column labels.
+        tabicl's column transformer reads a later input by position unless both it and the
+        training frame name their columns with strings, and then scikit-learn has already
+        refused other names or another order: an array or a frame of other labels (which
+        scikit-learn warns of) is read by position. Encoders pickled without the labels read
+        by name."""
+        import pandas as pd
+
+        if not hasattr(X, "columns"):
+            X = pd.DataFrame(X)
+        labels = getattr(self, "columns_", None)
+        if labels is not None and [str(name) for name in X.columns] != labels:
+            X = X.set_axis(labels, axis=1)
+        return X
 
 
 class ConstantFeatureFilter:
