@@ -57,6 +57,23 @@ def test_every_reference_argument_is_taken_with_the_reference_default(ours, thei
 
 
 @pytest.mark.parametrize(
+    "ours, theirs",
+    [
+        (TabICLClassifier, tabicl.TabICLClassifier),
+        (TabICLRegressor, tabicl.TabICLRegressor),
+    ],
+)
+def test_every_public_method_of_the_reference_is_there_with_its_parameters(ours, theirs):
+    for name in (n for n in dir(theirs) if not n.startswith("_")):
+        assert hasattr(ours, name), name
+        reference = getattr(theirs, name)
+        if callable(reference):
+            mine = inspect.signature(getattr(ours, name)).parameters
+            missing = set(inspect.signature(reference).parameters) - set(mine)
+            assert not missing, (name, sorted(missing))
+
+
+@pytest.mark.parametrize(
     "params, match",
     [
         ({"use_amp": "yes"}, "use_amp must be True, False or 'auto'"),

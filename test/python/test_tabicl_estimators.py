@@ -159,6 +159,19 @@ def test_a_frame_fitted_estimator_reads_other_inputs_by_position_as_the_referenc
     np.testing.assert_allclose(got, expected, atol=ATOL, rtol=0)
 
 
+@pytest.mark.parametrize("axis, temperature", [(-1, 0.9), (0, 2.0), (1, 0.5)])
+def test_softmax_is_the_references(axis, temperature):
+    logits = np.random.RandomState(4).randn(7, 5).astype(np.float32) * 30
+    for ours, ref in (
+        (TabICLClassifier, tabicl.TabICLClassifier),
+        (TabICLRegressor, tabicl.TabICLRegressor),
+    ):
+        expected = ref.softmax(logits, axis=axis, temperature=temperature)
+        got = ours.softmax(logits, axis=axis, temperature=temperature)
+        assert got.dtype == expected.dtype
+        np.testing.assert_allclose(got, expected, rtol=1e-6, atol=0)
+
+
 def _mixed_frame(rows: int = 180, seed: int = 0) -> tuple:
     rs = np.random.RandomState(seed)
     colour = rs.choice(["red", "green", "blue", None], rows, p=[0.4, 0.3, 0.2, 0.1])

@@ -757,6 +757,14 @@ class _TabICLBase(BaseEstimator):
             return _joined(self._spread(jobs))
         return _by_rows(X_test, step, lambda part: predict_rows(part, None))
 
+    @staticmethod
+    def softmax(x: np.ndarray, axis: int = -1, temperature: float = 0.9) -> np.ndarray:
+        """``softmax(x / temperature)`` along ``axis``, in NumPy: tabicl's public helper of the
+        same name, for code written against it."""
+        from scipy.special import softmax
+
+        return softmax(np.asarray(x) / temperature, axis=axis)
+
     def __sklearn_tags__(self):
         tags = super().__sklearn_tags__()
         tags.input_tags.allow_nan = True
