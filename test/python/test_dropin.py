@@ -73,6 +73,25 @@ def test_every_public_method_of_the_reference_is_there_with_its_parameters(ours,
             assert not missing, (name, sorted(missing))
 
 
+@pytest.mark.parametrize("task", ["clf", "reg"])
+def test_the_plain_fitted_attributes_are_the_references(task):
+    X, y, _ = _table(classes=3 if task == "clf" else 0)
+    ours, theirs = (
+        (TabICLClassifier, tabicl.TabICLClassifier)
+        if task == "clf"
+        else (TabICLRegressor, tabicl.TabICLRegressor)
+    )
+    path = reference_checkpoint(task, "tiny")
+    kwargs = {"model_path": str(path), "n_estimators": 2, "device": "cpu"}
+    mine = ours(**kwargs).fit(X, y)
+    reference = theirs(**kwargs, allow_auto_download=False).fit(X, y)
+    for name in ("n_features_in_", "n_samples_in_", "model_config_", "device_", "model_path_"):
+        assert getattr(mine, name) == type(getattr(mine, name))(getattr(reference, name)), name
+    if task == "clf":
+        np.testing.assert_array_equal(mine.classes_, reference.classes_)
+        assert mine.n_classes_ == reference.n_classes_
+
+
 @pytest.mark.parametrize(
     "params, match",
     [

@@ -334,6 +334,7 @@ class _TabICLBase(BaseEstimator):
         say(self, "fit: %s on %s, %d train rows, %d features", describe(options), self.device_,
             n_train, self.n_features_in_)  # fmt: skip
         self.model_path_, self.served_options_ = path, options
+        self.model_config_, self.n_samples_in_ = config.to_reference_dict(), n_train  # as tabicl's
         self.checkpoint_size_ = path.stat().st_size
         return self._served()
 
@@ -789,6 +790,10 @@ class TabICLClassifier(ClassifierMixin, _TabICLBase):
     ``device_split="auto"``: with several devices, split a prediction by ensemble members
     (``"members"``) or by test rows (``"rows"``, the KV cache copied to each device);
     ``"auto"`` picks the split whose busiest device has less work (:mod:`.devices`).
+
+    Fitted attributes as tabicl's: ``classes_``, ``n_classes_``, ``n_features_in_``,
+    ``n_samples_in_``, ``feature_names_in_``, ``model_path_``, ``model_config_`` (the
+    checkpoint's configuration), ``device_``; ``model_`` is the served model.
     """
 
     _classification = True
