@@ -172,6 +172,19 @@ def test_softmax_is_the_references(axis, temperature):
         np.testing.assert_allclose(got, expected, rtol=1e-6, atol=0)
 
 
+@pytest.mark.parametrize("norm", ["quantile", "power"])
+def test_float32_input_is_answered_as_the_reference_answers_its_float64_values(norm):
+    rs = np.random.RandomState(5)
+    X = np.column_stack([rs.randint(0, 4, 60), rs.randn(60), rs.randn(60) * 50])
+    X[rs.rand(60, 3) < 0.15] = np.nan  # imputed means: tied train values too
+    X = X.astype(np.float32)
+    y = np.arange(45) % 3
+    ref, ours = _classifiers("tiny", n_estimators=4, norm_methods=[norm])
+    expected = ref.fit(X[:45].astype(np.float64), y).predict_proba(X[45:].astype(np.float64))
+    got = ours.fit(X[:45], y).predict_proba(X[45:])
+    np.testing.assert_allclose(got, expected, atol=ATOL, rtol=0)
+
+
 def _mixed_frame(rows: int = 180, seed: int = 0) -> tuple:
     rs = np.random.RandomState(seed)
     colour = rs.choice(["red", "green", "blue", None], rows, p=[0.4, 0.3, 0.2, 0.1])
