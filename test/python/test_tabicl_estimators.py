@@ -111,7 +111,7 @@ def test_many_classes_match_reference():
 @pytest.mark.parametrize(
     "params", [{}, {"kv_cache": True}, {"n_estimators": 3, "average_logits": False}]
 )
-def test_a_single_class_is_answered_as_the_reference_answers_it(params):
+def test_a_single_class_is_answered_as_the_reference_answers_it(params, tmp_path):
     rs = np.random.RandomState(2)
     X, y = rs.randn(40, 5), np.full(30, "only", dtype=object)
     ref, ours = _classifiers("tiny", **params)
@@ -123,6 +123,10 @@ def test_a_single_class_is_answered_as_the_reference_answers_it(params):
     assert ours.n_classes_ == ref.n_classes_ == 1
     with pytest.raises(ValueError, match="features"):  # its input is still checked
         ours.predict_proba(X[30:, :4])
+    path = tmp_path / "single.pkl"
+    ours.save(path, save_training_data=False)  # tabicl saves it so too
+    loaded = TabICLClassifier.load(path, device="cpu")
+    np.testing.assert_array_equal(loaded.predict_proba(X[30:]), expected)
     # Packed with a table of two classes, each task answers as its own estimator does.
     other = np.arange(30) % 2
     answers = ours.fit_predict_many([(X[:30], y, X[30:]), (X[:30], other, X[30:])], "predict_proba")

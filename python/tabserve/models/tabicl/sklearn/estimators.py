@@ -450,7 +450,7 @@ class _TabICLBase(BaseEstimator):
         if device.type != fitted_on.type:
             self._serve_elsewhere(fitted_on)
         self.model_ = self._served()
-        if self.kv_cache and self.cache_ is None:
+        if self.kv_cache and self.cache_ is None and not self._certain():
             self.cache_ = self._build_caches()
 
     def _serve_elsewhere(self, fitted_on: torch.device) -> None:
@@ -459,12 +459,13 @@ class _TabICLBase(BaseEstimator):
         training data."""
         trained = self.y_train_ is not None
         recipe = self._recipe()
-        if trained or not (isinstance(recipe, str) and recipe == "auto"):
+        certain = self._certain()  # nothing cached to rebuild
+        if trained or certain or not (isinstance(recipe, str) and recipe == "auto"):
             n_train = self.y_train_.shape[0] if trained else 0  # "auto" alone reads it
             options = self._options(self.model_path_, n_train, getattr(self, "n_classes_", None))
             if options == self.served_options_:
                 return
-            if trained:
+            if trained or certain:
                 self.served_options_, self.cache_ = options, None
                 return
         raise ValueError(
@@ -498,7 +499,8 @@ class _TabICLBase(BaseEstimator):
 
         Security: loading a pickle runs code; load only files you wrote."""
         check_is_fitted(self, "plan_")
-        if not save_training_data and not (save_kv_cache and self.cache_ is not None):
+        predicts = self._certain() or (save_kv_cache and self.cache_ is not None)
+        if not save_training_data and not predicts:
             raise ValueError(
                 "save_training_data=False needs the KV cache to predict from: fit with "
                 "kv_cache=True and keep save_kv_cache=True, or keep the training data"
