@@ -189,6 +189,40 @@ def test_float32_input_is_answered_as_the_reference_answers_its_float64_values(n
     np.testing.assert_allclose(got, expected, atol=ATOL, rtol=0)
 
 
+def _python_ordered_frame(rows: int = 60, seed: int = 6):
+    import datetime
+    import decimal
+
+    rs = np.random.RandomState(seed)
+    days = [datetime.date(2024, 1, 1 + int(d)) for d in rs.randint(0, 6, rows)]
+    days[3], days[-1], days[-2] = None, datetime.date(2030, 1, 1), None  # None; unseen at test
+    prices = [decimal.Decimal(int(p)) / 4 for p in rs.randint(0, 5, rows)]
+    prices[5] = np.nan
+    binned = pd.cut(rs.randn(rows), [-1.5, -0.5, 0.5, 1.5])  # NaN outside the bins
+    stamps = pd.to_datetime(["2021-03-01", "2020-01-01", "2022-07-04"])[rs.randint(0, 3, rows)]
+    return pd.DataFrame(
+        {
+            "day": pd.Series(days, dtype=object),
+            "price": pd.Series(prices, dtype=object),
+            "bin": binned,
+            "stamp": pd.Categorical(stamps),
+            "x": rs.randn(rows),
+        }
+    )
+
+
+def test_categories_only_python_orders_are_encoded_as_the_reference_encodes_them(tmp_path):
+    frame = _python_ordered_frame()
+    y = np.arange(45) % 3
+    ref, ours = _classifiers("tiny", n_estimators=2)
+    expected = ref.fit(frame[:45], y).predict_proba(frame[45:])
+    got = ours.fit(frame[:45], y).predict_proba(frame[45:])
+    np.testing.assert_allclose(got, expected, atol=ATOL, rtol=0)
+    ours.save(tmp_path / "ranks.pkl")
+    loaded = TabICLClassifier.load(tmp_path / "ranks.pkl", device="cpu")
+    np.testing.assert_array_equal(loaded.predict_proba(frame[45:]), got)
+
+
 def _mixed_frame(rows: int = 180, seed: int = 0) -> tuple:
     rs = np.random.RandomState(seed)
     colour = rs.choice(["red", "green", "blue", None], rows, p=[0.4, 0.3, 0.2, 0.1])

@@ -57,9 +57,10 @@ class TableEncoder:
             # error for infinities included.
             from tabserve.encoding import TabICLEncoder
 
+            self.ranks_ = python_ordered_ranks(X)
             # Fitted on the host, then moved: its vocabularies must live where the tables'
             # codes do (the string lookup takes all of its operands on one device).
-            self.frame_encoder_ = TabICLEncoder().fit(X).to(self.device)
+            self.frame_encoder_ = TabICLEncoder().fit(ranked(X, self.ranks_)).to(self.device)
             self.columns_ = [str(name) for name in X.columns]
             return self
         numeric = self._numeric(X)
@@ -89,7 +90,8 @@ class TableEncoder:
             # as tabicl's imputer refuses them; then moved, as one table.
             from sklearn.utils import assert_all_finite
 
-            table = self.frame_encoder_.to_table(self._by_position(X), "cpu")
+            X = ranked(self._by_position(X), getattr(self, "ranks_", {}))
+            table = self.frame_encoder_.to_table(X, "cpu")
             assert_all_finite(table.numerical.numpy(), allow_nan=True, input_name="X")
             return self.frame_encoder_(table.to(self.device))
         numeric = self._numeric(X)  # also rejects infinities with a clear message
@@ -111,6 +113,67 @@ class TableEncoder:
         if labels is not None and [str(name) for name in X.columns] != labels:
             X = X.set_axis(labels, axis=1)
         return X
+
+
+#: pandas' names (``infer_dtype``) of values that Python orders and the device encoder does not
+#: take (dates, decimals, intervals as ``pd.cut`` makes them, timestamps in a category, ...).
+PYTHON_ORDERED = frozenset(
+    {"date", "datetime", "datetime64", "decimal", "interval", "period", "time", "timedelta",
+     "timedelta64"}
+)  # fmt: skip
+
+
+def python_ordered_ranks(frame) -> dict:
+    """``{column name: {value: rank}}`` for the object and category columns of ``frame`` (which
+    tabicl encodes ordinally) whose values are :data:`PYTHON_ORDERED`: tabicl's ordinal encoder
+    sorts such values with Python, so their ranks among the observed training values (``None``
+    after them when seen, as scikit-learn places it) are their codes, and a column of ranks
+    encodes as they do. The check reads each object column's first value and each category's
+    categories: 0.35 ms for the suite's ``mixed`` table (2-core CPU).
+
+    Raises TypeError naming the column when its values cannot be ordered."""
+    import pandas as pd
+    from pandas.api.types import infer_dtype
+
+    ranks = {}
+    for position, dtype in enumerate(frame.dtypes):
+        if isinstance(dtype, pd.CategoricalDtype):
+            values = dtype.categories
+        elif dtype == object:  # its first value tells: mixed kinds raise either way
+            series = frame.iloc[:, position]
+            present = series.notna().to_numpy()
+            values = series.iloc[present.argmax() : present.argmax() + 1] if present.any() else ()
+        else:  # numbers, and the string and boolean dtypes the device encoder takes
+            continue
+        if len(values) == 0 or infer_dtype(values, skipna=True) not in PYTHON_ORDERED:
+            continue
+        name = str(frame.columns[position])
+        seen = frame.iloc[:, position].astype(object)
+        try:
+            order = sorted(set(seen[seen.notna()]))
+        except TypeError as error:
+            raise TypeError(f"column {name!r} cannot be a categorical column: {error}") from None
+        if any(value is None for value in seen):
+            order.append(None)
+        ranks[name] = {value: rank for rank, value in enumerate(order)}
+    return ranks
+
+
+def ranked(frame, ranks: dict):
+    """``frame`` with each column of ``ranks`` replaced by a category of its values' ranks
+    (unseen and missing values missing: tabicl codes both -1)."""
+    if not ranks:
+        return frame
+    import pandas as pd
+
+    names = [str(name) for name in frame.columns]
+    frame = frame.copy(deep=False)
+    for name, rank in ranks.items():
+        position = names.index(name)
+        values = frame.iloc[:, position].astype(object)
+        codes = [rank.get(v) if v is None or not pd.isna(v) else None for v in values]
+        frame.isetitem(position, pd.Categorical(codes, categories=range(len(rank))))
+    return frame
 
 
 class ConstantFeatureFilter:
