@@ -97,7 +97,6 @@ class TableEncoder:
         numeric = self._numeric(X)  # also rejects infinities with a clear message
         return torch.where(torch.isnan(numeric), self.fill_, numeric)
 
-
     def _by_position(self, X):
         """``X`` (a DataFrame, or an array read as one) under the fitted frame's column labels.
         tabicl's column transformer reads a later input by position unless both it and the
