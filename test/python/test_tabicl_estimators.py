@@ -223,6 +223,87 @@ def test_categories_only_python_orders_are_encoded_as_the_reference_encodes_them
     np.testing.assert_array_equal(loaded.predict_proba(frame[45:]), got)
 
 
+def _random_case(seed: int) -> tuple:
+    """A seeded table, target and argument set of the kinds users bring: NumPy or a DataFrame
+    (strings with None, categories with unused levels, nullable integers and booleans, NaN,
+    constant and all-missing columns, values unseen at fit), 2-25 classes or a regression
+    target, and tabicl's ensemble arguments drawn at random."""
+    rs = np.random.RandomState(seed)
+    n_train, n_test = rs.randint(8, 90), rs.randint(1, 25)
+    rows, frame = n_train + n_test, rs.rand() < 0.5
+    kinds = ["normal", "integer", "missing", "constant", "empty", "large"]
+    kinds += ["object", "category", "Int64", "boolean"] if frame else []
+    columns = {}
+    for j in range(rs.randint(1, 9)):
+        kind = rs.choice(kinds)
+        if kind == "normal":
+            values = rs.randn(rows)
+        elif kind == "integer":
+            values = rs.randint(0, 4, rows).astype(float)
+        elif kind == "missing":
+            values = np.where(rs.rand(rows) < 0.3, np.nan, rs.randn(rows))
+        elif kind == "constant":
+            values = np.full(rows, 2.5)
+        elif kind == "empty":
+            values = np.full(rows, np.nan)
+        elif kind == "large":
+            values = rs.randn(rows) * 1e5 + 1e6
+        elif kind == "object":
+            values = pd.Series(rs.choice(["a", "b", "c", None], rows), dtype=object)
+            values.iloc[-1] = "unseen"
+        elif kind == "category":
+            values = pd.Categorical(rs.choice(["p", "q"], rows), categories=["q", "p", "unused"])
+        elif kind == "Int64":
+            values = pd.array(np.where(rs.rand(rows) < 0.2, None, rs.randint(0, 9, rows)), "Int64")
+        else:
+            values = pd.array(np.where(rs.rand(rows) < 0.2, None, rs.rand(rows) < 0.5), "boolean")
+        columns[f"{kind}_{j}"] = values
+    X = pd.DataFrame(columns) if frame else np.column_stack(list(columns.values()))
+    take = (lambda a, s: a.iloc[s].reset_index(drop=True)) if frame else (lambda a, s: a[s])
+    regression = rs.rand() < 0.3
+    if regression:
+        y = rs.randn(n_train) * 10.0 ** rs.randint(-2, 3)
+    else:
+        classes = rs.choice([2, 3, 5, 12, 25])
+        y = np.array([f"c{c}" for c in rs.randint(0, classes, n_train)], dtype=object)
+    params = {"random_state": int(rs.randint(100))}
+    for name, choices in (
+        ("n_estimators", [1, 2, 3, 5, 8]),
+        ("norm_methods", [["none"], ["power"], ["quantile", "robust"], ["quantile_rtdl", "none"]]),
+        ("feat_shuffle_method", ["none", "shift", "random", "latin"]),
+        ("outlier_threshold", [2.0, 10.0]),
+        ("batch_size", [1, 3]),
+        ("kv_cache", [True, "repr"]),
+    ) + (() if regression else (
+        ("class_shuffle_method", ["none", "shift", "random", "latin"]),
+        ("average_logits", [False]),
+        ("softmax_temperature", [0.5, 2.0]),
+    )):  # fmt: skip
+        if rs.rand() < 0.4:
+            params[name] = choices[rs.randint(len(choices))]
+    if not regression and len(set(y)) > 10:
+        params.pop("kv_cache", None)  # both refuse a KV cache past 10 classes
+    return take(X, slice(0, n_train)), y, take(X, slice(n_train, None)), regression, params
+
+
+@pytest.mark.parametrize("seed", range(24))
+def test_random_tables_and_arguments_answer_as_the_reference(seed):
+    X_train, y, X_test, regression, params = _random_case(seed)
+    task = "reg" if regression else "clf"
+    path = reference_checkpoint(task, "tiny")
+    ours, theirs = (TabICLRegressor, tabicl.TabICLRegressor) if regression else (
+        TabICLClassifier, tabicl.TabICLClassifier)  # fmt: skip
+    ref = theirs(model_path=str(path), **REFERENCE_OPTIONS, **params).fit(X_train, y)
+    mine = ours(model_path=path, device="cpu", **params).fit(X_train, y)
+    if regression:
+        np.testing.assert_allclose(
+            mine.predict(X_test), ref.predict(X_test), atol=ATOL * np.std(y), rtol=0
+        )
+    else:
+        expected = ref.predict_proba(X_test)
+        np.testing.assert_allclose(mine.predict_proba(X_test), expected, atol=ATOL, rtol=0)
+
+
 def _mixed_frame(rows: int = 180, seed: int = 0) -> tuple:
     rs = np.random.RandomState(seed)
     colour = rs.choice(["red", "green", "blue", None], rows, p=[0.4, 0.3, 0.2, 0.1])
