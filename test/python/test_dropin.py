@@ -100,7 +100,11 @@ def test_the_plain_fitted_attributes_are_the_references(task):
         ({"offload_mode": "cpu", "kv_cache": True}, "offload_mode='cpu' offloads one-shot"),
         ({"offload_mode": "disk"}, "offload_mode='disk' needs disk_offload_dir"),
         ({"offload_mode": "tape"}, "offload_mode must be one of"),
-        ({"inference_config": {"COL_CONFIG": {}}}, "inference_config is tabicl's"),
+        ({"inference_config": {"ROW_CONFIG": {"offload": "cpu"}}}, "keeps the row and in-context"),
+        ({"inference_config": {"COL_CONFIG": {"disk_dtype": torch.float16}}}, "leave it out"),
+        ({"inference_config": {"ICL_CONFIG": {"device": "meta"}}}, "runs on meta, but this estimator"),
+        ({"inference_config": {"COL_CONFIG": {"offload": "cpu"}}, "kv_cache": True}, "COL_CONFIG'\\]\\['offload'\\]='cpu'"),
+        ({"inference_config": {"ICL_CONFIG": {"use_amp": False}}, "recipe": "large"}, "inference_config's use_amp=False"),
         ({"n_jobs": 0}, "n_jobs must be None or a non-zero integer"),
         ({"n_jobs": 2.5}, "n_jobs must be None or a non-zero integer"),
         ({"checkpoint_version": "tabicl-classifier-v1-20250208.ckpt"}, "not a TabICLv2"),
@@ -191,6 +195,122 @@ def test_verbose_logs_on_the_tabserve_logger(caplog):
             verbose=True,
         ).fit(X, y)
     assert any("fit: exact on cpu, 90 train rows, 5 features" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        {"COL_CONFIG": {"chunk": 4}},
+        {"COL_CONFIG": {"safety_factor": 1}},
+        {"COL_CONFIG": {"safety_factor": 1.5}},
+        {"ROW_CONFIG": {"min_batch_size": 0}},
+        {"ICL_CONFIG": {"offload": "tape"}},
+        {"ICL_CONFIG": {"use_amp": "auto"}},
+        {"COL_CONFIG": {"disk_min_free_mb": -1}},
+        {"COL_CONFIG": {"device": 0}},
+    ],
+)
+def test_a_bad_inference_config_raises_what_tabicl_raises_and_leaves_the_estimator(config):
+    """tabicl's exception type for the same setting (KeyError for a name it does not know,
+    TypeError for a type, ValueError for a value), a message naming the stage and setting."""
+    X, y, X_test = _table()
+    kwargs = {"model_path": str(reference_checkpoint("clf", "tiny")), "device": "cpu", "n_estimators": 2}
+    with pytest.raises(Exception) as theirs:
+        tabicl.TabICLClassifier(**kwargs, inference_config=config, allow_auto_download=False).fit(X, y)
+    clf = TabICLClassifier(**kwargs).fit(X, y)
+    before = clf.predict_proba(X_test)
+    clf.set_params(inference_config=config)
+    with pytest.raises(theirs.type) as mine:
+        clf.fit(X, y)
+    stage, setting = next(iter(config.items()))
+    assert stage in str(mine.value)
+    if isinstance(setting, dict):
+        assert repr(next(iter(setting))) in str(mine.value)
+    np.testing.assert_array_equal(clf.set_params(inference_config=None).predict_proba(X_test), before)
+
+
+@pytest.mark.parametrize(
+    "config, error, match",
+    [
+        ({"COL": {}}, KeyError, "unknown key 'COL'; it takes COL_CONFIG"),
+        ({"ROW_CONFIG": "cpu"}, TypeError, "'ROW_CONFIG'\\] must be a dict of settings, got str"),
+        ("fp32", TypeError, "inference_config must be None, a dict of stage settings or tabicl's"),
+    ],
+)
+def test_an_inference_config_tabicl_would_misread_is_refused(config, error, match):
+    """Where tabicl ignores a misspelled stage or fails on a malformed one with an unrelated
+    error, tabserve names it."""
+    X, y, _ = _table()
+    clf = TabICLClassifier(model_path=reference_checkpoint("clf", "tiny"), device="cpu", inference_config=config)
+    with pytest.raises(error, match=match):
+        clf.fit(X, y)
+    assert not hasattr(clf, "n_features_in_")
+
+
+@pytest.mark.parametrize("form", ["dict", "InferenceConfig"])
+@pytest.mark.parametrize("task", ["clf", "reg"])
+def test_inference_config_answers_as_tabicl_and_offloads_as_it_says(form, task, tmp_path, monkeypatch):
+    """tabicl's three stage settings in either of its forms: the same answers as tabicl given the
+    same config (fp32, within 1e-5), the column stage's output stored where the config says (a
+    dict overrides the estimator's arguments; tabicl's InferenceConfig replaces them), the tuning
+    settings tabserve leaves to itself accepted."""
+    from tabicl._model.inference_config import InferenceConfig
+    from tabserve.models.tabicl.sklearn import reference_args
+
+    X, y, X_test = _table(seed=3, classes=4 if task == "clf" else 0)
+    stages = {
+        "COL_CONFIG": {"offload": "disk", "disk_offload_dir": str(tmp_path), "min_batch_size": 2,
+                       "safety_factor": 0.5, "disk_flush_mb": 64, "use_async": False},
+        "ROW_CONFIG": {"use_fa3": False, "async_depth": 2, "offload": False},
+        "ICL_CONFIG": {"use_amp": False, "max_pinned_memory_mb": 128.0},
+    }  # fmt: skip
+    if form == "InferenceConfig":  # it replaces the arguments: each stage says fp32 on the CPU
+        for settings in stages.values():
+            settings.update(use_amp=False, device="cpu")
+        config = InferenceConfig(**stages)
+    else:
+        config = stages
+    ours, theirs = (
+        (TabICLClassifier, tabicl.TabICLClassifier) if task == "clf" else (TabICLRegressor, tabicl.TabICLRegressor)
+    )
+    kwargs = {"model_path": str(reference_checkpoint(task, "tiny")), "device": "cpu", "n_estimators": 3,
+              "offload_mode": "cpu"}  # fmt: skip
+    reference = theirs(**kwargs, inference_config=config, allow_auto_download=False).fit(X, y)
+    stores = []
+    real = reference_args.DiskStore
+    monkeypatch.setattr(reference_args, "DiskStore", lambda folder: stores.append(folder) or real(folder))
+    mine = ours(**kwargs, inference_config=config).fit(X, y)
+    method = "predict_proba" if task == "clf" else "predict"
+    np.testing.assert_allclose(
+        getattr(mine, method)(X_test), getattr(reference, method)(X_test), atol=1e-5, rtol=0
+    )
+    assert stores and set(stores) == {str(tmp_path)}  # one per normalisation group
+    assert mine.get_params()["inference_config"] is config  # the argument as given
+
+
+def test_inference_config_sets_tabicls_offload_thresholds_verbose_and_precision():
+    from tabicl._model.inference_config import InferenceConfig
+    from tabserve.models.tabicl.sklearn.reference_args import OffloadRule, reference_settings
+
+    clf = TabICLClassifier(device="cpu", verbose=False)
+    assert reference_settings(clf).offload_rule == OffloadRule()
+    clf.set_params(inference_config={
+        "COL_CONFIG": {"auto_offload_threshold": 0.25, "cpu_safety_factor": 0.5,
+                       "disk_safety_factor": 0.75, "disk_min_free_mb": 100},
+        "ROW_CONFIG": {"verbose": True},
+    })  # fmt: skip
+    settings = reference_settings(clf)
+    assert settings.offload_rule == OffloadRule(0.25, 0.5, 0.75, 100 << 20)
+    assert settings.verbose and settings.use_amp == "auto" and settings.offload_mode == "auto"
+    # tabicl's InferenceConfig ignores the arguments: its own defaults (AMP on, offload "auto")
+    clf.set_params(use_amp=False, offload_mode="cpu", inference_config=InferenceConfig())
+    settings = reference_settings(clf)
+    assert settings.use_amp is True and settings.offload_mode == "auto" and not settings.verbose
+    # one stage in fp32 serves fp32 throughout
+    clf.set_params(use_amp=True, inference_config={"ROW_CONFIG": {"use_amp": False}})
+    clf.device_ = torch.device("cuda")  # the rule as on a GPU (no GPU needed: it reads device_)
+    assert clf._recipe() == "exact"
+    assert clf.set_params(inference_config=None)._recipe() == "auto"
 
 
 # ------------------------------------------------------------------ the checkpoint's source

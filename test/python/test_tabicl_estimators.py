@@ -660,32 +660,40 @@ def test_cuda_default_serves_at_once_then_compiled_within_the_gate(task, monkeyp
         assert decided and third.model_.timings
 
 
+@pytest.mark.parametrize("settings", [{}, {"auto_offload_threshold": 0.3, "cpu_safety_factor": 0.6,
+                                       "disk_safety_factor": 0.5, "disk_min_free_mb": 5_000.0}])  # fmt: skip
 @pytest.mark.parametrize(
     "mode, has_disk",
     [(m, d) for m in ("auto", "gpu", "cpu", "disk") for d in (True, False) if d or m != "disk"],
 )
-def test_where_a_gpu_call_keeps_its_column_output_is_tabicls_choice(mode, has_disk):
+def test_where_a_gpu_call_keeps_its_column_output_is_tabicls_choice(mode, has_disk, settings):
     """offload_target against tabicl 2.2.0's own rule (InferenceManager._resolve_offload_mode)
     over outputs around every threshold: the device's free memory, the host's, the disk's
-    ("disk" without a folder is refused before any call)."""
+    ("disk" without a folder is refused before any call); tabicl's defaults, and the thresholds
+    an inference_config's column stage sets."""
     from tabicl._model.inference import InferenceManager
-    from tabserve.models.tabicl.sklearn.reference_args import offload_target
+    from tabserve.models.tabicl.sklearn.reference_args import offload_target, reference_settings
 
     manager = InferenceManager(enc_name="tf_col", out_dim=128)
-    manager.configure(offload=mode, device="cpu", disk_offload_dir="/x" if has_disk else None)
+    folder = "/x" if has_disk else None
+    manager.configure(offload=mode, device="cpu", disk_offload_dir=folder, **settings)
+    estimator = TabICLClassifier(device="cpu", inference_config={"COL_CONFIG": dict(settings)})
+    rule = reference_settings(estimator).offload_rule
     names = {"GPU": "device", "CPU": "cpu", "DISK": "disk"}
     mib = 1 << 20
     device_free, host_free, disk_free = 40_000, 60_000, 90_000  # MiB
-    outputs = sorted(
-        {1, 19_999, 20_000, 20_001, 39_999, 40_000, 40_001, 50_999, 51_000, 51_001, 84_000,
-         84_522, 84_523, 200_000}  # fmt: skip
-    )
+    edges = (
+        device_free * rule.device_share, device_free, host_free * rule.host_share,
+        (disk_free - rule.disk_reserve / mib) * rule.disk_share,
+    )  # fmt: skip
+    outputs = sorted({1, 200_000} | {max(1, int(e) + d) for e in edges for d in (-1, 0, 1)})
     for output in outputs:
         for free in (device_free, 0):
             want, _ = manager._resolve_offload_mode(output, free, host_free, disk_free)
             got = offload_target(
-                mode, output * mib, free * mib, host_free * mib, disk_free * mib if has_disk else None
-            )
+                mode, output * mib, free * mib, host_free * mib,
+                disk_free * mib if has_disk else None, rule,
+            )  # fmt: skip
             assert got == names[want.name], (mode, has_disk, output, free)
 
 

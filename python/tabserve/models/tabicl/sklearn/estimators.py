@@ -11,7 +11,9 @@ a file under ``disk_offload_dir``, streamed back a chunk of rows at a time (one-
 predictions); ``"auto"``, ``"gpu"``, False keep it on the device while it fits, and where it
 does not, a call on a GPU takes host memory or disk as tabicl's rule does; ``n_jobs``
 sets PyTorch's CPU threads for each call; ``verbose`` logs on the ``tabserve`` logger;
-``inference_config`` is refused in favour of ``recipe``. Inference runs the serving ``recipe``
+``inference_config`` (a dict of stage settings or tabicl's ``InferenceConfig``) as tabicl reads it,
+where tabserve acts on its device, precision, offload and verbose settings
+(:func:`.reference_args.reference_settings`). Inference runs the serving ``recipe``
 and preprocessing runs as tensor maths on ``device``. A fitted estimator pickles without the
 network (:meth:`save` / :meth:`load`).
 
@@ -83,6 +85,7 @@ from .reference_args import (
     check_reference_args,
     checkpoint_path,
     offload_store,
+    reference_settings,
     say,
     torch_threads,
 )
@@ -304,20 +307,21 @@ class _TabICLBase(BaseEstimator):
                 f"bucket_grid must be a tabserve.BucketGrid or None, got "
                 f"{type(self.bucket_grid).__name__}"
             )
+        check_reference_args(self, self._task)
         recipe = self.recipe
         if recipe is not None and not (isinstance(recipe, str) and recipe == "auto"):
-            if resolve_options(recipe).precision != "fp32" and self.use_amp is False:
+            if resolve_options(recipe).precision != "fp32" and reference_settings(self).use_amp is False:
+                where = "use_amp=False" if self.use_amp is False else "inference_config's use_amp=False"
                 raise ValueError(
-                    f"use_amp=False asks for fp32, but recipe={recipe!r} computes in reduced "
+                    f"{where} asks for fp32, but recipe={recipe!r} computes in reduced "
                     "precision; leave one of them out"
                 )
-        check_reference_args(self, self._task)
 
     def _recipe(self):
         """The recipe asked for: None means ``"auto"`` on CUDA, ``exact`` elsewhere, and
-        ``exact`` wherever ``use_amp=False`` (tabicl's fp32)."""
+        ``exact`` wherever ``use_amp=False`` (tabicl's fp32; ``inference_config``'s too)."""
         if self.recipe is None:
-            if self.use_amp is False:
+            if reference_settings(self).use_amp is False:
                 return "exact"
             return "auto" if self.device_.type == "cuda" else "exact"
         return self.recipe

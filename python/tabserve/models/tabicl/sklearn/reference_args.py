@@ -8,6 +8,7 @@ where the checkpoint comes from (``model_path``, ``allow_auto_download``,
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import shutil
@@ -17,6 +18,7 @@ import psutil
 import torch
 
 from ..network.offload import DiskStore, host_store
+from .devices import resolve_devices
 
 #: The Hugging Face Hub repository of the released checkpoints (tabicl's).
 HF_REPO = "jingang/TabICL"
@@ -31,15 +33,25 @@ CHECKPOINT_VERSIONS = {
 #: ``disk_offload_dir`` (:mod:`..network.offload`).
 ON_DEVICE_OFFLOAD_MODES = ("auto", "gpu", False)
 OFFLOAD_MODES = (*ON_DEVICE_OFFLOAD_MODES, "cpu", True, "disk")
-#: tabicl's rule for where a call on a GPU keeps the column stage's output (:func:`offload_target`):
-#: on the device while it takes at most this share of the device's free memory ("auto"; "gpu" /
-#: False: all of it), in host memory while it takes at most :data:`HOST_SHARE` of the host's
-#: available memory, on disk while it takes at most :data:`DISK_SHARE` of the free space past
-#: :data:`DISK_RESERVE` bytes under ``disk_offload_dir``.
-DEVICE_SHARE = {"auto": 0.5, "gpu": 1.0}
-HOST_SHARE = 0.85
-DISK_SHARE = 0.95
-DISK_RESERVE = 1 << 30
+
+
+@dataclasses.dataclass(frozen=True)
+class OffloadRule:
+    """tabicl's rule for where a call on a GPU keeps the column stage's output
+    (:func:`offload_target`), with its defaults: on the device while it takes at most
+    ``device_share`` of the device's free memory ("auto"; "gpu" / False: all of it), in host
+    memory while it takes at most ``host_share`` of the host's available memory, on disk while it
+    takes at most ``disk_share`` of the free space past ``disk_reserve`` bytes under
+    ``disk_offload_dir``. ``inference_config``'s column stage sets them (its
+    ``auto_offload_threshold``, ``cpu_safety_factor``, ``disk_safety_factor``,
+    ``disk_min_free_mb``)."""
+
+    device_share: float = 0.5
+    host_share: float = 0.85
+    disk_share: float = 0.95
+    disk_reserve: int = 1 << 30
+
+
 AUTO_FLAGS = (True, False, "auto")
 
 logger = logging.getLogger("tabserve")
@@ -48,15 +60,16 @@ logger = logging.getLogger("tabserve")
 def offload_store(estimator, output_bytes: int):
     """A context giving the store of one call whose column stage's output takes
     ``output_bytes`` (:mod:`..network.offload`), or None where it stays on the device."""
-    offload, device, folder = estimator.offload_mode, estimator.device_, estimator.disk_offload_dir
+    settings, device = reference_settings(estimator), estimator.device_
+    offload, folder = settings.offload_mode, settings.disk_offload_dir
     mode = _mode_name(offload)
-    asked = "device" if mode in DEVICE_SHARE else mode
+    asked = "device" if mode in ("auto", "gpu") else mode
     target = asked  # on the CPU the device is the host: only a store asked for is used
     if device.type == "cuda":
         disk_free = None if folder is None else shutil.disk_usage(_existing(Path(folder))).free
         target = offload_target(
             mode, output_bytes, device_free_bytes(device), psutil.virtual_memory().available,
-            disk_free,
+            disk_free, settings.offload_rule,
         )  # fmt: skip
         if target != asked:
             logger.info(
@@ -83,20 +96,26 @@ def _existing(folder: Path) -> Path:
 
 
 def offload_target(
-    mode: str, output_bytes: int, device_free: int, host_free: int, disk_free: int | None
+    mode: str,
+    output_bytes: int,
+    device_free: int,
+    host_free: int,
+    disk_free: int | None,
+    rule: OffloadRule = OffloadRule(),
 ) -> str:
     """Where a call on a GPU keeps its column stage's output of ``output_bytes``: ``"device"``,
-    ``"cpu"`` (host memory) or ``"disk"``, by tabicl's rule: the ``mode`` asked for where the
-    output fits there (:data:`DEVICE_SHARE`, :data:`HOST_SHARE`, :data:`DISK_SHARE`), else the
-    next of host memory and disk where it fits, else host memory (swap as the last resort).
-    ``disk_free``: the free bytes under ``disk_offload_dir`` (None: no folder)."""
+    ``"cpu"`` (host memory) or ``"disk"``, by tabicl's ``rule``: the ``mode`` asked for where the
+    output fits there, else the next of host memory and disk where it fits, else host memory
+    (swap as the last resort). ``disk_free``: the free bytes under ``disk_offload_dir`` (None: no
+    folder)."""
     if mode == "disk" and disk_free is None:
         raise ValueError("offload_mode='disk' needs disk_offload_dir, the folder of its files")
+    device_share = {"auto": rule.device_share, "gpu": 1.0}.get(mode, 0.0)
     fits = {
-        "device": mode in DEVICE_SHARE and output_bytes <= DEVICE_SHARE[mode] * device_free,
-        "cpu": mode != "disk" and output_bytes <= HOST_SHARE * host_free,
+        "device": mode in ("auto", "gpu") and output_bytes <= device_share * device_free,
+        "cpu": mode != "disk" and output_bytes <= rule.host_share * host_free,
         "disk": disk_free is not None
-        and output_bytes <= DISK_SHARE * max(0, disk_free - DISK_RESERVE),
+        and output_bytes <= rule.disk_share * max(0, disk_free - rule.disk_reserve),
     }
     return next((where for where in ("device", "cpu", "disk") if fits[where]), "cpu")
 
@@ -110,7 +129,8 @@ def device_free_bytes(device: torch.device) -> int:
 
 def check_reference_args(estimator, task: str) -> None:
     """Raises ValueError / TypeError naming the argument for a value tabicl would refuse, or one
-    tabserve cannot serve (offloading with a KV cache, ``inference_config``)."""
+    tabserve cannot serve (offloading with a KV cache, a setting of ``inference_config`` that
+    :func:`reference_settings` names)."""
     for name in ("use_amp", "use_fa3"):
         value = getattr(estimator, name)
         if not _one_of(value, AUTO_FLAGS):
@@ -124,30 +144,202 @@ def check_reference_args(estimator, task: str) -> None:
     offload = estimator.offload_mode
     if not _one_of(offload, OFFLOAD_MODES):
         raise ValueError(f"offload_mode must be one of {OFFLOAD_MODES}, got {offload!r}")
-    if _one_of(offload, ("disk",)) and estimator.disk_offload_dir is None:
-        raise ValueError("offload_mode='disk' needs disk_offload_dir, the folder of its files")
     if estimator.disk_offload_dir is not None and not isinstance(
         estimator.disk_offload_dir, (str, os.PathLike)
     ):
         raise TypeError(
             f"disk_offload_dir must be None or a path, got {type(estimator.disk_offload_dir).__name__}"
         )
-    if not _one_of(offload, ON_DEVICE_OFFLOAD_MODES) and estimator.kv_cache:
-        raise ValueError(
-            f"offload_mode={offload!r} offloads one-shot predictions; with kv_cache the cache "
-            "stays on the device: use one of them"
-        )
-    if estimator.inference_config is not None:
-        raise ValueError(
-            "inference_config is tabicl's per-stage configuration; tabserve chooses how the "
-            "model runs with recipe= (a preset name such as 'exact' or 'large', or a "
-            "tabserve.ServingOptions)"
-        )
     n_jobs = estimator.n_jobs
     if n_jobs is not None and (isinstance(n_jobs, bool) or not isinstance(n_jobs, int) or n_jobs == 0):
         raise ValueError(f"n_jobs must be None or a non-zero integer, got {n_jobs!r}")
     if not isinstance(estimator.verbose, (bool, int)):
         raise TypeError(f"verbose must be True or False, got {type(estimator.verbose).__name__}")
+    settings = reference_settings(estimator)
+    offload, source = settings.offload_mode, settings.offload_source
+    if _one_of(offload, ("disk",)) and settings.disk_offload_dir is None:
+        raise ValueError(f"{source}='disk' needs disk_offload_dir, the folder of its files")
+    if not _one_of(offload, ON_DEVICE_OFFLOAD_MODES) and estimator.kv_cache:
+        raise ValueError(
+            f"{source}={offload!r} offloads one-shot predictions; with kv_cache the cache "
+            "stays on the device: use one of them"
+        )
+    devices = resolve_devices(estimator.device)
+    for stage, device in settings.stage_devices:
+        if device not in devices:
+            raise ValueError(
+                f"inference_config[{stage!r}] runs on {device}, but this estimator serves on "
+                f"device={estimator.device!r}: tabserve runs every stage where the model is; "
+                "leave the stages' device out or name the same one"
+            )
+
+
+#: tabicl's ``inference_config``: settings per stage of the network (its ``MgrConfig``).
+STAGES = ("COL_CONFIG", "ROW_CONFIG", "ICL_CONFIG")
+
+
+def _fraction(value) -> bool:
+    return 0.0 <= value <= 1.0
+
+
+def _at_least(bound):
+    return lambda value: value >= bound
+
+
+#: Each stage setting tabicl takes: the types it accepts (TypeError otherwise), the check of
+#: its value (ValueError), what it must be. Settings tabserve acts on: ``device``, ``use_amp``,
+#: ``verbose``, and the column stage's ``offload``, ``disk_offload_dir`` and the shares of
+#: :class:`OffloadRule`. The others tune tabicl's batch-size search, pinned buffers, disk
+#: flushes and asynchronous copies, which tabserve does its own way: checked, then unused.
+STAGE_SETTINGS = {
+    "device": ((type(None), str, torch.device), None, "None, a device name or a torch.device"),
+    "use_amp": (bool, None, "True or False"),
+    "use_fa3": (bool, None, "True or False"),
+    "verbose": (bool, None, "True or False"),
+    "min_batch_size": (int, _at_least(1), "an integer >= 1"),
+    "safety_factor": (float, _fraction, "a float between 0 and 1"),
+    "offload": ((bool, str), lambda v: isinstance(v, bool) or v in ("auto", "gpu", "cpu", "disk"),
+                "True, False, 'auto', 'gpu', 'cpu' or 'disk'"),  # fmt: skip
+    "auto_offload_threshold": (float, _fraction, "a float between 0 and 1"),
+    "cpu_safety_factor": (float, _fraction, "a float between 0 and 1"),
+    "max_pinned_memory_mb": ((int, float), _at_least(0), "a number >= 0"),
+    "disk_offload_dir": ((type(None), str, os.PathLike), None, "None or a path"),
+    "disk_min_free_mb": ((int, float), _at_least(0), "a number >= 0"),
+    "disk_flush_mb": ((int, float), _at_least(0), "a number >= 0"),
+    "disk_cleanup": (bool, None, "True or False"),
+    "disk_file_prefix": (str, None, "a string"),
+    "disk_dtype": ((type(None), torch.dtype), None, "None or a torch.dtype"),
+    "disk_safety_factor": (float, _fraction, "a float between 0 and 1"),
+    "use_async": (bool, None, "True or False"),
+    "async_depth": (int, _at_least(1), "an integer >= 1"),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class ReferenceSettings:
+    """What tabicl's ``device``, ``use_amp``, ``offload_mode``, ``disk_offload_dir`` and
+    ``verbose`` amount to once ``inference_config`` is applied (:func:`reference_settings`).
+
+    ``use_amp``: False where any stage computes in fp32 (tabserve serves one precision for the
+    whole network, and fp32 is within reduced precision's tolerance of a mixed one).
+    ``offload_source``: the argument that set ``offload_mode``, for messages.
+    ``stage_devices``: (stage, device) for each stage's device, None resolved as tabicl does."""
+
+    use_amp: bool | str
+    verbose: bool
+    offload_mode: bool | str
+    offload_source: str
+    disk_offload_dir: str | os.PathLike | None
+    offload_rule: OffloadRule
+    stage_devices: tuple
+
+
+def reference_settings(estimator) -> ReferenceSettings:
+    """The estimator's reference arguments after ``inference_config``, by tabicl's rules: None
+    (the default): the arguments alone; a dict keyed by ``"COL_CONFIG"``, ``"ROW_CONFIG"``,
+    ``"ICL_CONFIG"``: each stage's settings over the arguments; tabicl's ``InferenceConfig``:
+    its settings alone, the arguments ignored (tabicl's defaults where a stage leaves one out).
+
+    Raises KeyError for a name tabicl does not know (as tabicl does), TypeError / ValueError for
+    a value tabicl refuses, and ValueError for what tabserve does not do: a row or in-context
+    stage offloaded (tabserve offloads the column stage's output, by far the largest), or a
+    ``disk_dtype`` (tabserve stores the column stage's output as it computes it)."""
+    config = estimator.inference_config
+    if config is None or isinstance(config, dict):
+        if config is not None:
+            for stage in config:
+                if stage not in STAGES:
+                    raise KeyError(
+                        f"inference_config: unknown key {stage!r}; it takes {', '.join(STAGES)}"
+                    )
+        given = {stage: _stage_settings(stage, (config or {}).get(stage, {})) for stage in STAGES}
+        arguments = {
+            "use_amp": estimator.use_amp, "verbose": bool(estimator.verbose),
+            "device": estimator.device,
+        }  # fmt: skip
+        column = {"offload": estimator.offload_mode, "disk_offload_dir": estimator.disk_offload_dir}
+        settings = {
+            stage: {**arguments, **(column if stage == "COL_CONFIG" else {"offload": False}), **given[stage]}
+            for stage in STAGES
+        }
+        from_arguments = "offload" not in given["COL_CONFIG"]
+        explicit_devices = {stage: "device" in given[stage] for stage in STAGES}
+    elif all(hasattr(config, stage) for stage in STAGES):
+        settings = {
+            stage: {"use_amp": True, "verbose": False, "offload": "auto", "device": None,
+                    **_stage_settings(stage, getattr(config, stage))}  # fmt: skip
+            for stage in STAGES
+        }
+        from_arguments = False
+        explicit_devices = dict.fromkeys(STAGES, True)
+    else:
+        raise TypeError(
+            "inference_config must be None, a dict of stage settings or tabicl's "
+            f"InferenceConfig, got {type(config).__name__}"
+        )
+    for stage in STAGES[1:]:
+        offload = settings[stage]["offload"]
+        if not _one_of(offload, ON_DEVICE_OFFLOAD_MODES):
+            raise ValueError(
+                f"inference_config[{stage!r}]['offload']={offload!r}: tabserve keeps the row and "
+                "in-context stages' outputs on the device and offloads the column stage's "
+                "(COL_CONFIG, or offload_mode)"
+            )
+    column = settings["COL_CONFIG"]
+    if column.get("disk_dtype") is not None:
+        raise ValueError(
+            f"inference_config['COL_CONFIG']['disk_dtype']={column['disk_dtype']}: tabserve "
+            "stores the column stage's output in the precision it computes in; leave it out"
+        )
+    defaults = OffloadRule()
+    rule = OffloadRule(
+        device_share=column.get("auto_offload_threshold", defaults.device_share),
+        host_share=column.get("cpu_safety_factor", defaults.host_share),
+        disk_share=column.get("disk_safety_factor", defaults.disk_share),
+        disk_reserve=int(column["disk_min_free_mb"] * 2**20)
+        if "disk_min_free_mb" in column
+        else defaults.disk_reserve,
+    )
+    amp = [settings[stage]["use_amp"] for stage in STAGES]
+    return ReferenceSettings(
+        use_amp=False if any(a is False for a in amp) else True if any(a is True for a in amp) else "auto",
+        verbose=any(bool(settings[stage]["verbose"]) for stage in STAGES),
+        offload_mode=column["offload"],
+        offload_source="offload_mode" if from_arguments else "inference_config['COL_CONFIG']['offload']",
+        disk_offload_dir=column.get("disk_offload_dir"),
+        offload_rule=rule,
+        stage_devices=tuple(
+            (stage, resolve_devices(settings[stage]["device"])[0])
+            for stage in STAGES
+            if explicit_devices[stage]
+        ),
+    )
+
+
+def _stage_settings(stage: str, value) -> dict:
+    """One stage's settings (a dict, or tabicl's ``MgrConfig``), each checked as tabicl checks it."""
+    if isinstance(value, dict):
+        items = dict(value)
+    elif hasattr(value, "keys") and hasattr(value, "__getitem__"):
+        items = {key: value[key] for key in value.keys()}
+    else:
+        raise TypeError(
+            f"inference_config[{stage!r}] must be a dict of settings, got {type(value).__name__}"
+        )
+    for key, setting in items.items():
+        if key not in STAGE_SETTINGS:
+            raise KeyError(
+                f"inference_config[{stage!r}]: unknown setting {key!r}; tabicl's are "
+                f"{', '.join(sorted(STAGE_SETTINGS))}"
+            )
+        types, check, what = STAGE_SETTINGS[key]
+        if not isinstance(setting, types):
+            raise TypeError(
+                f"inference_config[{stage!r}][{key!r}] must be {what}, got {type(setting).__name__}"
+            )
+        if check is not None and not check(setting):
+            raise ValueError(f"inference_config[{stage!r}][{key!r}] must be {what}, got {setting!r}")
+    return items
 
 
 def _one_of(value, choices) -> bool:
@@ -265,7 +457,7 @@ def torch_threads(n_jobs: int | None):
 def say(estimator, message: str, *args) -> None:
     """A ``verbose`` message: logged at INFO on the ``tabserve`` logger, which prints to stderr
     when nothing else handles it (as tabicl's ``verbose`` prints)."""
-    if not estimator.verbose:
+    if not reference_settings(estimator).verbose:
         return
     if not logging.getLogger().handlers and not logger.handlers:
         handler = logging.StreamHandler()
