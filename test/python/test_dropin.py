@@ -144,6 +144,7 @@ def test_bad_reference_arguments_name_themselves_and_leave_the_estimator_as_it_w
         ({"bucket_grid": (8, 16)}, TypeError, "bucket_grid must be a tabserve.BucketGrid"),
         ({"recipe": "fastest"}, ValueError, "fastest"),
         ({"verbose": "loud"}, TypeError, "verbose must be True or False"),
+        ({"inference_config": {"COL_CONFIG": {"chunk": 1}}}, KeyError, "unknown setting 'chunk'"),
     ],
 )
 def test_every_argument_is_checked_at_the_start_of_fit_before_the_checkpoint(params, error, match, monkeypatch):
