@@ -100,7 +100,7 @@ def test_the_plain_fitted_attributes_are_the_references(task):
         ({"offload_mode": "cpu", "kv_cache": True}, "offload_mode='cpu' offloads one-shot"),
         ({"offload_mode": "disk"}, "offload_mode='disk' needs disk_offload_dir"),
         ({"offload_mode": "tape"}, "offload_mode must be one of"),
-        ({"inference_config": {"ROW_CONFIG": {"offload": "cpu"}}}, "keeps the row and in-context"),
+        ({"inference_config": {"ROW_CONFIG": {"offload": "cpu"}}}, "keeps the row stage's output"),
         ({"inference_config": {"COL_CONFIG": {"disk_dtype": torch.float16}}}, "leave it out"),
         ({"inference_config": {"ICL_CONFIG": {"device": "meta"}}}, "runs on meta, but this estimator"),
         ({"inference_config": {"COL_CONFIG": {"offload": "cpu"}}, "kv_cache": True}, "COL_CONFIG'\\]\\['offload'\\]='cpu'"),
@@ -263,7 +263,7 @@ def test_inference_config_answers_as_tabicl_and_offloads_as_it_says(form, task, 
         "COL_CONFIG": {"offload": "disk", "disk_offload_dir": str(tmp_path), "min_batch_size": 2,
                        "safety_factor": 0.5, "disk_flush_mb": 64, "use_async": False},
         "ROW_CONFIG": {"use_fa3": False, "async_depth": 2, "offload": False},
-        "ICL_CONFIG": {"use_amp": False, "max_pinned_memory_mb": 128.0},
+        "ICL_CONFIG": {"use_amp": False, "max_pinned_memory_mb": 128.0, "offload": "cpu"},
     }  # fmt: skip
     if form == "InferenceConfig":  # it replaces the arguments: each stage says fp32 on the CPU
         for settings in stages.values():

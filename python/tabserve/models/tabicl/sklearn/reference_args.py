@@ -188,9 +188,10 @@ def _at_least(bound):
 
 #: Each stage setting tabicl takes: the types it accepts (TypeError otherwise), the check of
 #: its value (ValueError), what it must be. Settings tabserve acts on: ``device``, ``use_amp``,
-#: ``verbose``, and the column stage's ``offload``, ``disk_offload_dir`` and the shares of
-#: :class:`OffloadRule`. The others tune tabicl's batch-size search, pinned buffers, disk
-#: flushes and asynchronous copies, which tabserve does its own way: checked, then unused.
+#: ``verbose``, the row stage's ``offload`` (kept on the device) and the column stage's
+#: ``offload``, ``disk_offload_dir`` and the shares of :class:`OffloadRule`. The others tune
+#: tabicl's batch-size search, pinned buffers, disk flushes and asynchronous copies, which
+#: tabserve does its own way: checked, then unused.
 STAGE_SETTINGS = {
     "device": ((type(None), str, torch.device), None, "None, a device name or a torch.device"),
     "use_amp": (bool, None, "True or False"),
@@ -241,9 +242,10 @@ def reference_settings(estimator) -> ReferenceSettings:
     its settings alone, the arguments ignored (tabicl's defaults where a stage leaves one out).
 
     Raises KeyError for a name tabicl does not know (as tabicl does), TypeError / ValueError for
-    a value tabicl refuses, and ValueError for what tabserve does not do: a row or in-context
-    stage offloaded (tabserve offloads the column stage's output, by far the largest), or a
-    ``disk_dtype`` (tabserve stores the column stage's output as it computes it)."""
+    a value tabicl refuses, and ValueError for what tabserve does not do: the row stage's
+    output offloaded (tabserve offloads the column stage's, by far the largest), or a
+    ``disk_dtype`` (tabserve stores the column stage's output as it computes it). The in-context
+    stage's output is the answers, a few values per test row: where it is kept changes nothing."""
     config = estimator.inference_config
     if config is None or isinstance(config, dict):
         if config is not None:
@@ -277,14 +279,13 @@ def reference_settings(estimator) -> ReferenceSettings:
             "inference_config must be None, a dict of stage settings or tabicl's "
             f"InferenceConfig, got {type(config).__name__}"
         )
-    for stage in STAGES[1:]:
-        offload = settings[stage]["offload"]
-        if not _one_of(offload, ON_DEVICE_OFFLOAD_MODES):
-            raise ValueError(
-                f"inference_config[{stage!r}]['offload']={offload!r}: tabserve keeps the row and "
-                "in-context stages' outputs on the device and offloads the column stage's "
-                "(COL_CONFIG, or offload_mode)"
-            )
+    offload = settings["ROW_CONFIG"]["offload"]
+    if not _one_of(offload, ON_DEVICE_OFFLOAD_MODES):
+        raise ValueError(
+            f"inference_config['ROW_CONFIG']['offload']={offload!r}: tabserve keeps the row "
+            "stage's output on the device and offloads the column stage's (COL_CONFIG, or "
+            "offload_mode)"
+        )
     column = settings["COL_CONFIG"]
     if column.get("disk_dtype") is not None:
         raise ValueError(
@@ -326,7 +327,11 @@ def _stage_settings(stage: str, value) -> dict:
         raise TypeError(
             f"inference_config[{stage!r}] must be a dict of settings, got {type(value).__name__}"
         )
-    for key, setting in items.items():
+    # tabicl checks the settings its estimator arguments fill first, then the others as given:
+    # where several are wrong, the same one is named
+    first = ("device", "use_amp", "use_fa3", "verbose")
+    first += ("offload", "disk_offload_dir") if stage == "COL_CONFIG" else ()
+    for key, setting in sorted(items.items(), key=lambda item: first.index(item[0]) if item[0] in first else len(first)):
         if key not in STAGE_SETTINGS:
             raise KeyError(
                 f"inference_config[{stage!r}]: unknown setting {key!r}; tabicl's are "
