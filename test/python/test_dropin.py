@@ -73,8 +73,9 @@ def test_every_public_method_of_the_reference_is_there_with_its_parameters(ours,
             assert not missing, (name, sorted(missing))
 
 
+@pytest.mark.parametrize("kv_cache", [False, True, "repr"])
 @pytest.mark.parametrize("task", ["clf", "reg"])
-def test_the_plain_fitted_attributes_are_the_references(task):
+def test_the_plain_fitted_attributes_are_the_references(task, kv_cache):
     X, y, _ = _table(classes=3 if task == "clf" else 0)
     ours, theirs = (
         (TabICLClassifier, tabicl.TabICLClassifier)
@@ -82,9 +83,10 @@ def test_the_plain_fitted_attributes_are_the_references(task):
         else (TabICLRegressor, tabicl.TabICLRegressor)
     )
     path = reference_checkpoint(task, "tiny")
-    kwargs = {"model_path": str(path), "n_estimators": 2, "device": "cpu"}
+    kwargs = {"model_path": str(path), "n_estimators": 2, "device": "cpu", "kv_cache": kv_cache}
     mine = ours(**kwargs).fit(X, y)
     reference = theirs(**kwargs, allow_auto_download=False).fit(X, y)
+    assert mine.cache_mode_ == getattr(reference, "cache_mode_", None)  # tabicl: None documented, unset
     for name in ("n_features_in_", "n_samples_in_", "model_config_", "device_", "model_path_"):
         assert getattr(mine, name) == type(getattr(mine, name))(getattr(reference, name)), name
     if task == "clf":

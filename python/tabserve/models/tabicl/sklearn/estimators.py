@@ -553,6 +553,7 @@ class _TabICLBase(BaseEstimator):
         )
         self.y_train_ = y
         self.cache_ = self.cache_step_ = None  # (a refit without kv_cache keeps neither)
+        self.cache_mode_ = ("repr" if self.kv_cache == "repr" else "kv") if self.kv_cache else None
         self._cache_copies = {}
         if self.__dict__.get("_members_later"):  # the packed path preprocesses many at once
             self._train_table = table
@@ -799,7 +800,10 @@ class TabICLClassifier(ClassifierMixin, _TabICLBase):
 
     Fitted attributes as tabicl's: ``classes_``, ``n_classes_``, ``n_features_in_``,
     ``n_samples_in_``, ``feature_names_in_``, ``model_path_``, ``model_config_`` (the
-    checkpoint's configuration), ``device_``; ``model_`` is the served model.
+    checkpoint's configuration), ``device_``, ``cache_mode_`` (``"kv"``, ``"repr"`` or None, from
+    ``kv_cache``); ``model_`` is the served model. tabicl's preprocessing objects
+    (``X_encoder_``, ``ensemble_generator_``, ``y_encoder_`` / ``y_scaler_``), its
+    ``model_kv_cache_`` and ``inference_config_`` are its own classes and have no counterpart.
     """
 
     _classification = True
