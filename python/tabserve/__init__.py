@@ -42,6 +42,7 @@ _LAZY = {
     "TabICLv2": "tabserve.models.tabicl",
     "TabICLClassifier": "tabserve.models.tabicl",
     "TabICLRegressor": "tabserve.models.tabicl",
+    "InferenceConfig": "tabserve.models.tabicl",
     "ServingOptions": "tabserve.models.tabicl.serving.options",
     "serving_presets": "tabserve.models.tabicl.serving.options",
     "wait_for_compiles": "tabserve.models.tabicl.serving.background",

@@ -18,6 +18,7 @@ import pytest
 import torch
 from cuda_helpers import requires_cuda
 from tabicl_helpers import device_params, reference_checkpoint
+import tabserve
 from tabserve.models.tabicl import TabICLClassifier, TabICLRegressor
 from tabserve.models.tabicl.sklearn.reference_args import CHECKPOINT_VERSIONS, HF_REPO
 
@@ -237,7 +238,7 @@ def test_a_bad_inference_config_raises_what_tabicl_raises_and_leaves_the_estimat
     [
         ({"COL": {}}, KeyError, "unknown key 'COL'; it takes COL_CONFIG"),
         ({"ROW_CONFIG": "cpu"}, TypeError, "'ROW_CONFIG'\\] must be a dict of settings, got str"),
-        ("fp32", TypeError, "inference_config must be None, a dict of stage settings or tabicl's"),
+        ("fp32", TypeError, "inference_config must be None, a dict of stage settings or an InferenceConfig"),
     ],
 )
 def test_an_inference_config_tabicl_would_misread_is_refused(config, error, match):
@@ -250,7 +251,7 @@ def test_an_inference_config_tabicl_would_misread_is_refused(config, error, matc
     assert not hasattr(clf, "n_features_in_")
 
 
-@pytest.mark.parametrize("form", ["dict", "InferenceConfig"])
+@pytest.mark.parametrize("form", ["dict", "InferenceConfig", "tabserve.InferenceConfig"])
 @pytest.mark.parametrize("task", ["clf", "reg"])
 def test_inference_config_answers_as_tabicl_and_offloads_as_it_says(form, task, tmp_path, monkeypatch):
     """tabicl's three stage settings in either of its forms: the same answers as tabicl given the
@@ -267,12 +268,11 @@ def test_inference_config_answers_as_tabicl_and_offloads_as_it_says(form, task, 
         "ROW_CONFIG": {"use_fa3": False, "async_depth": 2, "offload": False},
         "ICL_CONFIG": {"use_amp": False, "max_pinned_memory_mb": 128.0, "offload": "cpu"},
     }  # fmt: skip
-    if form == "InferenceConfig":  # it replaces the arguments: each stage says fp32 on the CPU
+    if form != "dict":  # it replaces the arguments: each stage says fp32 on the CPU
         for settings in stages.values():
             settings.update(use_amp=False, device="cpu")
-        config = InferenceConfig(**stages)
-    else:
-        config = stages
+    config = InferenceConfig(**stages) if form != "dict" else stages
+    mine_config = tabserve.InferenceConfig(**stages) if form == "tabserve.InferenceConfig" else config
     ours, theirs = (
         (TabICLClassifier, tabicl.TabICLClassifier) if task == "clf" else (TabICLRegressor, tabicl.TabICLRegressor)
     )
@@ -282,13 +282,45 @@ def test_inference_config_answers_as_tabicl_and_offloads_as_it_says(form, task, 
     stores = []
     real = reference_args.DiskStore
     monkeypatch.setattr(reference_args, "DiskStore", lambda folder: stores.append(folder) or real(folder))
-    mine = ours(**kwargs, inference_config=config).fit(X, y)
+    mine = ours(**kwargs, inference_config=mine_config).fit(X, y)
     method = "predict_proba" if task == "clf" else "predict"
     np.testing.assert_allclose(
         getattr(mine, method)(X_test), getattr(reference, method)(X_test), atol=1e-5, rtol=0
     )
     assert stores and set(stores) == {str(tmp_path)}  # one per normalisation group
-    assert mine.get_params()["inference_config"] is config  # the argument as given
+    assert mine.get_params()["inference_config"] is mine_config  # the argument as given
+
+
+def test_tabserves_inference_config_holds_what_tabicls_holds():
+    """tabserve.InferenceConfig, for code importing it beside the estimators: the settings of
+    tabicl's for each stage left out or given, the same exception types for bad ones at
+    construction and update, and a failed update changes nothing."""
+    from tabicl._model.inference_config import InferenceConfig
+
+    def held(config):
+        return {stage: dict(getattr(config, stage).items()) for stage in ("COL_CONFIG", "ROW_CONFIG", "ICL_CONFIG")}
+
+    given = {"COL_CONFIG": {"offload": "disk", "disk_offload_dir": "/x", "safety_factor": 0.5},
+             "ICL_CONFIG": {"use_amp": False}}  # fmt: skip
+    for stages in ({}, given):
+        assert held(tabserve.InferenceConfig(**stages)) == held(InferenceConfig(**stages))
+    update = {"ROW_CONFIG": {"async_depth": 2}, "COL_CONFIG": {"verbose": True}}
+    ours, theirs = tabserve.InferenceConfig(**given), InferenceConfig(**given)
+    ours.update_from_dict(update)
+    theirs.update_from_dict(update)
+    assert held(ours) == held(theirs)
+    for bad in ({"COL_CONFIG": {"chunk": 1}}, {"ROW_CONFIG": {"safety_factor": 1}},
+                {"ICL_CONFIG": {"async_depth": 0}}):  # fmt: skip
+        with pytest.raises(Exception) as reference:
+            InferenceConfig(**bad)
+        with pytest.raises(reference.type):
+            tabserve.InferenceConfig(**bad)
+        before = held(ours)
+        with pytest.raises(reference.type):
+            ours.update_from_dict({"COL_CONFIG": {"use_fa3": False}, **bad})
+        assert held(ours) == before
+    with pytest.raises(KeyError, match="unknown key 'COL'"):
+        ours.update_from_dict({"COL": {}})
 
 
 def test_inference_config_sets_tabicls_offload_thresholds_verbose_and_precision():

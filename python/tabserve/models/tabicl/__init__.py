@@ -27,12 +27,17 @@ def __getattr__(name):
         from .sklearn import estimators
 
         return getattr(estimators, name)
+    if name == "InferenceConfig":  # tabicl's, for code that imports it beside the estimators
+        from .sklearn.reference_args import InferenceConfig
+
+        return InferenceConfig
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 __all__ = [
     "CheckpointError",
     "ConfigError",
+    "InferenceConfig",
     "TabICLClassifier",
     "TabICLRegressor",
     "TabICLv2",

@@ -216,6 +216,56 @@ STAGE_SETTINGS = {
 }
 
 
+#: tabicl's value of each stage setting a stage leaves out; a stage its ``InferenceConfig`` is not
+#: given holds all of them, but the row and in-context stages' ``offload`` is False there.
+STAGE_DEFAULTS = {
+    "device": None, "use_amp": True, "use_fa3": True, "verbose": False, "min_batch_size": 1,
+    "safety_factor": 0.8, "offload": "auto", "auto_offload_threshold": OffloadRule.device_share,
+    "cpu_safety_factor": OffloadRule.host_share, "max_pinned_memory_mb": 32768.0,
+    "disk_offload_dir": None, "disk_min_free_mb": OffloadRule.disk_reserve / 2**20,
+    "disk_flush_mb": 8192.0, "disk_cleanup": True, "disk_file_prefix": "", "disk_dtype": None,
+    "disk_safety_factor": OffloadRule.disk_share, "use_async": True, "async_depth": 4,
+}  # fmt: skip
+
+
+@dataclasses.dataclass
+class InferenceConfig:
+    """tabicl's ``InferenceConfig``, for code that imports it with the estimators from tabserve:
+    the settings of the network's three stages (``COL_CONFIG``: the column embedding,
+    ``ROW_CONFIG``: the row interaction, ``ICL_CONFIG``: in-context learning), each a dict of
+    :data:`STAGE_SETTINGS` checked when made, as tabicl checks them (KeyError for a name it does
+    not know, TypeError for a type, ValueError for a value); a stage left None holds tabicl's
+    defaults (:data:`STAGE_DEFAULTS`). Given as an estimator's ``inference_config`` it replaces
+    the estimator's ``device``, ``use_amp``, ``use_fa3``, ``offload_mode``, ``disk_offload_dir``
+    and ``verbose``, as tabicl's does (:func:`reference_settings`)."""
+
+    COL_CONFIG: dict | None = None
+    ROW_CONFIG: dict | None = None
+    ICL_CONFIG: dict | None = None
+
+    def __post_init__(self):
+        for stage in STAGES:
+            value = getattr(self, stage)
+            if value is None:
+                value = {**STAGE_DEFAULTS, "offload": "auto" if stage == "COL_CONFIG" else False}
+            setattr(self, stage, _stage_settings(stage, value))
+
+    def update_from_dict(self, config: dict) -> None:
+        """Sets the settings ``{stage: {name: value}}`` gives, as tabicl's does; a bad one
+        raises before any is set."""
+        checked = {stage: _stage_settings(stage, value) for stage, value in _stages(config).items()}
+        for stage, settings in checked.items():
+            getattr(self, stage).update(settings)
+
+
+def _stages(config: dict) -> dict:
+    """``config``, each of whose keys must be a stage's name (KeyError)."""
+    for stage in config:
+        if stage not in STAGES:
+            raise KeyError(f"inference_config: unknown key {stage!r}; it takes {', '.join(STAGES)}")
+    return config
+
+
 @dataclasses.dataclass(frozen=True)
 class ReferenceSettings:
     """What tabicl's ``device``, ``use_amp``, ``offload_mode``, ``disk_offload_dir`` and
@@ -238,8 +288,9 @@ class ReferenceSettings:
 def reference_settings(estimator) -> ReferenceSettings:
     """The estimator's reference arguments after ``inference_config``, by tabicl's rules: None
     (the default): the arguments alone; a dict keyed by ``"COL_CONFIG"``, ``"ROW_CONFIG"``,
-    ``"ICL_CONFIG"``: each stage's settings over the arguments; tabicl's ``InferenceConfig``:
-    its settings alone, the arguments ignored (tabicl's defaults where a stage leaves one out).
+    ``"ICL_CONFIG"``: each stage's settings over the arguments; an :class:`InferenceConfig`
+    (tabserve's or tabicl's): its settings alone, the arguments ignored (tabicl's defaults where
+    a stage leaves one out).
 
     Raises KeyError for a name tabicl does not know (as tabicl does), TypeError / ValueError for
     a value tabicl refuses, and ValueError for what tabserve does not do: the row stage's
@@ -248,13 +299,8 @@ def reference_settings(estimator) -> ReferenceSettings:
     stage's output is the answers, a few values per test row: where it is kept changes nothing."""
     config = estimator.inference_config
     if config is None or isinstance(config, dict):
-        if config is not None:
-            for stage in config:
-                if stage not in STAGES:
-                    raise KeyError(
-                        f"inference_config: unknown key {stage!r}; it takes {', '.join(STAGES)}"
-                    )
-        given = {stage: _stage_settings(stage, (config or {}).get(stage, {})) for stage in STAGES}
+        config = _stages(config or {})
+        given = {stage: _stage_settings(stage, config.get(stage, {})) for stage in STAGES}
         arguments = {
             "use_amp": estimator.use_amp, "verbose": bool(estimator.verbose),
             "device": estimator.device,
@@ -267,17 +313,13 @@ def reference_settings(estimator) -> ReferenceSettings:
         from_arguments = "offload" not in given["COL_CONFIG"]
         explicit_devices = {stage: "device" in given[stage] for stage in STAGES}
     elif all(hasattr(config, stage) for stage in STAGES):
-        settings = {
-            stage: {"use_amp": True, "verbose": False, "offload": "auto", "device": None,
-                    **_stage_settings(stage, getattr(config, stage))}  # fmt: skip
-            for stage in STAGES
-        }
+        settings = {stage: {**STAGE_DEFAULTS, **_stage_settings(stage, getattr(config, stage))} for stage in STAGES}
         from_arguments = False
         explicit_devices = dict.fromkeys(STAGES, True)
     else:
         raise TypeError(
-            "inference_config must be None, a dict of stage settings or tabicl's "
-            f"InferenceConfig, got {type(config).__name__}"
+            "inference_config must be None, a dict of stage settings or an InferenceConfig "
+            f"(tabserve's or tabicl's), got {type(config).__name__}"
         )
     offload = settings["ROW_CONFIG"]["offload"]
     if not _one_of(offload, ON_DEVICE_OFFLOAD_MODES):
@@ -292,14 +334,12 @@ def reference_settings(estimator) -> ReferenceSettings:
             f"inference_config['COL_CONFIG']['disk_dtype']={column['disk_dtype']}: tabserve "
             "stores the column stage's output in the precision it computes in; leave it out"
         )
-    defaults = OffloadRule()
+    column = {**STAGE_DEFAULTS, **column}
     rule = OffloadRule(
-        device_share=column.get("auto_offload_threshold", defaults.device_share),
-        host_share=column.get("cpu_safety_factor", defaults.host_share),
-        disk_share=column.get("disk_safety_factor", defaults.disk_share),
-        disk_reserve=int(column["disk_min_free_mb"] * 2**20)
-        if "disk_min_free_mb" in column
-        else defaults.disk_reserve,
+        device_share=column["auto_offload_threshold"],
+        host_share=column["cpu_safety_factor"],
+        disk_share=column["disk_safety_factor"],
+        disk_reserve=int(column["disk_min_free_mb"] * 2**20),
     )
     amp = [settings[stage]["use_amp"] for stage in STAGES]
     return ReferenceSettings(
