@@ -181,3 +181,41 @@ def test_foreign_safetensors_is_refused(tmp_path):
     save_file({"w": torch.zeros(2)}, str(path))
     with pytest.raises(CheckpointError, match="without a tabserve TabICLv2 config"):
         TabICLv2.from_checkpoint(path)
+
+
+def test_a_fine_tuned_checkpoint_answers_as_tabicl_reads_it(tmp_path):
+    """tabicl's fine-tuner (FinetunedTabICLClassifier) writes the pretraining layout plus the
+    optimizer's and scheduler's states, the epoch and the best metric, for the zero-shot
+    estimators to load by ``model_path``: the estimators read such a file as tabicl's do, with
+    the same answers, and the tuned weights, not the base's, answer."""
+    import numpy as np
+    from tabicl import TabICLClassifier as ReferenceClassifier
+    from tabserve.models.tabicl import TabICLClassifier
+
+    base = checkpoint_payload(build_reference_model("clf", "tiny", seed=5))
+    generator = torch.Generator().manual_seed(0)
+    names = [name for name, value in base["state_dict"].items() if value.is_floating_point()]
+    params = [torch.nn.Parameter(base["state_dict"][name].clone()) for name in names]
+    optimizer = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.01)
+    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=10)
+    for param in params:  # one step: AdamW moves every weight by about the learning rate
+        param.grad = torch.randn(param.shape, generator=generator)
+    optimizer.step()
+    scheduler.step()
+    tuned = {**base["state_dict"], **{name: p.detach().clone() for name, p in zip(names, params)}}
+    payload = {
+        "config": base["config"], "state_dict": tuned, "optimizer_state": optimizer.state_dict(),
+        "scheduler_state": scheduler.state_dict(), "curr_step": 1, "epoch": 1, "best_metric": 0.75,
+    }  # fmt: skip
+    path, base_path = _save(tmp_path, payload, "best.ckpt"), _save(tmp_path, base, "base.ckpt")
+    X, y = random_table(2, 1, 90, 30, 6, n_classes=3)
+    X, y = X[0].numpy(), y[0].numpy()
+    kwargs = {"device": "cpu", "n_estimators": 4}
+
+    def answers(cls, model_path, **extra):
+        return cls(model_path=str(model_path), **kwargs, **extra).fit(X[:90], y).predict_proba(X[90:])
+
+    mine = answers(TabICLClassifier, path)
+    reference = answers(ReferenceClassifier, path, use_amp=False, allow_auto_download=False)
+    np.testing.assert_allclose(mine, reference, atol=1e-5, rtol=0)
+    assert np.abs(mine - answers(TabICLClassifier, base_path)).max() > 1e-3
