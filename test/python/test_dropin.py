@@ -558,8 +558,13 @@ def test_save_keeps_the_kv_cache_unless_asked_and_load_checks_the_kind(tmp_path)
         assert loaded.cache_ is not None  # rebuilt from the training data when left out
         np.testing.assert_allclose(loaded.predict_proba(X_test), expected, atol=1e-6, rtol=0)
     assert sorted(p.name for p in heavy.parent.iterdir()) == ["heavy.pkl"]
-    with pytest.raises(TypeError, match="holds a TabICLClassifier, not a TabICLRegressor"):
+    with pytest.raises(TypeError, match=r"holds a tabserve\.[\w.]+\.TabICLClassifier, not a tabserve\.TabICLRegressor$"):
         TabICLRegressor.load(light)
+    theirs = tmp_path / "tabicl.pkl"
+    tabicl.TabICLClassifier(model_path=str(reference_checkpoint("clf", "tiny")), device="cpu",
+                            n_estimators=2, allow_auto_download=False).fit(X, y).save(theirs)  # fmt: skip
+    with pytest.raises(TypeError, match=r"holds a tabicl\.[\w.]+\.TabICLClassifier, not a tabserve\.TabICLClassifier: a file tabicl saved"):
+        TabICLClassifier.load(theirs)
     with pytest.raises(Exception, match="fitted|plan_"):
         TabICLClassifier(model_path=reference_checkpoint("clf", "tiny"), device="cpu").save(tmp_path / "x.pkl")
 

@@ -532,7 +532,17 @@ class _TabICLBase(BaseEstimator):
             finally:
                 _load_device.reset(token)
         if not isinstance(estimator, cls):
-            raise TypeError(f"{path} holds a {type(estimator).__name__}, not a {cls.__name__}")
+            kind = type(estimator)
+            hint = ""
+            if kind.__module__.split(".")[0] == "tabicl":  # tabicl's estimators and tabserve's share names
+                hint = (
+                    ": a file tabicl saved, which tabicl's load reads; tabserve reads the files "
+                    "its estimators save (fit tabserve's on the same data: the answers are tabicl's)"
+                )
+            raise TypeError(
+                f"{path} holds a {kind.__module__}.{kind.__qualname__}, not a "
+                f"{cls.__module__.split('.')[0]}.{cls.__name__}{hint}"
+            )
         return estimator
 
     def _fit_members(self, X, y: Tensor, n_classes: int) -> None:
