@@ -313,7 +313,10 @@ def reference_settings(estimator) -> ReferenceSettings:
         from_arguments = "offload" not in given["COL_CONFIG"]
         explicit_devices = {stage: "device" in given[stage] for stage in STAGES}
     elif all(hasattr(config, stage) for stage in STAGES):
-        settings = {stage: {**STAGE_DEFAULTS, **_stage_settings(stage, getattr(config, stage))} for stage in STAGES}
+        settings = {
+            stage: {**STAGE_DEFAULTS, **_stage_settings(stage, getattr(config, stage))}
+            for stage in STAGES
+        }
         from_arguments = False
         explicit_devices = dict.fromkeys(STAGES, True)
     else:
@@ -371,7 +374,8 @@ def _stage_settings(stage: str, value) -> dict:
     # where several are wrong, the same one is named
     first = ("device", "use_amp", "use_fa3", "verbose")
     first += ("offload", "disk_offload_dir") if stage == "COL_CONFIG" else ()
-    for key, setting in sorted(items.items(), key=lambda item: first.index(item[0]) if item[0] in first else len(first)):
+    order = {key: first.index(key) if key in first else len(first) for key in items}
+    for key, setting in sorted(items.items(), key=lambda item: order[item[0]]):
         if key not in STAGE_SETTINGS:
             raise KeyError(
                 f"inference_config[{stage!r}]: unknown setting {key!r}; tabicl's are "
