@@ -91,9 +91,9 @@ def test_a_rung_records_where_tabserves_calls_fell_back(monkeypatch, tmp_path):
     """The child's watch reads what the estimators log when a GPU call's column output does not
     fit where its mode asked (reference_args.offload_store), and the record shows it."""
     import logging
-    import types
 
     import torch
+    from tabserve.models.tabicl import TabICLClassifier
     from tabserve.models.tabicl.sklearn import reference_args
 
     logger = logging.getLogger("tabserve")  # the watch's handler and level end with the test
@@ -101,9 +101,8 @@ def test_a_rung_records_where_tabserves_calls_fell_back(monkeypatch, tmp_path):
     monkeypatch.setattr(logger, "level", logger.level)
     kept_on = offload_capacity._watch_fallbacks()
     monkeypatch.setattr(reference_args, "device_free_bytes", lambda device: 1 << 20)
-    estimator = types.SimpleNamespace(
-        offload_mode=False, device_=torch.device("cuda", 0), disk_offload_dir=None
-    )
+    estimator = TabICLClassifier(offload_mode=False, device="cuda:0")
+    estimator.device_ = torch.device("cuda", 0)  # as a fit on the GPU sets it (no GPU needed)
     with reference_args.offload_store(estimator, 1 << 19) as store:
         assert store is None  # fits on the device: nothing said
     assert kept_on == set()
