@@ -307,10 +307,10 @@ class _TabICLBase(BaseEstimator):
                 f"bucket_grid must be a tabserve.BucketGrid or None, got "
                 f"{type(self.bucket_grid).__name__}"
             )
-        check_reference_args(self, self._task)
+        settings = check_reference_args(self, self._task)
         recipe = self.recipe
         if recipe is not None and not (isinstance(recipe, str) and recipe == "auto"):
-            if resolve_options(recipe).precision != "fp32" and reference_settings(self).use_amp is False:
+            if resolve_options(recipe).precision != "fp32" and settings.use_amp is False:
                 where = "use_amp=False" if self.use_amp is False else "inference_config's use_amp=False"
                 raise ValueError(
                     f"{where} asks for fp32, but recipe={recipe!r} computes in reduced "

@@ -98,16 +98,12 @@ class TableEncoder:
         return torch.where(torch.isnan(numeric), self.fill_, numeric)
 
     def _by_position(self, X):
-        """``X`` (a DataFrame, or an array read as one) under the fitted frame's column labels.
-        tabicl's column transformer reads a later input by position unless both it and the
-        training frame name their columns with strings, and then scikit-learn has already
-        refused other names or another order: an array or a frame of other labels (which
-        scikit-learn warns of) is read by position. Encoders pickled without the labels read
-        by name."""
-        import pandas as pd
-
-        if not hasattr(X, "columns"):
-            X = pd.DataFrame(X)
+        """The DataFrame ``X`` (the estimator has made an array into one) under the fitted
+        frame's column labels. tabicl's column transformer reads a later input by position
+        unless both it and the training frame name their columns with strings, and then
+        scikit-learn has already refused other names or another order: an array or a frame of
+        other labels (which scikit-learn warns of) is read by position. Encoders pickled without
+        the labels read by name."""
         labels = getattr(self, "columns_", None)
         if labels is not None and [str(name) for name in X.columns] != labels:
             X = X.set_axis(labels, axis=1)

@@ -110,9 +110,9 @@ def offload_target(
     folder)."""
     if mode == "disk" and disk_free is None:
         raise ValueError("offload_mode='disk' needs disk_offload_dir, the folder of its files")
-    device_share = {"auto": rule.device_share, "gpu": 1.0}.get(mode, 0.0)
+    device_share = {"auto": rule.device_share, "gpu": 1.0}
     fits = {
-        "device": mode in ("auto", "gpu") and output_bytes <= device_share * device_free,
+        "device": mode in device_share and output_bytes <= device_share[mode] * device_free,
         "cpu": mode != "disk" and output_bytes <= rule.host_share * host_free,
         "disk": disk_free is not None
         and output_bytes <= rule.disk_share * max(0, disk_free - rule.disk_reserve),
@@ -127,9 +127,10 @@ def device_free_bytes(device: torch.device) -> int:
     return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
 
 
-def check_reference_args(estimator, task: str) -> None:
-    """Raises ValueError / TypeError naming the argument for a value tabicl would refuse, or one
-    tabserve cannot serve (offloading with a KV cache, a setting of ``inference_config`` that
+def check_reference_args(estimator, task: str) -> ReferenceSettings:
+    """The estimator's :func:`reference_settings`, once its arguments are checked: raises
+    ValueError / TypeError naming the argument for a value tabicl would refuse, or one tabserve
+    cannot serve (offloading with a KV cache, a setting of ``inference_config`` that
     :func:`reference_settings` names)."""
     for name in ("use_amp", "use_fa3"):
         value = getattr(estimator, name)
@@ -172,6 +173,7 @@ def check_reference_args(estimator, task: str) -> None:
                 f"device={estimator.device!r}: tabserve runs every stage where the model is; "
                 "leave the stages' device out or name the same one"
             )
+    return settings
 
 
 #: tabicl's ``inference_config``: settings per stage of the network (its ``MgrConfig``).
