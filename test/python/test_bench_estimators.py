@@ -115,6 +115,19 @@ def test_the_floor_is_measured_in_the_run_and_each_cold_answer_set_against_it(ru
     assert estimator_report.floor_table(dict(document, floor=None)) is None
 
 
+def test_a_merged_record_names_each_runs_floor_beside_its_kinds(run):
+    _, document = run
+    later = document["floor"]["median_ms"] + 360.0  # a second run's floor, on other kinds
+    results = [dict(r, floor_ms=later) if r["kind"] != "small" else r for r in document["results"]]
+    sentence, rows = estimator_report.floor_table(dict(document, results=results))
+    assert sentence.startswith("floor per merged run")
+    assert f"{document['floor']['median_ms'] / 1e3:.2f} s (small)" in sentence
+    assert f"{later / 1e3:.2f} s (" in sentence and "small" not in sentence.split(";")[1]
+    for row, r in zip(rows, results):
+        over = (r["cold"]["cold_ms"] - r["floor_ms"]) / 1e3
+        assert float(row[3]) == pytest.approx(over, abs=0.006)
+
+
 def test_a_failing_engine_is_an_error_row(tmp_path):
     missing = tmp_path / "no-such.ckpt"
     argv = QUICK + ["--kinds", "small", "--recipes", "exact", "--out", str(tmp_path)]

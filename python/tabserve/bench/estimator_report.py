@@ -151,6 +151,14 @@ def floor_table(document: dict) -> tuple[str, list] | None:
         rows.append([r["kind"], _engine_label(r), _seconds(cold), over(cold), _seconds(again), over(again)])
     samples = ", ".join(f"{ms / 1e3:.2f}" for ms in floor["samples_ms"])
     sentence = f"floor {floor['median_ms'] / 1e3:.2f} s (median of {samples} s)"
+    per_run: dict = {}  # a merged record's runs each measured their own floor
+    for r in document["results"]:
+        if r.get("floor_ms") is not None:
+            per_run.setdefault(r["floor_ms"], {})[r["kind"]] = None  # kinds in order, once
+    if len(per_run) > 1:
+        sentence = "floor per merged run, each row against its own run's: " + "; ".join(
+            f"{ms / 1e3:.2f} s ({', '.join(kinds)})" for ms, kinds in per_run.items()
+        )
     if any(r.get("floor_ms") is None for r in document["results"]):
         sentence += ", measured by the last merged run; '-': a run that measured none"
     return sentence, rows
