@@ -4,6 +4,7 @@ pickling / saving without the network."""
 
 from __future__ import annotations
 
+import copy
 import inspect
 import io
 import logging
@@ -514,6 +515,38 @@ def test_the_kv_cache_is_built_batch_size_members_at_a_time_across_the_normalisa
         assert [len(group) for group in est.plan_.values()] == [4, 4]
         assert [cache.icl[0][0].shape[0] for cache in est.cache_] == sizes
         np.testing.assert_allclose(est.predict_proba(X_test), expected, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("task", ["clf", "reg"])
+def test_a_one_shot_prediction_spans_the_normalisation_groups_on_a_gpu(task, monkeypatch):
+    # 8 members in two normalisation groups of 4, batch_size=3: a call per group on the CPU
+    # (3 + 1 members, twice), calls across the groups on a GPU (3, 3, 2): the same answers.
+    X, y, X_test = _table(5)
+    if task == "reg":
+        y = np.random.default_rng(5).normal(size=len(y))
+    cls = TabICLClassifier if task == "clf" else TabICLRegressor
+    est = cls(model_path=reference_checkpoint(task, "tiny"), device="cpu", batch_size=3).fit(X, y)
+    assert [len(group) for group in est.plan_.values()] == [4, 4]
+    assert not est._joins_groups()
+    sizes = []
+    one_shot = cls._one_shot
+
+    def counted(self, engine, X_m, *args, **kwargs):
+        sizes.append(X_m.shape[0])
+        return one_shot(self, engine, X_m, *args, **kwargs)
+
+    monkeypatch.setattr(cls, "_one_shot", counted)
+    method = "predict_proba" if task == "clf" else "predict"
+    per_group = getattr(est, method)(X_test)
+    assert sizes == [3, 1, 3, 1]
+    sizes.clear()
+    monkeypatch.setattr(cls, "_joins_groups", lambda self: True)
+    np.testing.assert_allclose(getattr(est, method)(X_test), per_group, atol=1e-6, rtol=0)
+    assert sizes == [3, 3, 2]
+    monkeypatch.undo()
+    cuda = copy.copy(est)
+    cuda.devices_ = [torch.device("cuda", 0)]  # the policy alone: nothing runs there
+    assert cuda._joins_groups() and not est._joins_groups()
 
 
 def test_a_pickle_with_a_kv_cache_per_normalisation_group_is_rebuilt_or_refused():

@@ -619,7 +619,8 @@ class _TabICLBase(BaseEstimator):
         reads the network's weights once per call, and one call of a table's 8 members instead
         of one per normalisation group (4 and 4) took a 1-row prediction from 76-78 ms to
         58-62 ms (full-size network, 1,000 train rows, 50 features, 2-core CPU; 100 and 1,000
-        rows within the noise, 0.84-1.06x)."""
+        rows within the noise, 0.84-1.06x). A one-shot prediction on a GPU does likewise
+        (:meth:`_joins_groups`)."""
         rows = {}
         for start in range(0, len(entries), step):
             tables, ys = [], []
@@ -646,12 +647,8 @@ class _TabICLBase(BaseEstimator):
         return copies[key]
 
     def _chunks(self, method: str, X_test: Tensor | None, rows: Tensor | None = None):
-        """Member tables of one normalisation group, ``batch_size`` members at a time.
-
-        A call per group, as tabicl runs them: a table's 8 members in one call instead of two
-        of 4 (same answers) was slower on the 2-core CPU, paired medians of the estimator's
-        predict: 1.18x on the suite's quick ``mixed`` table, 1.06-1.13x on ``small`` (600 + 150
-        rows), 0.97-0.99x on its quick 60-row shape; not measured on a GPU.
+        """Member tables of one normalisation group, ``batch_size`` members at a time (a
+        one-shot prediction's calls on the CPU: :meth:`_one_shot_chunks`).
 
         Yields ``(X (members, N + M, H) float32, y_train (members, N) float32)``
         (:meth:`_member_chunks`); ``rows``: the group's preprocessed train and test rows, given
@@ -731,12 +728,37 @@ class _TabICLBase(BaseEstimator):
         else:
             jobs = [
                 lambda engine, device, X_m=X_m, y_m=y_m: run(engine, X_m.to(device), y_m.to(device))
-                for method in self.plan_
-                for X_m, y_m in self._chunks(method, X_test)
+                for X_m, y_m in self._one_shot_chunks(X_test)
             ]
         if on is not None:
             return [job(*on) for job in jobs]
         return self._spread(jobs)
+
+    def _joins_groups(self) -> bool:
+        """Whether a one-shot prediction's model calls span the normalisation groups
+        (``batch_size`` members across them, like the KV caches' chunks) or take one group each.
+
+        The measured choice differs by device, the answers not beyond float rounding. On an H100
+        (torch 2.11, default recipe, full-size network) one call of a table's 8 members took
+        0.69-0.97x the time of a call per group (4 and 4), medians of interleaved pairs on ten
+        small tables (the estimator suite's ``small`` and ``mixed`` kinds, full and quick, and six
+        tasks of the many-tables population), before and after the background compiles; the
+        probabilities moved by at most 2.4e-4 (fp16). On the 2-core CPU one call was slower:
+        1.18x on the suite's quick ``mixed`` table, 1.06-1.13x on ``small`` (600 + 150 rows),
+        0.97-0.99x on its quick 60-row shape."""
+        return all(device.type == "cuda" for device in self.devices_)
+
+    def _one_shot_chunks(self, X_test: Tensor):
+        """A one-shot prediction's member tables per model call, in plan order: across the
+        normalisation groups or one group at a time (:meth:`_joins_groups`)."""
+        if not self._joins_groups():
+            return itertools.chain.from_iterable(self._chunks(m, X_test) for m in self.plan_)
+        prep = self.preprocessors_
+        return self._member_chunks(
+            self._entries(),
+            lambda method: torch.cat([prep[method].train_, prep[method].transform(X_test)]),
+            self._step(self._entries()),
+        )
 
     def _cache_step(self) -> int:
         return getattr(self, "cache_step_", None) or self._step(self._entries())
@@ -748,6 +770,8 @@ class _TabICLBase(BaseEstimator):
             return "members"
         if self.cache_ is not None:  # the cached chunks span the normalisation groups
             groups = [(len(self._entries()), self._cache_step())]
+        elif self._joins_groups():
+            groups = [(len(self._entries()), self._step(self._entries()))]
         else:
             groups = [(len(members), self._step(members)) for members in self.plan_.values()]
         chunks = [min(step, size - i) for size, step in groups for i in range(0, size, step)]
