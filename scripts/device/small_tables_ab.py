@@ -1,19 +1,18 @@
 """A/Bs of the default CUDA path on small tables, in one process, each pair interleaved, answers
 compared; and a profile of KV-cached predictions.
 
-    python scripts/device/small_tables_ab.py --out DIR [--parts prep calls cached first]
+    python scripts/device/small_tables_ab.py --out DIR [--parts prep cached first]
 
 ``prep``: the members' preprocessing (encoder, constant filter, normalisations, member tables) on
 the device, as today, against on the host with the member tables copied over: the preprocessing
-alone, then the estimator's fit + predict. ``calls``: a one-shot prediction as one call per
-normalisation group (today) against one call of the table's 8 members; before and after the
-background compiles. ``cached``: a ``kv_cache=True`` estimator on the suite's ``wide-rows`` table:
+alone, then the estimator's fit + predict. ``cached``: a ``kv_cache=True`` estimator on the suite's ``wide-rows`` table:
 1, 100 and 10,000 rows, and a profile of 1 and 10,000 rows. ``first``: a fresh process's first
 fit + predict of a small table with the preprocessing on the device and on the host.
 
 The tables: the estimator suite's ``small`` and ``mixed`` kinds (full and quick) and the first
 classification tasks of the many-tables population. Medians of interleaved pairs; prints one line
-per table and writes ``DIR/small_tables_ab.json``.
+per table and writes ``DIR/small_tables_ab.json`` after each part (a run cut short keeps the
+parts it finished).
 """
 
 from __future__ import annotations
@@ -24,6 +23,7 @@ import json
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -33,9 +33,7 @@ from tabserve import TabICLClassifier
 from tabserve.bench.estimator_kinds import kind_by_name, make_table
 from tabserve.bench.many_tables_population import POPULATIONS, make_task, task_specs
 from tabserve.bench.workloads import make_checkpoint
-from tabserve.models.tabicl.serving.background import wait_for_compiles
 from tabserve.models.tabicl.serving.options import describe
-from tabserve.models.tabicl.sklearn import estimators as E
 from tabserve.models.tabicl.sklearn import preprocessing as P
 
 PAIRS = 9
@@ -92,31 +90,6 @@ def host_preprocessing(on: bool):
         P.TableEncoder.__init__ = init
 
 
-def _one_call(self, X_test, run, run_cached, on=None):
-    """``_member_outputs`` with a one-shot prediction's members in one call across the groups."""
-    if self.cache_ is not None:
-        return _GROUP_CALLS(self, X_test, run, run_cached, on)
-    rows = {m: torch.cat([p.train_, p.transform(X_test)]) for m, p in self.preprocessors_.items()}
-    chunks = self._member_chunks(self._entries(), rows.__getitem__, self._step(self._entries()))
-    jobs = [
-        lambda engine, device, X_m=X_m, y_m=y_m: run(engine, X_m.to(device), y_m.to(device))
-        for X_m, y_m in chunks
-    ]
-    return [job(*on) for job in jobs] if on is not None else self._spread(jobs)
-
-
-_GROUP_CALLS = E._TabICLBase._member_outputs
-
-
-@contextlib.contextmanager
-def one_call(on: bool):
-    E._TabICLBase._member_outputs = _one_call if on else _GROUP_CALLS
-    try:
-        yield
-    finally:
-        E._TabICLBase._member_outputs = _GROUP_CALLS
-
-
 def part_prep(args, data, device) -> list:
     print("== prep: members' preprocessing, device / host (ms, medians of pairs)")
     rows = []
@@ -146,28 +119,6 @@ def part_prep(args, data, device) -> list:
         rows.append({"table": label, "prep_ms": alone, "fit_predict_ms": whole, "max_diff": diff})
         print(f"{label:32s} prep {alone[0]:7.2f} / {alone[1]:7.2f}   fit+predict {whole[0]:8.2f} / "
               f"{whole[1]:8.2f} ({whole[1] / whole[0]:.2f}x)  max diff {diff:.1e}", flush=True)  # fmt: skip
-    return rows
-
-
-def part_calls(args, data, device, label: str) -> list:
-    print(f"== calls ({label}): predict_proba per group / one call of 8 (ms, medians of pairs)")
-    rows = []
-    for name, X_train, y_train, X_test in data:
-        est = TabICLClassifier(model_path=args.checkpoint, device=device).fit(X_train, y_train)
-
-        def predict(joined, X_test=X_test, est=est):
-            def call():
-                with one_call(joined):
-                    return est.predict_proba(X_test)
-
-            return call
-
-        groups, joined = paired(device, predict(False), predict(True))
-        diff = float(np.abs(predict(False)() - predict(True)()).max())
-        rows.append({"table": name, "ms": (groups, joined), "max_diff": diff,
-                     "preset": describe(est.served_options_)})  # fmt: skip
-        print(f"{name:32s} {groups:8.2f} / {joined:8.2f} ({joined / groups:.2f}x)  max diff "
-              f"{diff:.1e}  {describe(est.served_options_)}", flush=True)  # fmt: skip
     return rows
 
 
@@ -248,32 +199,29 @@ def part_first(args, device) -> list:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--parts", nargs="+", default=["prep", "calls", "cached", "first"])
+    parser.add_argument("--parts", nargs="+", default=["prep", "cached", "first"],
+                        choices=("prep", "cached", "first"))
     parser.add_argument("--checkpoint", help="classifier checkpoint (default: random weights)")
     parser.add_argument("--size", default="full", choices=("full", "tiny"))
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--tasks", type=int, default=6, help="many-tables population tasks")
-    parser.add_argument("--compile-wait", type=float, default=90.0)
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    work = tempfile.TemporaryDirectory()  # the checkpoint stays out of what comes back
     if args.checkpoint is None:
-        args.checkpoint = str(make_checkpoint("clf", args.out / "clf.ckpt", size=args.size))
+        args.checkpoint = str(make_checkpoint("clf", Path(work.name) / "clf.ckpt", size=args.size))
     device = torch.device(args.device)
     data = tables(args.tasks)
     record = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
-    if "prep" in args.parts:
-        record["prep"] = part_prep(args, data, device)
-    if "calls" in args.parts:
-        record["calls_early"] = part_calls(args, data, device, "early")
-        done = wait_for_compiles(args.compile_wait)
-        record["calls_after"] = part_calls(
-            args, data, device, "after compiles" if done else "compiles still running"
-        )
-    if "cached" in args.parts:
-        record["cached"] = part_cached(args, device, args.out)
-    if "first" in args.parts:
-        record["first"] = part_first(args, device)
-    (args.out / "small_tables_ab.json").write_text(json.dumps(record, indent=1))
+    parts = {
+        "prep": lambda: part_prep(args, data, device),
+        "cached": lambda: part_cached(args, device, args.out),
+        "first": lambda: part_first(args, device),
+    }
+    for name in args.parts:
+        record[name] = parts[name]()
+        (args.out / "small_tables_ab.json").write_text(json.dumps(record, indent=1))
+    work.cleanup()
     return 0
 
 
