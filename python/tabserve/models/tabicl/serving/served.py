@@ -311,10 +311,12 @@ class _BucketGraph:
     Warmed up on a side stream (lazy initialisation must not be captured), captured into the
     shared ``pool``. ``static`` inputs are used in place (not copied): the KV cache.
 
-    Captured at a key's first call: an estimator's predict calls each key twice (one call per
-    normalisation group), so capturing at the second call instead ran one more pass and made
-    a fresh process's first predict slower (H100, small table, ``medium``: 0.54 s against
-    0.40 s; DataFrame table 0.61 s against 0.48 s).
+    Captured at a key's first call. Where an estimator's predict called each key twice (a call
+    per normalisation group), capturing at the second call instead ran one more pass and made a
+    fresh process's first predict slower (H100, small table, ``medium``: 0.54 s against 0.40 s;
+    DataFrame table 0.61 s against 0.48 s). A one-shot predict on a GPU calls each key once
+    (its members span the groups), and fresh estimators of one shape share the served model
+    and so its graphs; capturing at a later call is unmeasured there.
     """
 
     def __init__(self, fn, inputs: Sequence[Tensor], static: Sequence = (), pool=None):
