@@ -21,6 +21,7 @@ from cuda_helpers import requires_cuda
 from tabicl_helpers import device_params, reference_checkpoint
 import tabserve
 from tabserve.models.tabicl import TabICLClassifier, TabICLRegressor
+from tabserve.models.tabicl.sklearn.estimators import JOINED_CALL_MAX_CELLS
 from tabserve.models.tabicl.sklearn.reference_args import CHECKPOINT_VERSIONS, HF_REPO
 
 tabicl = pytest.importorskip("tabicl")
@@ -527,7 +528,7 @@ def test_a_one_shot_prediction_spans_the_normalisation_groups_on_a_gpu(task, mon
     cls = TabICLClassifier if task == "clf" else TabICLRegressor
     est = cls(model_path=reference_checkpoint(task, "tiny"), device="cpu", batch_size=3).fit(X, y)
     assert [len(group) for group in est.plan_.values()] == [4, 4]
-    assert not est._joins_groups()
+    assert not est._joins_groups(len(X_test))
     sizes = []
     one_shot = cls._one_shot
 
@@ -540,13 +541,18 @@ def test_a_one_shot_prediction_spans_the_normalisation_groups_on_a_gpu(task, mon
     per_group = getattr(est, method)(X_test)
     assert sizes == [3, 1, 3, 1]
     sizes.clear()
-    monkeypatch.setattr(cls, "_joins_groups", lambda self: True)
+    monkeypatch.setattr(cls, "_joins_groups", lambda self, n_test: True)
     np.testing.assert_allclose(getattr(est, method)(X_test), per_group, atol=1e-6, rtol=0)
     assert sizes == [3, 3, 2]
     monkeypatch.undo()
+    # The policy alone (nothing runs on the GPU): across the groups up to the cell bound.
     cuda = copy.copy(est)
-    cuda.devices_ = [torch.device("cuda", 0)]  # the policy alone: nothing runs there
-    assert cuda._joins_groups() and not est._joins_groups()
+    cuda.devices_ = [torch.device("cuda", 0)]
+    n_train, n_features = est.preprocessors_["none"].train_.shape
+    largest = JOINED_CALL_MAX_CELLS // n_features - n_train
+    assert cuda._joins_groups(largest) and not cuda._joins_groups(largest + 1)
+    cuda.test_chunk_rows = largest  # each call holds that many test rows
+    assert cuda._joins_groups(10 * largest) and not est._joins_groups(len(X_test))
 
 
 def test_a_pickle_with_a_kv_cache_per_normalisation_group_is_rebuilt_or_refused():

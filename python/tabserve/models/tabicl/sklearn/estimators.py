@@ -92,6 +92,12 @@ from .reference_args import (
 
 DEFAULT_NORM_METHODS = ("none", "power")
 
+#: The most cells (train + test rows, times features) of a table whose one-shot calls span the
+#: normalisation groups on a GPU (:meth:`_TabICLBase._joins_groups`): the largest tables the
+#: choice was measured on hold 96,000 and 102,196. Past them a call of every member would hold
+#: twice the activations of a group's call for a gain that had shrunk to 0.95-0.97x.
+JOINED_CALL_MAX_CELLS = 102_400
+
 
 #: The device :meth:`_TabICLBase.load` unpickles onto (None: the estimator's ``device``).
 _load_device: contextvars.ContextVar = contextvars.ContextVar("tabserve_load_device", default=None)
@@ -734,9 +740,11 @@ class _TabICLBase(BaseEstimator):
             return [job(*on) for job in jobs]
         return self._spread(jobs)
 
-    def _joins_groups(self) -> bool:
-        """Whether a one-shot prediction's model calls span the normalisation groups
-        (``batch_size`` members across them, like the KV caches' chunks) or take one group each.
+    def _joins_groups(self, n_test: int) -> bool:
+        """Whether a one-shot prediction of ``n_test`` rows spans the normalisation groups in its
+        model calls (``batch_size`` members across them, like the KV caches' chunks) or takes
+        one group per call: across them on GPUs, for tables of at most
+        :data:`JOINED_CALL_MAX_CELLS` cells (train and test rows of a call, times features).
 
         The measured choice differs by device, the answers not beyond float rounding. On an H100
         (torch 2.11, default recipe, full-size network) one call of a table's 8 members took
@@ -746,12 +754,16 @@ class _TabICLBase(BaseEstimator):
         probabilities moved by at most 2.4e-4 (fp16). On the 2-core CPU one call was slower:
         1.18x on the suite's quick ``mixed`` table, 1.06-1.13x on ``small`` (600 + 150 rows),
         0.97-0.99x on its quick 60-row shape."""
-        return all(device.type == "cuda" for device in self.devices_)
+        if not all(device.type == "cuda" for device in self.devices_):
+            return False
+        train = next(iter(self.preprocessors_.values())).train_
+        n_test = min(n_test, self.test_chunk_rows or n_test)  # the rows of one call
+        return (train.shape[0] + n_test) * train.shape[1] <= JOINED_CALL_MAX_CELLS
 
     def _one_shot_chunks(self, X_test: Tensor):
         """A one-shot prediction's member tables per model call, in plan order: across the
         normalisation groups or one group at a time (:meth:`_joins_groups`)."""
-        if not self._joins_groups():
+        if not self._joins_groups(X_test.shape[0]):
             return itertools.chain.from_iterable(self._chunks(m, X_test) for m in self.plan_)
         prep = self.preprocessors_
         return self._member_chunks(
@@ -770,7 +782,7 @@ class _TabICLBase(BaseEstimator):
             return "members"
         if self.cache_ is not None:  # the cached chunks span the normalisation groups
             groups = [(len(self._entries()), self._cache_step())]
-        elif self._joins_groups():
+        elif self._joins_groups(n_test):
             groups = [(len(self._entries()), self._step(self._entries()))]
         else:
             groups = [(len(members), self._step(members)) for members in self.plan_.values()]
