@@ -21,9 +21,17 @@ just past a bucket edge), garbage in the padded rows, against cuDNN on the keys 
 (the unpadded path, which a graph cannot replay for another n): the measurement that picks
 the ICL stage's padded backend.
 
+``--cached`` times the calls of a KV-cached prediction of few rows: 1, 16 and 100 test rows
+against the 10,000 cached train rows of the estimator suite's predict-many table. There a flash
+kernel gives each (table, head) one block that walks all the keys (H100 profile, 1-row
+prediction: 175 us a call, 2.1 ms of the 3.4 ms the GPU was busy), while reading the cache's K
+and V once bounds a call at the card's bandwidth. Besides the backends it times the attention as
+two batched matmuls (the softmax in fp32), and reports the rate as K and V bytes read per second.
+
     python benchmarks/icl_attention.py --device cuda
     python benchmarks/icl_attention.py --device cuda --prefix   # the padded (bucketed) calls
     python benchmarks/icl_attention.py --device cuda --cases xlarge --flash-sweep
+    python benchmarks/icl_attention.py --device cuda --cached   # KV-cached predictions' calls
     python benchmarks/icl_attention.py --quick        # CPU, small shapes (math backend only)
 """
 
@@ -55,6 +63,9 @@ CASES = [
     ("xlarge test", 8, 1000, 50000),
 ]
 QUICK_CASES = [("tiny train", 2, 96, 96), ("tiny test", 2, 16, 96)]
+#: ``--cached``: a KV-cached prediction's calls (8 members, 10,000 cached train rows).
+CACHED_CASES = [(f"cached {n} rows", 8, n, 10000) for n in (1, 16, 100)]
+QUICK_CACHED_CASES = [("tiny cached 1 row", 2, 1, 96), ("tiny cached 16 rows", 2, 16, 96)]
 #: The padded calls (``--prefix``): the small workload's (8 tables, 512 train + 64 test rows),
 #: whose bucketed presets replay CUDA graphs, and the large one's (xlarge's 50,000 train rows
 #: are past the train-row grid: never padded).
@@ -144,6 +155,12 @@ def methods(device, flash_sweep: bool = False) -> dict:
     return found
 
 
+def by_matmuls(q, k, v):
+    """Attention as two batched matmuls, the scores' softmax in fp32 (``--cached``)."""
+    scores = torch.matmul(q * q.shape[-1] ** -0.5, k.transpose(-2, -1))
+    return torch.matmul(scores.float().softmax(-1).to(v.dtype), v)
+
+
 def padded_keys(k, v, n: int, length: int, seed: int = 1):
     """k and v's first ``n`` keys in buffers of ``length`` keys, the rest garbage (large random
     values: a kernel that reads a padded key shows it in the error)."""
@@ -190,12 +207,22 @@ def main(argv=None) -> int:
         action="store_true",
         help="the padded calls: tabserve.ops.prefix_attention per backend (see above)",
     )
+    parser.add_argument(
+        "--cached",
+        action="store_true",
+        help="a KV-cached prediction's calls: few query rows, many keys (see above)",
+    )
     args = parser.parse_args(argv)
+    if args.cached and args.prefix:
+        parser.error("--cached and --prefix are separate runs")
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype) if device.type == "cuda" else torch.float32
-    cases = selected_cases(
-        QUICK_CASES if args.quick else PREFIX_CASES if args.prefix else CASES, args
-    )
+    if args.cached:
+        cases = selected_cases(QUICK_CACHED_CASES if args.quick else CACHED_CASES, args)
+    else:
+        cases = selected_cases(
+            QUICK_CASES if args.quick else PREFIX_CASES if args.prefix else CASES, args
+        )
     records, rows = [], []
     for name, tables, queries, keys in cases:
         q, k, v = inputs(tables, queries, keys, dtype, device)
@@ -213,6 +240,8 @@ def main(argv=None) -> int:
                 runs["sdpa cudnn, sliced keys"] = lambda f=sliced, q=q, k=k, v=v: f(q, k, v)
         else:
             found = methods(device, args.flash_sweep)
+            if args.cached:
+                found["matmuls"] = by_matmuls
             # v a keyword: the offset-values check below passes its own
             runs = {m: lambda f=f, q=q, k=k, v=v: f(q, k, v) for m, f in found.items()}
         flop = 4 * tables * HEADS * queries * k.shape[2] * HEAD_DIM  # over the real keys
@@ -232,6 +261,7 @@ def main(argv=None) -> int:
                 )
                 continue
             tflops = flop / (m.median_ms / 1e3) / 1e12
+            kv_gb_per_s = 2 * k.numel() * k.element_size() / (m.median_ms / 1e3) / 1e9
             records.append(
                 {
                     "case": name,
@@ -241,15 +271,16 @@ def main(argv=None) -> int:
                     "max_abs_error_vs_fp32": error,
                     "max_abs_error_vs_fp32_offset_values": offset_error,
                     "tflop_per_s": tflops,
+                    "kv_gb_per_s": kv_gb_per_s,
                     **m.as_dict(),
                 }
             )
             offset_cell = "" if offset_error is None else f"{offset_error:.2e}"
-            rows.append(
-                [name, method, *m.table_cells(), f"{tflops:.0f}", f"{error:.2e}", offset_cell]
-            )
+            rate = f"{kv_gb_per_s:.0f}" if args.cached else f"{tflops:.0f}"
+            rows.append([name, method, *m.table_cells(), rate, f"{error:.2e}", offset_cell])
         del q, k, v, runs
     what = "padded ICL attention (prefix_attention)" if args.prefix else "ICL attention"
+    what = "KV-cached ICL attention" if args.cached else what
     print_table(
         f"{what} (head dim {HEAD_DIM}), {dtype} on {device}",
         [
@@ -258,13 +289,14 @@ def main(argv=None) -> int:
             "median ms",
             "p20-p80",
             "peak extra MiB",
-            "TFLOP/s",
+            "K+V GB/s" if args.cached else "TFLOP/s",
             "max |err|",
             f"|err| v+{VALUE_OFFSET:g}",
         ],
         rows,
     )
     stem = "icl-prefix-attention" if args.prefix else "icl-attention"
+    stem = "icl-cached-attention" if args.cached else stem
     out = args.json or default_json(f"{stem}-{device.type}")
     write_json(
         out,
@@ -273,6 +305,7 @@ def main(argv=None) -> int:
             "device": str(device),
             "dtype": str(dtype),
             "prefix": args.prefix,
+            "cached": args.cached,
             "records": records,
         },
     )

@@ -73,6 +73,37 @@ def test_prefix_run_times_the_padded_calls_over_the_real_keys(tmp_path):
         assert record["tflop_per_s"] == pytest.approx(flop / (record["median_ms"] / 1e3) / 1e12)
 
 
+def test_cached_run_times_few_query_rows_with_the_matmul_form_beside_the_backends(tmp_path):
+    """``--cached``: a KV-cached prediction's calls (few query rows against the cached keys),
+    the backends and the two-matmul form, each equal to fp32 maths on the CPU, the rate as the
+    K and V bytes read per second."""
+    out = tmp_path / "cached.json"
+    argv = ["--quick", "--cached", "--device", "cpu", "--budget", "0.01", "--json", str(out)]
+    assert bench.main(argv) == 0
+    document = json.loads(out.read_text())
+    assert document["cached"] is True
+    records = document["records"]
+    methods = ("sdpa math", "matmuls")
+    cases = bench.QUICK_CACHED_CASES
+    assert [(r["case"], r["method"]) for r in records] == [(c[0], m) for c in cases for m in methods]
+    for record in records:
+        tables, heads, queries, keys, dim = record["shape"]
+        assert queries < keys and record["max_abs_error_vs_fp32"] < 1e-5
+        assert record["max_abs_error_vs_fp32_offset_values"] < 1e-5 * bench.VALUE_OFFSET
+        read = 2 * tables * heads * keys * dim * 4  # K and V, fp32
+        assert record["kv_gb_per_s"] == pytest.approx(read / (record["median_ms"] / 1e3) / 1e9)
+    with pytest.raises(SystemExit):
+        bench.main(["--quick", "--cached", "--prefix", "--device", "cpu"])
+
+
+def test_the_matmul_form_is_softmax_attention_in_half_precision_too():
+    q, k, v = bench.inputs(2, 3, 500, torch.float32, torch.device("cpu"))
+    exact = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+    assert torch.allclose(bench.by_matmuls(q, k, v), exact, atol=1e-5)
+    half = bench.by_matmuls(q.bfloat16(), k.bfloat16(), v.bfloat16())
+    assert half.dtype == torch.bfloat16 and (half.float() - exact).abs().max() < 3e-2
+
+
 def test_prefix_lengths_follow_the_train_row_grid():
     from tabserve.buckets import DEFAULT_TRAIN_ROWS
 
