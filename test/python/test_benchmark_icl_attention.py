@@ -85,7 +85,8 @@ def test_cached_run_times_few_query_rows_with_the_matmul_form_beside_the_backend
     records = document["records"]
     methods = ("sdpa math", "matmuls")
     cases = bench.QUICK_CACHED_CASES
-    assert [(r["case"], r["method"]) for r in records] == [(c[0], m) for c in cases for m in methods]
+    expected = [(case[0], method) for case in cases for method in methods]
+    assert [(r["case"], r["method"]) for r in records] == expected
     for record in records:
         tables, heads, queries, keys, dim = record["shape"]
         assert queries < keys and record["max_abs_error_vs_fp32"] < 1e-5
