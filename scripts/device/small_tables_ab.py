@@ -4,9 +4,10 @@ compared; and a profile of KV-cached predictions.
     python scripts/device/small_tables_ab.py --out DIR [--parts prep cached first]
 
 ``prep``: the members' preprocessing (encoder, constant filter, normalisations, member tables) on
-the device, as today, against on the host with the member tables copied over: the preprocessing
-alone, then the estimator's fit + predict. ``cached``: a ``kv_cache=True`` estimator on the suite's ``wide-rows`` table:
-1, 100 and 10,000 rows, and a profile of 1 and 10,000 rows. ``first``: a fresh process's first
+the device (the default) against on the host with the member tables copied over: the
+preprocessing alone, then the estimator's fit + predict. ``cached``: a ``kv_cache=True``
+estimator on the suite's ``wide-rows`` table: 1, 100 and 10,000 rows, and a profile of 1 and
+10,000 rows. ``first``: a fresh process's first
 fit + predict of a small table with the preprocessing on the device and on the host.
 
 The tables: the estimator suite's ``small`` and ``mixed`` kinds (full and quick) and the first
@@ -207,9 +208,6 @@ def main() -> int:
     parser.add_argument("--tasks", type=int, default=6, help="many-tables population tasks")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    work = tempfile.TemporaryDirectory()  # the checkpoint stays out of what comes back
-    if args.checkpoint is None:
-        args.checkpoint = str(make_checkpoint("clf", Path(work.name) / "clf.ckpt", size=args.size))
     device = torch.device(args.device)
     data = tables(args.tasks)
     record = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
@@ -218,10 +216,12 @@ def main() -> int:
         "cached": lambda: part_cached(args, device, args.out),
         "first": lambda: part_first(args, device),
     }
-    for name in args.parts:
-        record[name] = parts[name]()
-        (args.out / "small_tables_ab.json").write_text(json.dumps(record, indent=1))
-    work.cleanup()
+    with tempfile.TemporaryDirectory() as work:  # the checkpoint stays out of what comes back
+        if args.checkpoint is None:
+            args.checkpoint = str(make_checkpoint("clf", Path(work) / "clf.ckpt", size=args.size))
+        for name in args.parts:
+            record[name] = parts[name]()
+            (args.out / "small_tables_ab.json").write_text(json.dumps(record, indent=1))
     return 0
 
 
