@@ -887,6 +887,62 @@ def feed_forward_resident(
 
 
 # ---------------------------------------------------------------------------------------------
+# LayerNorm rounded to the matmul dtype (csrc/ops/layer_norm.cpp, csrc/ops/cuda/layer_norm.cu)
+
+
+@torch.library.register_fake("tabserve::layer_norm_cast")
+def _layer_norm_cast_fake(x, weight, bias, eps, dtype):
+    _same_device("layer_norm_cast", x=x, weight=weight, bias=bias)
+    torch._check(
+        dtype in (torch.float16, torch.bfloat16),
+        lambda: f"dtype must be float16 or bfloat16, got {dtype}",
+    )
+    torch._check(x.is_floating_point(), lambda: f"x must be floating point, got {x.dtype}")
+    torch._check(
+        weight.dim() == 1 and weight.dtype == torch.float32,
+        lambda: f"weight must be float32 1-D, got {weight.dtype} {tuple(weight.shape)}",
+    )
+    torch._check(
+        x.dim() >= 1 and x.shape[-1] == weight.shape[0],
+        lambda: f"x must be [..., {weight.shape[0]}] (weight's length), got {tuple(x.shape)}",
+    )
+    if bias is not None:
+        torch._check(
+            bias.shape == weight.shape and bias.dtype == torch.float32,
+            lambda: f"bias must be float32 of weight's shape, got {bias.dtype} {tuple(bias.shape)}",
+        )
+    torch._check(eps >= 0.0 and eps != float("inf"), lambda: f"eps must be finite and >= 0: {eps}")
+    return x.new_empty(x.shape, dtype=dtype)
+
+
+def layer_norm_cast(
+    x: Tensor, weight: Tensor, bias: Tensor | None, eps: float, dtype: torch.dtype
+) -> Tensor:
+    """LayerNorm over ``x``'s last dimension, rounded to ``dtype``: what ``torch.autocast`` to
+    ``dtype`` computes for a LayerNorm whose output a matmul reads (the LayerNorm in fp32, then
+    the matmul's cast of its output), in one pass over the stream.
+
+    On CUDA an fp32 ``x`` of width 128, 256, 512 or 1024 runs one warp per row (its own
+    summation order: results differ from ATen's by rounding, bounds in docs/reference/ops.md);
+    other inputs, and the CPU, run the ATen composite.
+
+    Args:
+        x: [..., E] floating-point tensor (computed in fp32).
+        weight, bias: LayerNorm's float32 [E] parameters (bias may be None).
+        eps: LayerNorm's epsilon (finite, >= 0).
+        dtype: ``torch.float16`` or ``torch.bfloat16``.
+
+    Returns:
+        x's shape in ``dtype``, contiguous. No host synchronisation (CUDA-graph safe).
+
+    Raises:
+        RuntimeError naming the argument for any other shape or dtype, tensors on another device
+        than x, or a negative or infinite eps.
+    """
+    return torch.ops.tabserve.layer_norm_cast(x, weight, bias, eps, dtype)
+
+
+# ---------------------------------------------------------------------------------------------
 # Sets made only of one value (csrc/ops/all_equal.cpp, csrc/ops/cuda/all_equal.cu)
 
 

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from tabserve.kernels._resident import RESIDENT_DIM, RESIDENT_HIDDEN
 from tabserve.kernels.layout import MAX_GRID_BATCH, to_rows
 
 from .stage_kernels import DEFAULT_KERNELS, SHORT_KEYS
@@ -516,7 +517,7 @@ class AttentionBlock(nn.Module):
     def key_value(self, kv: Tensor, rope: RotaryEmbedding | None = None) -> KeyValue:
         """K/V projections this block attends to, for raw (un-normalised) tokens ``kv``."""
         norm = self._projection_norm(kv)
-        return self.attn.project_kv(kv if norm is not None else self.norm1(kv), rope, norm)
+        return self.attn.project_kv(kv if norm is not None else matmul_input(self.norm1, kv), rope, norm)
 
     def forward(
         self,
@@ -542,7 +543,7 @@ class AttentionBlock(nn.Module):
         :meth:`feed_forward`).
         """
         norm = self._projection_norm(q)  # fused: the projections normalise q themselves
-        q_in = q if norm is not None else self.norm1(q)
+        q_in = q if norm is not None else matmul_input(self.norm1, q)
         keys_rotated = True
         if cached_kv is not None:
             keys_values = cached_kv
@@ -602,12 +603,87 @@ class AttentionBlock(nn.Module):
             )  # fmt: skip
         if out_proj is not None:
             update = out_proj(update)
+        if _resident_serves(x, update, self.linear1.weight):
+            return to_rows(self._feed_forward_resident(x, update, skip), row_prefix)
         if update is not None:
             x = x + update
-        out = x + self.linear2(F.gelu(self.linear1(self.norm2(x))))
+        out = x + self.linear2(F.gelu(self.linear1(matmul_input(self.norm2, x))))
         if skip is not None:
             out = out.masked_fill_(skip[..., None, None], SKIP_VALUE)  # one pass, in place
         return to_rows(out, row_prefix)
+
+
+    def _feed_forward_resident(self, x: Tensor, update: Tensor | None, skip: Tensor | None):
+        """The unfused feed-forward half on :func:`tabserve.ops.feed_forward_resident` (see
+        :func:`_resident_serves`)."""
+        dtype = _autocast_matmul_dtype(x)
+        norm, linear1, linear2 = self.norm2, self.linear1, self.linear2
+        return _padded_ops().feed_forward_resident(
+            x, norm.weight, norm.bias, linear1.weight.to(dtype), linear1.bias.to(dtype),
+            linear2.weight.to(dtype), linear2.bias.to(dtype), norm.eps, update, skip, SKIP_VALUE,
+        )  # fmt: skip
+
+
+#: Token widths :func:`tabserve.ops.layer_norm_cast`'s CUDA kernel serves (one warp per row).
+LAYER_NORM_CAST_WIDTHS = (128, 256, 512, 1024)
+
+
+def _eager_cuda_autocast(x: Tensor) -> torch.dtype | None:
+    """The autocast dtype of an eager call on a CUDA tensor (None under torch.compile's
+    tracing, where Inductor fuses LayerNorms, casts and residual sums into kernels of its own,
+    without autocast, or off CUDA)."""
+    if x.device.type != "cuda" or torch.compiler.is_compiling():
+        return None
+    return _autocast_matmul_dtype(x)
+
+
+def matmul_input(norm: nn.LayerNorm, x: Tensor) -> Tensor:
+    """``norm(x)`` for matmuls to read. Under autocast on CUDA (eager), an fp32 stream of a
+    width :data:`LAYER_NORM_CAST_WIDTHS` holds is normalised and rounded to the autocast dtype
+    in one pass of :func:`tabserve.ops.layer_norm_cast`: autocast's fp32 LayerNorm and the
+    matmul's cast of its output, the same roundings (up to the summation order) in 6 bytes per
+    value moved instead of 14. Elsewhere the module."""
+    dtype = _eager_cuda_autocast(x)
+    if (
+        dtype is None
+        or x.dtype != torch.float32
+        or x.shape[-1] not in LAYER_NORM_CAST_WIDTHS
+        or not _built("layer_norm_cast")
+    ):
+        return norm(x)
+    return _padded_ops().layer_norm_cast(x, norm.weight, norm.bias, norm.eps, dtype)
+
+
+def _resident_serves(x: Tensor, update: Tensor | None, w1: Tensor) -> bool:
+    """Whether an unfused feed-forward half runs on :func:`tabserve.ops.feed_forward_resident`:
+    under autocast on CUDA (eager, sm80+), at its one shape (width 128, FFN width 256: the
+    column and row stages). That C++ kernel computes autocast's roundings (another summation
+    order) in one read and one write of the stream, where the modules make eight passes, and
+    it is built with the package: nothing compiles at its first call, unlike the Triton
+    operator that ``fused_ffn`` adds for the other shapes."""
+    dtype = _eager_cuda_autocast(x)
+    return (
+        dtype is not None
+        and x.shape[-1] == RESIDENT_DIM
+        and tuple(w1.shape) == (RESIDENT_HIDDEN, RESIDENT_DIM)
+        and x.dtype in (torch.float32, dtype)
+        and (update is None or update.dtype == dtype)
+        and _sm80(x.device)
+        and _built("feed_forward_resident")
+    )
+
+
+@functools.cache
+def _sm80(device: torch.device) -> bool:
+    return torch.cuda.get_device_capability(device) >= (8, 0)
+
+
+@functools.cache
+def _built(op: str) -> bool:
+    """Whether this build of the extension has ``tabserve::<op>``'s CUDA kernel (a build
+    without nvcc has the CPU kernels only)."""
+    _padded_ops()  # loads the library
+    return torch._C._dispatch_has_kernel_for_dispatch_key(f"tabserve::{op}", "CUDA")
 
 
 def _autocast_matmul_dtype(x: Tensor) -> torch.dtype | None:
