@@ -192,8 +192,10 @@ def test_cuda_reads_unaligned_strided_and_half_inputs():
     shifted.copy_(x)
     strided = torch.empty(128, 50, device="cuda").t()
     strided.copy_(x)
-    for variant in (shifted, strided):
-        assert torch.equal(ops.layer_norm_cast(variant, weight, b, 1e-5, torch.float16), want)
+    # Strided: copied contiguous, then the kernel. Unaligned: the composite (ATen's sums).
+    assert torch.equal(ops.layer_norm_cast(strided, weight, b, 1e-5, torch.float16), want)
+    composite = ops.layer_norm_cast(shifted, weight, b, 1e-5, torch.float16)
+    assert (composite == want).double().mean().item() >= 0.99 and ulps(composite, want) <= 1.0
     half = ops.layer_norm_cast(x.half(), weight, b, 1e-5, torch.float16)
     assert ulps(half.cpu(), ops.layer_norm_cast(x.half().cpu(), *(t.cpu() for t in (weight, b)),
                                                 1e-5, torch.float16)) <= 1.0  # fmt: skip
@@ -210,7 +212,7 @@ def test_cuda_kernel_replays_in_a_cuda_graph():
         with torch.cuda.graph(graph):
             out = ops.layer_norm_cast(x, weight, b, 1e-5, torch.bfloat16)
     torch.cuda.synchronize()
-    x.add_(1.0)
+    x.copy_(torch.randn_like(x))  # new rows (LayerNorm ignores a shift or a scale of the old)
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, ops.layer_norm_cast(x, weight, b, 1e-5, torch.bfloat16))
