@@ -631,7 +631,14 @@ LAYER_NORM_CAST_WIDTHS = (128, 256, 512, 1024)
 def _eager_cuda_autocast(x: Tensor) -> torch.dtype | None:
     """The autocast dtype of an eager call on a CUDA tensor (None under torch.compile's
     tracing, where Inductor fuses LayerNorms, casts and residual sums into kernels of its own,
-    without autocast, or off CUDA)."""
+    without autocast, or off CUDA).
+
+    Where it is set the blocks run tabserve's C++ kernels instead of the modules
+    (:func:`matmul_input`, :func:`_resident_serves`). On an H100 (full-size model, the ready
+    preset ``medium``, ``scripts/device/kernels_ab.py``) that made a fit + predict of the
+    estimator suite's small, mixed, wide-rows, many-class and regression tables 1.13x, 1.21x,
+    1.27x, 1.19x and 1.26x faster, 48 small tables packed in one call 1.22x and their loop of
+    fresh estimators 1.17x, answers within 7.3e-4 of the modules' (fp16 roundings)."""
     if x.device.type != "cuda" or torch.compiler.is_compiling():
         return None
     return _autocast_matmul_dtype(x)

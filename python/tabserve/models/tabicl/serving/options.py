@@ -394,7 +394,9 @@ PRESETS: dict[str, Preset] = dict(
         # of a 200 + 50-row table (after the imports) from 2.00 to 1.43 s, and 60 varied small
         # tables packed from 2.43 to 1.83 s, the loop unchanged (2.41 against 2.27 s). Its fused
         # feed-forward and norm-linear kernels are Triton's, compiled at first use: 16.6 s for
-        # that first fit + predict, 86 s for a first packed pass.
+        # that first fit + predict, 86 s for a first packed pass. Its blocks run the C++ kernels
+        # built with the package instead where they apply (LayerNorm rounded to fp16 before
+        # each matmul, the width-128 feed-forward halves): ``layers._eager_cuda_autocast``.
         _preset(
             "medium",
             "fp16 on padded buckets replayed from CUDA graphs, tabserve's small-head attention, "
