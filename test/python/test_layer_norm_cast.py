@@ -251,5 +251,8 @@ def test_cuda_block_under_autocast_runs_the_operators_and_agrees_with_the_module
     resident = dim == 128
     assert counts == {"layer_norm_cast": 2 + (not resident), "feed_forward_resident": resident}
     assert got.dtype == want.dtype == torch.float32
+    # Where a LayerNorm output lands on the neighbouring fp16 value, every output of its row
+    # moves by a fraction of a rounding (0.58 at most on an H100, 10% of the outputs at width
+    # 512): the bound is on that size, the share only rules out a wholesale difference.
     equal, worst = agreement(got.cpu(), want.cpu(), q.cpu())
-    assert equal >= 0.9 and worst <= 4.0, (equal, worst)
+    assert equal >= 0.75 and worst <= 2.0, (equal, worst)
