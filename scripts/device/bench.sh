@@ -12,7 +12,7 @@
 # Arguments: a driver workload (small, medium, large, xlarge, many-class, regression, stream;
 # `python -m tabserve.bench --list`), or one of
 #   kernels   the kernel micro-benchmarks (KERNELS picks some: small_head_attention icl_attention
-#             feed_forward norm_linear qassmax_scale table_checks all_equal rotary)
+#             feed_forward norm_linear layer_norm_cast qassmax_scale table_checks all_equal rotary)
 #   profile   benchmarks/profile_tabiclv2.py on PROFILE_WORKLOADS (default "small large") for
 #             PROFILE_CELLS (default: the reference fp16 cell and every preset)
 #   align     the category-alignment benchmark (its string-lookup and table tests first)
@@ -82,7 +82,7 @@ for part in "$@"; do
   case $part in
     kernels)
       for name in ${KERNELS:-small_head_attention icl_attention feed_forward norm_linear \
-          qassmax_scale table_checks all_equal rotary}; do
+          layer_norm_cast qassmax_scale table_checks all_equal rotary}; do
         kernel_bench "$name"
       done ;;
     profile)

@@ -8,8 +8,9 @@ initcheck's tracking), strided views are slices (no kernel), and the only kernel
 tabserve's: small_head_attention (plain, RoPE in the kernel, per-entry n, one-chunk and streamed
 keys, aligned and unaligned rows), qassmax_scale (the fused fp16 / bf16 kernel, head dims 16, 24
 and 64, query-MLP widths 40 to 100, runs of several tiles per block), rotary_embedding,
-feed_forward and norm_linear (Triton), feed_forward_resident (with skipped sets), table_checks
-(shared and global bitmaps), all_equal. ``--only`` picks operators. Each output is
+feed_forward and norm_linear (Triton), feed_forward_resident (with skipped sets),
+layer_norm_cast (every width its kernel takes, with and without a bias), table_checks (shared
+and global bitmaps), all_equal. ``--only`` picks operators. Each output is
 copied back and checked against the CPU kernel, so a run that reads garbage also fails here.
 Exit status 1 on a mismatch.
 
@@ -197,6 +198,19 @@ def feed_forward_resident_cases(dtype) -> None:
         check(f"feed_forward_resident {dtype} case {i} with skipped sets", got, want, 5e-2)
 
 
+def layer_norm_cast_cases(dtype) -> None:
+    """Every width the kernel takes, a bias and none, a row count that leaves a block's last
+    warps without a row."""
+    for i, (rows, width, bias) in enumerate([(1003, 128, True), (77, 256, False),
+                                             (501, 512, True), (9, 1024, True)]):  # fmt: skip
+        x = 3 * host(rows, 1, seed=60 + i) + host(rows, width, seed=61 + i)
+        params = [1 + 0.2 * host(width, seed=62), 0.1 * host(width, seed=63) if bias else None]
+        want = ops.layer_norm_cast(x, *params, 1e-5, dtype)
+        on_device = [None if p is None else p.to("cuda") for p in params]
+        got = ops.layer_norm_cast(x.to("cuda"), *on_device, 1e-5, dtype)
+        check(f"layer_norm_cast {dtype} case {i}", got, want, 5e-2)
+
+
 def all_equal_cases() -> None:
     """Sets of every kind of verdict: all the value, the other value at varied places, at a
     stride boundary (4,096) of a long set; fp32 and fp16; few sets, and more sets than one pass
@@ -279,6 +293,7 @@ GROUPS = {
     "feed_forward": feed_forward_cases,
     "feed_forward_resident": feed_forward_resident_cases,
     "norm_linear": norm_linear_cases,
+    "layer_norm_cast": layer_norm_cast_cases,
     "table_checks": None,
     "all_equal": None,
 }

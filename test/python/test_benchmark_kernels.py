@@ -1,5 +1,5 @@
 """The fused-operator benchmarks (benchmarks/feed_forward.py, norm_linear.py, qassmax_scale.py,
-table_checks.py): their quick CPU runs time every method on every quick case and report each
+table_checks.py, layer_norm_cast.py): their quick CPU runs time every method on every quick case and report each
 method's error against the composite, which on the CPU (the operators' composite kernels) is
 within a rounding."""
 
@@ -13,13 +13,16 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
 import feed_forward
+import layer_norm_cast
 import norm_linear
 import qassmax_scale
 import table_checks
 
 
 @pytest.mark.parametrize(
-    "bench", [feed_forward, norm_linear, qassmax_scale, table_checks], ids=lambda b: b.__name__
+    "bench",
+    [feed_forward, norm_linear, qassmax_scale, table_checks, layer_norm_cast],
+    ids=lambda b: b.__name__,
 )
 def test_quick_cpu_run_times_every_method_and_checks_it(bench, tmp_path):
     out = tmp_path / "bench.json"
