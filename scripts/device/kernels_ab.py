@@ -122,7 +122,9 @@ def part_packed(args, data) -> dict:
         est = TabICLClassifier(model_path=path, device="cuda", recipe="medium")
         return lambda: est.fit_predict_many(data, "predict_proba")
 
-    a, b, ya, yb = paired(call(args.ckpt[TabICLClassifier][0]), call(args.ckpt[TabICLClassifier][1]), 3)
+    a, b, ya, yb = paired(
+        call(args.ckpt[TabICLClassifier][0]), call(args.ckpt[TabICLClassifier][1]), 3
+    )
     result = {"ms": (a, b), "tables_per_s": (len(data) / a * 1e3, len(data) / b * 1e3),
               "max_diff": difference(ya, yb)}  # fmt: skip
     print(line("packed", a, b, result["max_diff"]), flush=True)
@@ -135,13 +137,17 @@ def part_loop(args, data) -> dict:
     def call(path):
         def run():
             return [
-                TabICLClassifier(model_path=path, device="cuda", recipe="medium").fit(X, y).predict_proba(T)
+                TabICLClassifier(model_path=path, device="cuda", recipe="medium")
+                .fit(X, y)
+                .predict_proba(T)
                 for X, y, T in data
             ]
 
         return run
 
-    a, b, ya, yb = paired(call(args.ckpt[TabICLClassifier][0]), call(args.ckpt[TabICLClassifier][1]), 3)
+    a, b, ya, yb = paired(
+        call(args.ckpt[TabICLClassifier][0]), call(args.ckpt[TabICLClassifier][1]), 3
+    )
     result = {"ms": (a, b), "tables_per_s": (len(data) / a * 1e3, len(data) / b * 1e3),
               "max_diff": difference(ya, yb)}  # fmt: skip
     print(line("loop", a, b, result["max_diff"]), flush=True)

@@ -517,7 +517,8 @@ class AttentionBlock(nn.Module):
     def key_value(self, kv: Tensor, rope: RotaryEmbedding | None = None) -> KeyValue:
         """K/V projections this block attends to, for raw (un-normalised) tokens ``kv``."""
         norm = self._projection_norm(kv)
-        return self.attn.project_kv(kv if norm is not None else matmul_input(self.norm1, kv), rope, norm)
+        kv_in = kv if norm is not None else matmul_input(self.norm1, kv)
+        return self.attn.project_kv(kv_in, rope, norm)
 
     def forward(
         self,
@@ -611,7 +612,6 @@ class AttentionBlock(nn.Module):
         if skip is not None:
             out = out.masked_fill_(skip[..., None, None], SKIP_VALUE)  # one pass, in place
         return to_rows(out, row_prefix)
-
 
     def _feed_forward_resident(self, x: Tensor, update: Tensor | None, skip: Tensor | None):
         """The unfused feed-forward half on :func:`tabserve.ops.feed_forward_resident` (see
