@@ -1,5 +1,6 @@
-// GoogleTest: the string-lookup, rotary and small-head attention operators called through the
-// PyTorch dispatcher, as LibTorch users (and TorchScript) see them, on CPU.
+// GoogleTest: the string-lookup, rotary, small-head attention, table-check and LayerNorm-cast
+// operators called through the PyTorch dispatcher, as LibTorch users (and TorchScript) see them,
+// on CPU.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <gtest/gtest.h>
@@ -267,5 +268,53 @@ TEST(DispatcherOps, TableChecksComplexLabelsRaiseNamingThem) {
     FAIL() << "expected an error";
   } catch (const c10::Error& e) {
     EXPECT_NE(std::string(e.what()).find("y_train must be bool"), std::string::npos) << e.what();
+  }
+}
+
+namespace {
+
+auto layer_norm_cast_op() {
+  return c10::Dispatcher::singleton()
+      .findSchemaOrThrow("tabserve::layer_norm_cast", "")
+      .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+                        double, at::ScalarType)>();
+}
+
+}  // namespace
+
+// LayerNorm rounded to half precision against the same maths in float64 rounded once: equal on
+// nearly every value, never more than one rounding away (fp32 sums against fp64 ones).
+TEST(DispatcherOps, LayerNormCastIsFloat64MathsRoundedOnce) {
+  at::manual_seed(0);
+  const at::Tensor x = at::randn({6, 128}) + 3 * at::randn({6, 1});
+  const at::Tensor weight = 1 + 0.2 * at::randn({128});
+  const at::Tensor bias = 0.1 * at::randn({128});
+  for (const auto dtype : {at::kHalf, at::kBFloat16}) {
+    const at::Tensor got = layer_norm_cast_op().call(x, weight, bias, 1e-5, dtype);
+    ASSERT_EQ(got.scalar_type(), dtype);
+    ASSERT_EQ(got.sizes(), x.sizes());
+    const at::Tensor centred = x.to(at::kDouble) - x.to(at::kDouble).mean(-1, true);
+    const at::Tensor variance = (centred * centred).mean(-1, true);
+    const at::Tensor want =
+        (centred / at::sqrt(variance + 1e-5) * weight.to(at::kDouble) + bias.to(at::kDouble))
+            .to(dtype);
+    const double equal = got.eq(want).to(at::kDouble).mean().item<double>();
+    EXPECT_GE(equal, 0.99) << dtype;
+    const double eps = dtype == at::kHalf ? 1.0 / 1024 : 1.0 / 128;  // the dtype's epsilon
+    const at::Tensor rounding = want.to(at::kDouble).abs().clamp_min(1.0 / 64) * eps;
+    EXPECT_LE(((got.to(at::kDouble) - want.to(at::kDouble)).abs() / rounding).max().item<double>(),
+              1.0)
+        << dtype;
+  }
+}
+
+TEST(DispatcherOps, LayerNormCastOtherDtypeRaisesNamingIt) {
+  try {
+    layer_norm_cast_op().call(at::zeros({2, 128}), at::ones({128}), std::nullopt, 1e-5,
+                              at::kFloat);
+    FAIL() << "expected an error";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("dtype must be float16 or bfloat16"), std::string::npos)
+        << e.what();
   }
 }
