@@ -14,7 +14,9 @@ The records are JSON files of several kinds, told apart by their content:
   ``python -m tabserve.bench devices``): the estimators on 1, 2, 4 and 8 devices of one host;
 * the string-lookup sweep (``benchmarks/string_lookup.py``, ``"benchmark": "string_lookup"``);
 * the category-alignment sweep (``benchmarks/align_categories.py``,
-  ``"benchmark": "align_categories"``).
+  ``"benchmark": "align_categories"``);
+* a kernel micro-benchmark's JSON (``"benchmark"`` one of :data:`KERNEL_BENCHMARKS`, e.g.
+  ``benchmarks/icl_attention.py --json``): a row per case and method.
 
 Other JSON files are left out. For each driver record the page gives the device, the versions
 (torch, CUDA, cuDNN, Triton, driver, tabicl), the commit and the command, then one table per
@@ -109,14 +111,19 @@ def load(paths: Iterable[str | Path]) -> list[tuple[Path, dict]]:
         "align_categories": 5,
         "compile_contention": 6,
         "offload_capacity": 7,
+        "kernel": 8,
     }
     return sorted(records, key=lambda item: (order[kind(item[1])], item[0].name))
 
 
+#: The kernel micro-benchmarks whose JSON (``records`` of case, method and timing) is a record.
+KERNEL_BENCHMARKS = ("icl_attention", "layer_norm_cast")
+
+
 def kind(document: object) -> str | None:
     """``"estimator_suite"``, ``"many_tables"``, ``"device_scaling"``, ``"driver"``, ``"string_lookup"``,
-    ``"align_categories"``, ``"compile_contention"``, ``"offload_capacity"`` or None (not a
-    record)."""
+    ``"align_categories"``, ``"compile_contention"``, ``"offload_capacity"``, ``"kernel"`` or None
+    (not a record)."""
     if not isinstance(document, dict):
         return None
     if str(document.get("schema", "")).startswith(SUITE_SCHEMA):
@@ -131,6 +138,8 @@ def kind(document: object) -> str | None:
         "string_lookup", "align_categories", "compile_contention", "offload_capacity"
     ):  # fmt: skip
         return document["benchmark"]
+    if document.get("benchmark") in KERNEL_BENCHMARKS and isinstance(document.get("records"), list):
+        return "kernel"
     return None
 
 
@@ -620,6 +629,53 @@ def render_device_scaling(path: Path, document: dict) -> str:
     return "\n".join(lines)
 
 
+#: A kernel record's rate column, by the first of these keys its records have: (key, heading).
+KERNEL_RATES = (
+    ("kv_gb_per_s", "K+V GB/s"),
+    ("gb_per_s", "GB/s"),
+    ("tflop_per_s", "TFLOP/s"),
+)
+#: ... and its error column.
+KERNEL_ERRORS = (
+    ("max_error_roundings", "max err (roundings)"),
+    ("max_abs_error_vs_fp32", "max abs err vs fp32"),
+)
+
+
+def _first_key(records: list, choices: tuple) -> tuple | None:
+    for key, heading in choices:
+        if any(key in r for r in records):
+            return key, heading
+    return None
+
+
+def render_kernel(path: Path, document: dict) -> str:
+    """A kernel micro-benchmark (``benchmarks/<name>.py --json``): a row per case and method,
+    the median and 20th-80th percentile ms, the rate and the error its records carry."""
+    name = document["benchmark"]
+    modes = [flag for flag in ("cached", "prefix") if document.get(flag)]
+    title = f"Kernel `{name}`" + "".join(f" --{flag}" for flag in modes)
+    lines = _sweep_header(title, path, document)
+    lines.append(f"- dtype: {document.get('dtype', '-')}")
+    records = document["records"]
+    rate, error = _first_key(records, KERNEL_RATES), _first_key(records, KERNEL_ERRORS)
+    columns = ["case", "method", ">median ms", ">p20-p80"]
+    columns += [f">{rate[1]}"] if rate else []
+    columns += [f">{error[1]}"] if error else []
+    rows = []
+    for r in records:
+        if "median_ms" not in r:
+            cells = ["failed", "-"] + ["-"] * (bool(rate) + bool(error))
+        else:
+            spread = f"{format_ms(r.get('p20_ms'))}-{format_ms(r.get('p80_ms'))}"
+            cells = [format_ms(r["median_ms"]), spread]
+            cells += [f"{r[rate[0]]:,.0f}" if rate[0] in r else "-"] if rate else []
+            cells += [f"{r[error[0]]:.1e}" if error[0] in r else "-"] if error else []
+        rows.append([r.get("case", "-"), r.get("method", "-"), *cells])
+    lines += ["", markdown_table(columns, rows)]
+    return "\n".join(lines)
+
+
 RENDERERS = {
     "estimator_suite": render_estimator_suite,
     "many_tables": render_many_tables,
@@ -629,6 +685,7 @@ RENDERERS = {
     "align_categories": render_align,
     "compile_contention": render_contention,
     "offload_capacity": render_offload,
+    "kernel": render_kernel,
 }
 
 

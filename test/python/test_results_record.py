@@ -183,3 +183,27 @@ def test_a_compile_contention_record_renders_its_three_medians(tmp_path):
     text = record.render_results([path])
     assert "## Compile contention: Some CPU (CPU)" in text
     assert "| 8 members | 64.4 | 1637 | 65.6 |" in text
+
+
+def test_a_kernel_record_renders_a_row_per_case_and_method(tmp_path):
+    """A kernel micro-benchmark's JSON: its cases and methods in order, the median and the
+    p20-p80 spread, the rate and the error its records carry, a method that failed as such."""
+    path = tmp_path / "icl_attention_cached_h100.json"
+    document = {
+        "benchmark": "icl_attention", "device": "cuda", "dtype": "torch.float16", "cached": True,
+        "environment": {"gpu": "Some GPU", "git_commit": "abc1234"},
+        "records": [
+            {"case": "cached 1 rows", "method": "sdpa flash", "median_ms": 0.093, "p20_ms": 0.086,
+             "p80_ms": 0.103, "kv_gb_per_s": 1758.2, "max_abs_error_vs_fp32": 9.7e-06},
+            {"case": "cached 1 rows", "method": "matmuls", "error": "refused"},
+        ],
+    }  # fmt: skip
+    path.write_text(json.dumps(document))
+    text = record.render_results([path])
+    assert "## Kernel `icl_attention` --cached: Some GPU" in text
+    assert "| case | method | median ms | p20-p80 | K+V GB/s | max abs err vs fp32 |" in text
+    assert "| cached 1 rows | sdpa flash | 0.093 | 0.086-0.103 | 1,758 | 9.7e-06 |" in text
+    assert "| cached 1 rows | matmuls | failed | - | - | - |" in text
+    # Without records it is no record.
+    path.write_text(json.dumps({**document, "records": None}))
+    assert "Kernel" not in record.render_results([path])
