@@ -115,6 +115,17 @@ def tasks(args) -> list:
     return [make_task(s) for s in specs]
 
 
+def tables_per_second(label: str, args, data, call) -> dict:
+    """``call(path)`` (a callable answering every task of ``data`` on the served model of that
+    checkpoint) for the kernels' and the modules' checkpoints, paired."""
+    kernels, modules_side = (call(path) for path in args.ckpt[TabICLClassifier])
+    a, b, ya, yb = paired(kernels, modules_side, 3)
+    result = {"ms": (a, b), "tables_per_s": (len(data) / a * 1e3, len(data) / b * 1e3),
+              "max_diff": difference(ya, yb)}  # fmt: skip
+    print(line(label, a, b, result["max_diff"]), flush=True)
+    return result
+
+
 def part_packed(args, data) -> dict:
     print(f"== packed: fit_predict_many over {len(data)} classification tasks")
 
@@ -122,36 +133,21 @@ def part_packed(args, data) -> dict:
         est = TabICLClassifier(model_path=path, device="cuda", recipe="medium")
         return lambda: est.fit_predict_many(data, "predict_proba")
 
-    a, b, ya, yb = paired(
-        call(args.ckpt[TabICLClassifier][0]), call(args.ckpt[TabICLClassifier][1]), 3
-    )
-    result = {"ms": (a, b), "tables_per_s": (len(data) / a * 1e3, len(data) / b * 1e3),
-              "max_diff": difference(ya, yb)}  # fmt: skip
-    print(line("packed", a, b, result["max_diff"]), flush=True)
-    return result
+    return tables_per_second("packed", args, data, call)
 
 
 def part_loop(args, data) -> dict:
     print(f"== loop: a fresh estimator per task over {len(data)} classification tasks")
 
     def call(path):
-        def run():
-            return [
-                TabICLClassifier(model_path=path, device="cuda", recipe="medium")
-                .fit(X, y)
-                .predict_proba(T)
-                for X, y, T in data
-            ]
+        return lambda: [
+            TabICLClassifier(model_path=path, device="cuda", recipe="medium")
+            .fit(X, y)
+            .predict_proba(T)
+            for X, y, T in data
+        ]
 
-        return run
-
-    a, b, ya, yb = paired(
-        call(args.ckpt[TabICLClassifier][0]), call(args.ckpt[TabICLClassifier][1]), 3
-    )
-    result = {"ms": (a, b), "tables_per_s": (len(data) / a * 1e3, len(data) / b * 1e3),
-              "max_diff": difference(ya, yb)}  # fmt: skip
-    print(line("loop", a, b, result["max_diff"]), flush=True)
-    return result
+    return tables_per_second("loop", args, data, call)
 
 
 def part_cached(args) -> dict:
