@@ -7,11 +7,8 @@ compared; and a profile of KV-cached predictions.
 the device (the default) against on the host with the member tables copied over: the
 preprocessing alone, then the estimator's fit + predict. ``cached``: a ``kv_cache=True``
 estimator on the suite's ``wide-rows`` table: 1, 100 and 10,000 rows, and a profile of 1 and
-10,000 rows. ``layout``: the same estimator's KV cache stored as the in-context stage builds
-it (K and V head-split views of one packed projection) against contiguous copies, 1, 16 and
-100 rows (``benchmarks/icl_attention.py --cached`` on contiguous operands: cuDNN 62 us and flash
-93 us a call for 1 row, where the estimator's calls took 175 us). ``first``: a fresh process's first
-fit + predict of a small table with the preprocessing on the device and on the host.
+10,000 rows. ``first``: a fresh process's first fit + predict of a small table with the
+preprocessing on the device and on the host.
 
 The tables: the estimator suite's ``small`` and ``mixed`` kinds (full and quick) and the first
 classification tasks of the many-tables population. Medians of interleaved pairs; prints one line
@@ -24,7 +21,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import shutil
 import statistics
 import subprocess
 import sys
@@ -159,48 +155,6 @@ def part_cached(args, device, out: Path) -> dict:
     return result
 
 
-@contextlib.contextmanager
-def contiguous_cache(on: bool):
-    """The in-context stage's KV caches built inside are stored as contiguous tensors."""
-    if not on:
-        yield
-        return
-    from tabserve.models.tabicl.network.learning import InContextLearner
-
-    build = InContextLearner.build_cache
-
-    def contiguous(self, *args, **kwargs):
-        return [(k.contiguous(), v.contiguous()) for k, v in build(self, *args, **kwargs)]
-
-    InContextLearner.build_cache = contiguous
-    try:
-        yield
-    finally:
-        InContextLearner.build_cache = build
-
-
-def part_layout(args, device) -> dict:
-    print("== layout: wide-rows, kv_cache=True, the cache as views / contiguous (ms)")
-    t = make_table(kind_by_name("wide-rows"), n_test=100)
-    copy = Path(args.checkpoint).with_name("contiguous.ckpt")  # a served model of its own
-    shutil.copy(args.checkpoint, copy)
-    fitted = []
-    for path, on in ((args.checkpoint, False), (str(copy), True)):
-        est = TabICLClassifier(model_path=path, device=device, kv_cache=True)
-        with contiguous_cache(on):
-            fitted.append(est.fit(t["X_train"], t["y_train"]))
-    result = {}
-    for n in (1, 16, 100):
-        X = t["X_test"][:n]
-        views, contiguous = (lambda X=X, e=e: e.predict_proba(X) for e in fitted)
-        a, b = paired(device, views, contiguous)
-        diff = float(np.abs(views() - contiguous()).max())
-        result[n] = {"ms": (a, b), "max_diff": diff}
-        print(f"{n:4d} rows  views {a:7.2f}  contiguous {b:7.2f} ({a / b:.2f}x)  max diff {diff:.1e}",
-              flush=True)  # fmt: skip
-    return result
-
-
 FIRST = """
 import sys, time
 start = time.perf_counter()
@@ -246,8 +200,12 @@ def part_first(args, device) -> list:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--parts", nargs="+", default=["prep", "cached", "first"],
-                        choices=("prep", "cached", "layout", "first"))
+    parser.add_argument(
+        "--parts",
+        nargs="+",
+        default=["prep", "cached", "first"],
+        choices=("prep", "cached", "first"),
+    )
     parser.add_argument("--checkpoint", help="classifier checkpoint (default: random weights)")
     parser.add_argument("--size", default="full", choices=("full", "tiny"))
     parser.add_argument("--device", default="cuda")
@@ -260,7 +218,6 @@ def main() -> int:
     parts = {
         "prep": lambda: part_prep(args, data, device),
         "cached": lambda: part_cached(args, device, args.out),
-        "layout": lambda: part_layout(args, device),
         "first": lambda: part_first(args, device),
     }
     with tempfile.TemporaryDirectory() as work:  # the checkpoint stays out of what comes back

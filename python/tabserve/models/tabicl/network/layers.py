@@ -251,6 +251,9 @@ class Attention(nn.Module):
         dim = kv.shape[-1]
         weight, bias = self.in_proj_weight[dim:], self.in_proj_bias[dim:]
         kv_out, rotated = self._project_rotating(kv, weight, bias, norm, rope, dim)
+        # K and V stay head-split views of the one packed projection, in a KV cache too:
+        # contiguous copies made KV-cached predictions slower (H100, ready preset, 1 / 16 /
+        # 100 rows of a 10,000-row table: 9.15 / 8.39 / 9.68 ms against 6.31 / 5.55 / 6.89).
         k, v = (self._split_heads(t) for t in kv_out.chunk(2, dim=-1))
         if rope is not None and not rotated:
             k = rope(k)
