@@ -552,6 +552,37 @@ def test_stages_run_large_inputs_in_chunks_with_the_same_results(stage, uneven):
     torch.testing.assert_close(chunked(many_X, many_y), whole(many_X, many_y), atol=1e-6, rtol=0)
 
 
+def test_stages_run_in_host_sized_chunks_on_the_cpu(monkeypatch):
+    """On the CPU both stages chunk at :data:`layers.HOST_CHUNK_TOKENS` whatever their own
+    budget (which stays as it is elsewhere), with the predictions of one pass."""
+    from tabserve.models.tabicl.network import layers
+
+    assert layers.chunk_budget(1 << 24, torch.device("cpu")) == layers.HOST_CHUNK_TOKENS
+    assert layers.chunk_budget(100, torch.device("cpu")) == 100
+    assert layers.chunk_budget(1 << 24, torch.device("meta")) == 1 << 24
+    assert layers.chunk_budget(1 << 24, torch.device("cuda")) == 1 << 24
+    X, y = random_table(21, 2, 20, 7, 5, 3)
+    model = our_model("clf", "tiny")
+    monkeypatch.setattr(layers, "HOST_CHUNK_TOKENS", 1 << 30)
+    whole = model(X, y)
+    # 2 tables x 27 rows = 54 cells per feature group, 2 x (5 + 4) = 18 tokens per row.
+    monkeypatch.setattr(layers, "HOST_CHUNK_TOKENS", 108)
+    passes = {"column": [], "row": []}
+    for stage, module, method in (
+        ("column", model.col_embedder.tf_col, "forward"),
+        ("row", model.row_interactor, "_rows"),
+    ):
+        original = getattr(module, method)
+
+        def counting(tensor, *args, stage=stage, original=original):
+            passes[stage].append(tensor.shape[1])
+            return original(tensor, *args)
+
+        monkeypatch.setattr(module, method, counting)
+    torch.testing.assert_close(model(X, y), whole, atol=1e-6, rtol=0)
+    assert passes == {"column": [2, 2, 1], "row": [6, 6, 6, 6, 3]}
+
+
 @pytest.mark.parametrize("max_cells", [None, 108], ids=["whole", "chunked"])
 def test_column_stage_hands_the_row_stage_its_tokens_on_every_path(max_cells):
     """``row_prefix`` / ``tokens_from_column_stage`` (``fused_row_tokens``): the column stage's

@@ -22,7 +22,14 @@ from torch import Tensor, nn
 
 from tabserve.kernels.layout import to_rows
 
-from .layers import SKIP_VALUE, AttentionBlock, KeyValue, chunk_slices, sentinel_linear
+from .layers import (
+    SKIP_VALUE,
+    AttentionBlock,
+    KeyValue,
+    chunk_budget,
+    chunk_slices,
+    sentinel_linear,
+)
 
 #: Cyclic feature offsets of one group (``col_feature_group="same"``, group size 3).
 GROUP_OFFSETS: tuple[int, ...] = (1, 2, 4)
@@ -195,7 +202,7 @@ class ColumnEmbedding(nn.Module):
         """Slices of the feature-group axis of ``cells (B, H, T, E)``, each at most
         ``max_cells`` cells."""
         batch, groups, rows = cells.shape[:3]
-        return chunk_slices(groups, batch * rows, self.max_cells)
+        return chunk_slices(groups, batch * rows, chunk_budget(self.max_cells, cells.device))
 
     def _set_transformer(
         self, cells: Tensor, n_train: int, n_keys: Tensor | None, row_prefix: Tensor | None = None

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from .layers import AttentionBlock, RotaryEmbedding, chunk_slices
+from .layers import AttentionBlock, RotaryEmbedding, chunk_budget, chunk_slices
 from .stage_kernels import DEFAULT_KERNELS
 
 #: Tokens (tables x rows x (CLS + column tokens)) the row stage processes in one pass; taller
@@ -89,7 +89,8 @@ class RowInteraction(nn.Module):
         a compiled or captured graph holds them fixed)."""
         batch, rows, columns = embeddings.shape[:3]
         tokens = columns if prefixed else columns + self.num_cls
-        chunks = chunk_slices(rows, batch * tokens, self.max_tokens)
+        budget = chunk_budget(self.max_tokens, embeddings.device)
+        chunks = chunk_slices(rows, batch * tokens, budget)
         if len(chunks) == 1:
             return self._rows(embeddings, n_features, prefixed)
         return torch.cat(
