@@ -360,7 +360,7 @@ def broadcast_batch(a: Sequence[int], b: Sequence[int]) -> tuple:
 #: 2-core AMD EPYC, full-size model, exact recipe, 8 members, two fits + predicts in a fresh
 #: process: 600 + 150 rows of 30 features 30.3 s and 1.17 GiB peak against 36.1 s and 1.47 GiB
 #: in one pass (medians of 3, answers bit for bit the same); 1,000 + 200 rows of 50 features
-#: 58.0 s and 1.57 GiB against 80.2 s and 2.39 GiB (one run each). Single runs of chunks of
+#: 58.0 s and 1.53 GiB against 80.2 s and 2.33 GiB (one run each). Single runs of chunks of
 #: 2**12 to 2**16 took 28-32 s on the first table.
 HOST_CHUNK_TOKENS = 1 << 13
 
