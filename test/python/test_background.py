@@ -537,19 +537,25 @@ def test_calls_that_never_leave_a_quiet_moment_let_a_warm_up_run_in_their_gaps(m
     spinning = _Spinning()
     assert spinning.running() > 0
     during_calls, seen = [], []  # the warm-up's progress during each call, and at its start
-    start = time.monotonic()
+    start = ended = time.monotonic()
+    quiet = False  # whether a gap so far was long enough to count as a quiet moment
     while time.monotonic() - start < 2.0:  # calls of 20 ms, 10 ms apart
         with background.foreground():
+            now = time.monotonic()
+            # A loaded machine can stretch a 10 ms sleep past QUIET_S: the warm-up may then run
+            # in that gap by design, so only the calls before any such gap judge the waiting.
+            quiet = quiet or now - ended >= background.QUIET_S
             before = spinning.count
-            seen.append((time.monotonic() - start, before))
+            seen.append((now - start, before, quiet))
             time.sleep(0.02)
             during_calls.append(spinning.count - before)
+        ended = time.monotonic()
         time.sleep(0.01)
     spinning.stop()
     assert max(during_calls) <= 1  # (at most the step it was in when the call began)
-    early = [count for at, count in seen if at < 0.4]
-    late = [count for at, count in seen if at > 1.0]
-    assert len(set(early)) == 1  # it waited in the first gaps ...
+    early = [count for at, count, quiet in seen if at < 0.4 and not quiet]
+    late = [count for at, count, _ in seen if at > 1.0]
+    assert early and len(set(early)) == 1  # it waited in the first gaps ...
     assert late[-1] > late[0] > early[0]  # ... then ran in them
 
 
