@@ -555,8 +555,9 @@ def test_calls_that_never_leave_a_quiet_moment_let_a_warm_up_run_in_their_gaps(m
     assert max(during_calls) <= 1  # (at most the step it was in when the call began)
     early = [count for at, count, quiet in seen if at < 0.4 and not quiet]
     late = [count for at, count, _ in seen if at > 1.0]
-    assert early and len(set(early)) == 1  # it waited in the first gaps ...
-    assert late[-1] > late[0] > early[0]  # ... then ran in them
+    # The first call may begin inside a step, which the warm-up then finishes (as above).
+    assert early and early[-1] - early[0] <= 1 and len(set(early[1:])) <= 1  # it waited ...
+    assert late[-1] > late[0] > early[-1]  # ... in the first gaps, then ran in them
 
 
 def test_a_warm_up_waits_until_the_estimator_calls_pause():
