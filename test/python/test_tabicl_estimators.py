@@ -705,12 +705,23 @@ def test_a_gpu_call_whose_column_output_the_device_cannot_hold_is_offloaded(monk
     X_train, y_train, X_test = frame.iloc[:130], y[:130], frame.iloc[130:]
     params = {"model_path": reference_checkpoint("clf", "tiny"), "device": "cuda", "recipe": "exact"}
     on_device = TabICLClassifier(**params).fit(X_train, y_train).predict_proba(X_test)
-    stores = []
+    pinned = []  # per store the call made: whether its memory is page-locked
     real_store = reference_args.host_store
+
+    def host_store():
+        store = real_store()
+
+        def watched(shape, dtype):
+            tensor = store(shape, dtype)
+            pinned.append(tensor.is_pinned())
+            return tensor
+
+        return watched
+
     monkeypatch.setattr(reference_args, "device_free_bytes", lambda device: 1)
-    monkeypatch.setattr(reference_args, "host_store", lambda d: stores.append(d) or real_store(d))
+    monkeypatch.setattr(reference_args, "host_store", host_store)
     got = TabICLClassifier(**params).fit(X_train, y_train).predict_proba(X_test)
-    assert stores  # "auto" kept the column stage's output in host memory
+    assert pinned and not any(pinned)  # "auto" kept the output in pageable host memory
     np.testing.assert_allclose(got, on_device, atol=1e-5, rtol=0)
 
 
