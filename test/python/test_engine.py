@@ -31,7 +31,7 @@ def test_every_way_of_running_the_model_is_an_engine_and_answers_alike():
         cache = engine.build_cache(X[:, :12], y)
         torch.testing.assert_close(engine.forward_with_cache(X[:, 12:], cache), expected, rtol=0, atol=1e-5)
         torch.testing.assert_close(
-            engine.forward_offloaded(X, y, host_store()), expected, rtol=0, atol=1e-6
+            engine.forward_offloaded(X, y, host_store), expected, rtol=0, atol=1e-6
         )
         # Two tables of other sizes on one bucket: a count per table.
         padded = torch.full((2, 16 + 8, 6), SKIP_VALUE)

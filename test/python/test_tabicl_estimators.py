@@ -708,15 +708,10 @@ def test_a_gpu_call_whose_column_output_the_device_cannot_hold_is_offloaded(monk
     pinned = []  # per store the call made: whether its memory is page-locked
     real_store = reference_args.host_store
 
-    def host_store():
-        store = real_store()
-
-        def watched(shape, dtype):
-            tensor = store(shape, dtype)
-            pinned.append(tensor.is_pinned())
-            return tensor
-
-        return watched
+    def host_store(shape, dtype):
+        tensor = real_store(shape, dtype)
+        pinned.append(tensor.is_pinned())
+        return tensor
 
     monkeypatch.setattr(reference_args, "device_free_bytes", lambda device: 1)
     monkeypatch.setattr(reference_args, "host_store", host_store)

@@ -696,14 +696,14 @@ def test_offloaded_call_equals_the_call_on_the_device(task, classes, tmp_path):
     model.col_embedder.max_cells, model.row_interactor.max_tokens = 500, 300
     X, y = random_table(0, 2, 40, 10, 9, n_classes=classes)
     expected = model(X, y)
-    torch.testing.assert_close(model.forward_offloaded(X, y, host_store()), expected, rtol=0, atol=0)
+    torch.testing.assert_close(model.forward_offloaded(X, y, host_store), expected, rtol=0, atol=0)
     with DiskStore(tmp_path) as store:
         torch.testing.assert_close(model.forward_offloaded(X, y, store), expected, rtol=0, atol=0)
         assert store.path.is_file()
     assert list(tmp_path.glob("*")) == []
     # The store holds one block per chunk of rows, (features, tables, rows, E), one after another.
     blocks = model.col_embedder.offloaded(
-        X, y.to(X.dtype), classes, host_store(), [slice(0, 15), slice(15, 50)]
+        X, y.to(X.dtype), classes, host_store, [slice(0, 15), slice(15, 50)]
     )
     assert [tuple(b.shape[:3]) for b in blocks] == [(9, 2, 15), (9, 2, 35)]
     assert all(b.is_contiguous() for b in blocks)

@@ -7,7 +7,7 @@ keeps it in a store, laid out in blocks of the row stage's chunks of rows, and s
 block at a time to the row stage, so the device holds one chunk of either and every copy is one
 contiguous run. A store is a function ``(shape, dtype) -> Tensor``:
 
-* :func:`host_store`: host memory, pageable (never pinned, see there).
+* :func:`host_store` itself: host memory, pageable (never pinned, see there).
 * :class:`DiskStore`: a file in a folder, mapped into memory (``torch.from_file``), removed when
   the store closes; for outputs larger than the host's memory.
 """
@@ -23,8 +23,8 @@ import torch
 from torch import Tensor
 
 
-def host_store():
-    """A store in pageable host memory, whatever device the model runs on.
+def host_store(shape: tuple, dtype: torch.dtype) -> Tensor:
+    """The store in pageable host memory, whatever device the model runs on.
 
     Not pinned: PyTorch's pinned-memory allocator rounds an allocation up to a power of two and
     keeps it, page-locked, once it is freed (``ATen/core/CachingHostAllocator.h``), so the
@@ -34,11 +34,7 @@ def host_store():
     features, against 5.3 s with the output on the device, and 63.5 s at 2,000 features
     (tabicl: 41.3 and 44.1 s). Copies between the device and pageable memory are staged by the
     driver, and a call holds only its own bytes."""
-
-    def store(shape: tuple, dtype: torch.dtype) -> Tensor:
-        return torch.empty(shape, dtype=dtype)
-
-    return store
+    return torch.empty(shape, dtype=dtype)
 
 
 class DiskStore:

@@ -77,7 +77,7 @@ def offload_store(estimator, output_bytes: int):
                 offload, output_bytes / 2**30, target,
             )  # fmt: skip
     if target == "cpu":
-        return contextlib.nullcontext(host_store())
+        return contextlib.nullcontext(host_store)
     if target == "disk":
         return DiskStore(folder)
     return contextlib.nullcontext(None)
