@@ -303,6 +303,158 @@ def test_a_target_given_as_a_function_is_built_by_the_first_warm_up_in_the_backg
         CompilingTabICL(ServedTabICL(_model(), "exact"), build_target=build)
 
 
+# Packs on the CPU: bf16 autocast, where the fused operators run their composites.
+PACKS_READY = ServingOptions(precision="bf16")
+
+
+def _packed_tiers(build_packs=None):
+    """A CompilingTabICL whose packs model is built by the first packs warm-up, and counters
+    of the packed calls each served model answers."""
+    from tabserve.models.tabicl.serving.options import packs_options
+
+    built: list = []
+
+    def build():
+        packs = ServedTabICL(_model(), packs_options(PACKS_READY))
+        built.append((threading.current_thread().name, _Counting(packs, ("padded_forward",))))
+        return packs
+
+    ready = ServedTabICL(_model(), PACKS_READY)
+    tiered = CompilingTabICL(
+        ready, ServedTabICL(_model(), TRACED), build_packs=build_packs or build
+    )
+    return tiered, _Counting(ready, ("padded_forward",)), built
+
+
+def _pack(seed: int):
+    """Three tables of two shapes padded onto one bucket, with their real counts."""
+    from tabserve import ops
+
+    tables, labels = [], []
+    for i, (n_train, n_features) in enumerate([(30, 5), (24, 7), (30, 7)]):
+        X, y = random_table(seed + i, 1, n_train, 6, n_features, n_classes=3)
+        tables.append(ops.pad_to_bucket(X, n_train, 32, 8, 8, -100.0))
+        labels.append(ops.pad_labels(y, 32))
+    n_train = torch.tensor([30, 24, 30])
+    n_features = torch.tensor([5, 7, 7])
+    return torch.cat(tables), torch.cat(labels), n_train, n_features
+
+
+def test_packs_move_to_the_fused_kernels_once_a_background_warm_up_has_built_them():
+    pytest.importorskip("triton.knobs")
+    tiered, ready, built = _packed_tiers()
+    args = _pack(0)
+    expected = ServedTabICL(_model(), PACKS_READY).padded_forward(*args)
+    held = _HeldWorker()
+    first = tiered.padded_forward(*args)
+    assert ready.calls == ["padded_forward"] and built == []  # queued, not built by the caller
+    held.release()
+    assert wait_for_compiles(timeout=120)
+    ((thread, packs),) = built
+    assert thread == "tabserve-compile" and packs.calls == ["padded_forward"]
+    second = tiered.padded_forward(*_pack(0))
+    assert ready.calls == ["padded_forward"] and packs.calls == ["padded_forward"] * 2
+    torch.testing.assert_close(first, expected, atol=0, rtol=0)
+    # the fused operators' composites on the CPU: the ready model's roundings under bf16
+    torch.testing.assert_close(second, expected, atol=2e-2, rtol=0)
+    # every later pack, whatever its shapes: one kind of call, no further warm-up
+    tiered.padded_forward(*_pack(5)[:2], None, None)
+    assert packs.calls == ["padded_forward"] * 3 and background_compiles() == 0
+
+
+def test_a_pack_that_would_compile_in_the_callers_thread_is_answered_by_the_ready_model():
+    pytest.importorskip("triton.knobs")
+    from tabserve.kernels._common import WouldCompile
+
+    tiered, ready, built = _packed_tiers()
+    tiered.padded_forward(*_pack(0))
+    assert wait_for_compiles(timeout=120)
+    ((_, packs),) = built
+    packs_call = tiered.packs.padded_forward
+    refused, warmed = [], []
+
+    def uncompiled(*args):  # a Triton launch of a new specialization: refused until compiled
+        if threading.current_thread().name == "tabserve-compile":
+            warmed.append(True)
+        elif not warmed:
+            refused.append(threading.current_thread().name)
+            raise WouldCompile("_feed_forward_kernel[...] is not compiled yet")
+        return packs_call(*args)
+
+    tiered.packs.padded_forward = uncompiled
+    args = _pack(3)
+    expected = ServedTabICL(_model(), PACKS_READY).padded_forward(*args)
+    held = _HeldWorker()
+    answer = tiered.padded_forward(*args)
+    torch.testing.assert_close(answer, expected, atol=0, rtol=0)  # the ready model's answer
+    assert ready.calls == ["padded_forward"] * 2 and background_compiles() == 2
+    tiered.padded_forward(*args)  # one compile warm-up at a time: none more queued
+    assert background_compiles() == 2 and ready.calls == ["padded_forward"] * 3
+    held.release()
+    assert wait_for_compiles(timeout=120)
+    assert refused == ["MainThread"] * 2 and packs.calls == ["padded_forward"] * 2
+    tiered.padded_forward(*args)  # compiled by the warm-up: the packs model again
+    assert ready.calls == ["padded_forward"] * 3 and packs.calls == ["padded_forward"] * 3
+
+
+def test_packs_stay_on_the_ready_model_where_the_fused_kernels_fail_or_are_slower(monkeypatch):
+    pytest.importorskip("triton.knobs")
+
+    def broken():
+        raise RuntimeError("ptxas crashed")
+
+    tiered, ready, _ = _packed_tiers(build_packs=broken)
+    args = _pack(1)
+    with pytest.warns(UserWarning, match="fused kernels for packed calls failed; serving them"):
+        tiered.padded_forward(*args)
+        assert wait_for_compiles(timeout=60)
+    tiered.padded_forward(*args)
+    assert ready.calls == ["padded_forward"] * 2 and tiered._packs_state == "failed"
+
+    clock = {"now": 0.0}
+    monkeypatch.setattr(background, "_clock", lambda: clock["now"])
+    monkeypatch.setattr(background, "PAY_RUNS", 3)
+    tiered, ready, built = _packed_tiers()
+    build = tiered._build_packs
+
+    def slower():
+        packs = build()
+        _costing(packs, clock, 9.0, "padded_forward")
+        return packs
+
+    tiered._build_packs = slower
+    _costing(tiered.ready, clock, 5.0, "padded_forward")
+    tiered.padded_forward(*args)
+    assert wait_for_compiles(timeout=120)
+    assert tiered._packs_state == "declined"
+    assert tiered.timings[("padded_forward",)] == pytest.approx((5.0, 9.0))
+    ((_, packs),) = built
+    assert len(packs.calls) == 4 and len(ready.calls) == 4  # the warm-up, 3 timed calls each
+    tiered.padded_forward(*args)
+    assert len(ready.calls) == 5 and len(packs.calls) == 4
+
+
+def test_packs_keep_to_the_compile_policy(monkeypatch):
+    """A packed call's warm-up is queued once packs have recurred and taken their time, as any
+    kind of call; the packs model is never built on a device without Triton's compile guard."""
+    pytest.importorskip("triton.knobs")
+    monkeypatch.setattr(background, "COMPILE_AFTER_CALLS", 3)
+    tiered, ready, built = _packed_tiers()
+    args = _pack(2)
+    tiered.padded_forward(*args)
+    tiered.padded_forward(*args)
+    assert background_compiles() == 0 and tiered._packs_state == 2
+    tiered.padded_forward(*args)
+    assert wait_for_compiles(timeout=120) and len(built) == 1
+    from tabserve.kernels import _common
+
+    monkeypatch.setattr(_common, "guards_compiles", lambda: False)
+    tiered, ready, built = _packed_tiers()
+    for _ in range(4):
+        tiered.padded_forward(*args)
+    assert wait_for_compiles(timeout=60) and built == [] and len(ready.calls) == 4
+
+
 def test_a_kind_of_call_is_compiled_once_it_recurs_and_a_cache_build_at_once(monkeypatch):
     monkeypatch.setattr(background, "COMPILE_AFTER_CALLS", 2)
     tiered, ready, target = _pair()

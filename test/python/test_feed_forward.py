@@ -631,6 +631,25 @@ def test_cuda_kernel_agrees_with_the_composite_with_each_gelu(gelu, fold):
 
 @requires_cuda
 @requires_triton
+def test_cuda_launch_that_would_compile_is_refused_inside_no_triton_compiles():
+    """A specialization not compiled yet (an eps of its own: a constant of the kernel) raises
+    WouldCompile inside the guard, launching nothing; once compiled outside it, the same launch
+    runs inside and answers as before."""
+    from tabserve.kernels._common import WouldCompile, no_triton_compiles
+
+    _, leading, dim, hidden, x_dtype, norm_bias, update = KERNEL_CASES[0]
+    args = make_inputs(leading, dim, hidden, x_dtype, norm_bias, update, device="cuda")
+    eps = 1.2345e-5  # used by no other test: its kernel is compiled here first
+    with no_triton_compiles(), pytest.raises(WouldCompile, match="_feed_forward_kernel"):
+        torch.ops.tabserve.feed_forward(*args, eps, torch.float16)
+    want = torch.ops.tabserve.feed_forward(*args, eps, torch.float16)
+    with no_triton_compiles():
+        got = torch.ops.tabserve.feed_forward(*args, eps, torch.float16)
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
+@requires_cuda
+@requires_triton
 @pytest.mark.parametrize("compute", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("case", KERNEL_CASES, ids=lambda c: f"{c[0]}x{c[2]}-{c[3]}")
 def test_cuda_kernel_agrees_with_the_composite(case, compute):

@@ -167,3 +167,42 @@ print(json.dumps({"equal": [torch.equal(a, b) for a, b in zip(plain, limited)], 
     result = interpreter_child(code, timeout=600)
     assert result["equal"] == [True, True]
     assert result["seen"] == [{}, {}, {"maxnreg": 128}, {"maxnreg": 128}]
+
+
+def test_no_triton_compiles_refuses_a_compile_in_its_own_thread_only(monkeypatch):
+    """Triton calls ``knobs.runtime.jit_cache_hook`` before it compiles a specialization that
+    is not in the process's kernel cache: inside ``no_triton_compiles`` that call raises, in
+    the guarded thread only; elsewhere the hook found before ours is still called."""
+    import threading
+
+    knobs = pytest.importorskip("triton.knobs")
+    from tabserve.kernels import _common
+
+    seen = []
+    monkeypatch.setattr(knobs.runtime, "jit_cache_hook", lambda **kw: seen.append(kw["repr"]))
+    monkeypatch.setattr(_common, "_chained_hook", [None])
+    assert _common.guards_compiles()
+    with _common.no_triton_compiles():
+        hook = knobs.runtime.jit_cache_hook
+        with pytest.raises(_common.WouldCompile, match=r"k\[1\] is not compiled yet"):
+            hook(repr="k[1]")
+        # nested: still refused, and once left still guarded
+        with _common.no_triton_compiles(), pytest.raises(_common.WouldCompile):
+            hook(repr="k[2]")
+        with pytest.raises(_common.WouldCompile):
+            hook(repr="k[3]")
+        other = threading.Thread(target=lambda: hook(repr="k[4]"))
+        other.start()
+        other.join()
+    hook(repr="k[5]")
+    assert seen == ["k[4]", "k[5]"]
+    assert knobs.runtime.jit_cache_hook is hook  # installed once, kept
+
+
+def test_no_triton_compiles_needs_the_runtime_hooks(monkeypatch):
+    from tabserve.kernels import _common
+
+    monkeypatch.setattr(_common, "triton", None)
+    assert not _common.guards_compiles()
+    with pytest.raises(RuntimeError, match="needs Triton 3.4 or later"), _common.no_triton_compiles():
+        pass

@@ -4,6 +4,7 @@ kernels take, tile configurations, argument checks and the rounding helper."""
 from __future__ import annotations
 
 import contextlib
+import threading
 
 import torch
 from torch import Tensor
@@ -201,6 +202,54 @@ def choice_override(module, name: str, value, choices: tuple, operator: str):
         yield
     finally:
         setattr(module, name, saved)
+
+
+class WouldCompile(RuntimeError):
+    """A Triton kernel launch inside :func:`no_triton_compiles` whose specialization is not
+    compiled yet: nothing was compiled or launched."""
+
+
+_REFUSING = threading.local()  # per thread: depth of no_triton_compiles
+_hook_lock = threading.Lock()
+_chained_hook: list = [None]  # the jit_cache_hook found when ours was installed
+
+
+def _refuse_compiles(**kwargs):
+    """Triton's ``jit_cache_hook``: called before a JIT function compiles a specialization
+    absent from the process's kernel cache (returning True skips it; raising stops the launch)."""
+    if getattr(_REFUSING, "depth", 0):
+        raise WouldCompile(f"{kwargs.get('repr', 'a Triton kernel')} is not compiled yet")
+    chained = _chained_hook[0]
+    return None if chained is None else chained(**kwargs)
+
+
+def guards_compiles() -> bool:
+    """Whether :func:`no_triton_compiles` can refuse compiles: Triton with its runtime hooks
+    (``triton.knobs``, Triton 3.4 and later)."""
+    return triton is not None and hasattr(getattr(triton, "knobs", None), "runtime")
+
+
+@contextlib.contextmanager
+def no_triton_compiles():
+    """Inside, in this thread only, a Triton kernel launch that would first compile its
+    specialization (a shape class, dtype or constant not launched yet in this process, or read
+    from Triton's disk cache) raises :class:`WouldCompile` instead, before compiling or
+    launching; compiled kernels launch as usual. A compile costs seconds of the calling thread
+    (ptxas and Triton's passes), which a serving call must not pay: the caller answers with
+    another model and leaves the compile to a background thread. Raises RuntimeError where
+    :func:`guards_compiles` is False."""
+    if not guards_compiles():
+        raise RuntimeError("no_triton_compiles needs Triton 3.4 or later (triton.knobs)")
+    runtime = triton.knobs.runtime
+    with _hook_lock:
+        if runtime.jit_cache_hook is not _refuse_compiles:  # installed once, chaining another
+            _chained_hook[0] = runtime.jit_cache_hook
+            runtime.jit_cache_hook = _refuse_compiles
+    _REFUSING.depth = getattr(_REFUSING, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _REFUSING.depth -= 1
 
 
 def define_operator(name: str, fn):

@@ -19,6 +19,12 @@ call over only if it answered faster: a call is never moved to a slower model. A
 warm-up failed stays on ``ready`` (with a warning), as does one whose compiled model did not
 pay: the answer is never lost to a compile.
 
+Packed calls (many tables padded together: :meth:`CompilingTabICL.padded_forward`) are one kind
+of call whatever their shapes: nothing is compiled for them, but once they have recurred and
+taken their time a warm-up builds ``packs``, ``ready``'s options with tabserve's fused Triton
+kernels (:func:`~.options.packs_options`), and it answers them if it was faster; a pack that would
+compile a kernel in the caller's thread is refused before launching and answered by ``ready``.
+
 A KV cache (:class:`TieredCache`) is built by ``ready`` at once and by ``target`` in the
 background (its warm-up keeps what it built); a prediction against it runs on ``target`` once
 ``target`` has both its cache and a warm-up of that prediction's shapes, on ``ready`` until then.
@@ -330,9 +336,12 @@ class CompilingTabICL:
         build_target: instead of ``target``, a function that builds it, and its ``options``:
             the first warm-up builds it, in the background (loading the kernels and the
             weights a second time takes seconds).
+        build_packs: a function that builds the served model of packed calls from
+            :func:`packs_options` of ``ready``'s options (see :meth:`padded_forward`), called
+            by the first packs warm-up in the background; None: ``ready`` answers every pack.
     """
 
-    def __init__(self, ready, target=None, *, build_target=None, options=None):
+    def __init__(self, ready, target=None, *, build_target=None, options=None, build_packs=None):
         if ready.options.compiled:
             raise ValueError("CompilingTabICL: the ready served model must not compile")
         if (target is None) == (build_target is None) or (build_target and options is None):
@@ -349,6 +358,15 @@ class CompilingTabICL:
         #: signature -> (ready's, target's) median ms on the warm-up's inputs
         self.timings: dict = {}
         self._spent = _Spent(ready.device)
+        from tabserve.kernels._common import guards_compiles  # imports Triton
+
+        self._build_packs = build_packs if guards_compiles() else None
+        self._packs = None
+        # packed calls seen (an int, before the first warm-up is queued) | "queued" |
+        # "compiled" | "declined" | "failed"; _compiling: a warm-up of a pack that would have
+        # compiled a kernel in its caller's thread is queued
+        self._packs_state: int | str = 0
+        self._compiling = False
 
     @property
     def target(self):
@@ -384,9 +402,53 @@ class CompilingTabICL:
         """The ready model's: offloaded calls compile nothing (see ``ServedTabICL``)."""
         return self.ready.forward_offloaded(*args, **kwargs)
 
+    @property
+    def packs(self):
+        """The served model of packed calls (built here by the first packs warm-up)."""
+        if self._packs is None:
+            with self._build_lock, no_pause():
+                if self._packs is None:
+                    self._packs = self._build_packs()
+        return self._packs
+
     def padded_forward(self, *args):
-        """The ready model's: packed tables of many sizes compile nothing worth waiting for."""
-        return self.ready.padded_forward(*args)
+        """Packed tables of many sizes (their shapes rarely recur: nothing is compiled for
+        them nor captured). ``ready`` answers until ``packs`` (ready's options with tabserve's
+        fused Triton kernels, :func:`packs_options`) has run a pack in the background and
+        answered it faster (:meth:`_pays`), as a kind of call moves to ``target``; from then on
+        ``packs`` answers, except a pack that would compile a Triton kernel in the caller's
+        thread (a specialization not launched yet: seconds of ptxas and Triton's passes),
+        which ``ready`` answers while a warm-up compiles it."""
+        if self._build_packs is None:
+            return self.ready.padded_forward(*args)
+        key = ("padded_forward",)  # one kind: packs of every shape
+        with self._lock:
+            state = self._packs_state
+            queue = compile_now = False
+            if state == "compiled":
+                pass
+            elif isinstance(state, int):
+                seen = state + 1
+                queue = (
+                    seen >= COMPILE_AFTER_CALLS
+                    and self._spent.ms(key) >= COMPILE_AFTER_MS
+                    and _worker.pending() < MAX_QUEUED
+                )
+                self._packs_state = "queued" if queue else seen
+        if state == "compiled":
+            from tabserve.kernels._common import WouldCompile, no_triton_compiles
+
+            try:
+                with no_triton_compiles():
+                    return self._packs.padded_forward(*args)
+            except WouldCompile:
+                with self._lock:
+                    compile_now = not self._compiling and _worker.pending() < MAX_QUEUED
+                    self._compiling = self._compiling or compile_now
+        if queue or compile_now:
+            self._queue_packs(args, judge=queue)
+        with self._spent.clock(key if isinstance(state, int) and not queue else None):
+            return self.ready.padded_forward(*args)
 
     def build_cache(self, *args, mode: str = "kv", **kwargs):
         if mode != "kv":  # representation caches: unpadded and uncompiled on either model
@@ -488,13 +550,55 @@ class CompilingTabICL:
             with self._lock:
                 self._state[key] = "failed"
 
-    def _pays(self, key, entry: str, args: tuple, kwargs: dict, stream) -> str:
-        """``"compiled"`` if ``target`` answers this call faster than ``ready`` (medians of
-        :data:`PAY_RUNS` interleaved calls on the warm-up's inputs, on its stream), else
-        ``"declined"``; the figures go to :attr:`timings`."""
+    def _queue_packs(self, args: tuple, judge: bool) -> None:
+        """Queues a warm-up of ``packs`` on copies of a packed call's ``args``: it compiles the
+        call's Triton kernels and, where ``judge``, decides whether ``packs`` answers packs from
+        now on (else it only compiled what a pack served by ``packs`` lacked)."""
+        args = tree_map(_copy, args)
+        copied = torch.cuda.Event() if self.ready.device.type == "cuda" else None
+        if copied is not None:
+            copied.record()
+        key = ("padded_forward",)
+
+        def warm_up() -> None:
+            state = "compiled"
+            try:
+                stream = torch.cuda.Stream(self.ready.device) if copied is not None else None
+                with exclusive_captures(), without_captures(), (
+                    torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+                ):
+                    if stream is not None:
+                        stream.wait_event(copied)
+                    self.packs.padded_forward(*args)
+                    if stream is not None:
+                        stream.synchronize()
+                if judge:
+                    state = self._pays(key, "padded_forward", args, {}, stream, "packs")
+            except Exception as error:  # packs stay on (or go back to) the ready model
+                warnings.warn(
+                    f"tabserve's fused kernels for packed calls failed; serving them with "
+                    f"{describe(self.ready.options)}: {type(error).__name__}: {error}",
+                    stacklevel=1,
+                )
+                state = "failed"
+            with self._lock:
+                self._compiling = False
+                if judge or state == "failed":
+                    self._packs_state = state
+
+        if not _worker.submit(warm_up):
+            with self._lock:
+                self._compiling = False
+                if judge:
+                    self._packs_state = "failed"
+
+    def _pays(self, key, entry: str, args: tuple, kwargs: dict, stream, contender="target") -> str:
+        """``"compiled"`` if ``contender`` (``target`` or ``packs``) answers this call faster
+        than ``ready`` (medians of :data:`PAY_RUNS` interleaved calls on the warm-up's inputs,
+        on its stream), else ``"declined"``; the figures go to :attr:`timings`."""
         if PAY_RUNS < 1:
             return "compiled"
-        times: dict = {"ready": [], "target": []}
+        times: dict = {"ready": [], contender: []}
         # ready replays the graphs its callers captured, as it serves them; target has none yet
         # and runs uncaptured, at most its served time: it takes over only where surely faster.
         # no_pause: a replay holds the ready model's graph lock, which its callers take
@@ -502,13 +606,13 @@ class CompilingTabICL:
             torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
         ):
             for _ in range(PAY_RUNS):
-                for name in ("ready", "target"):
+                for name in ("ready", contender):
                     start = _clock()
                     getattr(getattr(self, name), entry)(*args, **kwargs)
                     if stream is not None:
                         stream.synchronize()
                     times[name].append((_clock() - start) * 1e3)
-        ready_ms, target_ms = (sorted(times[n])[len(times[n]) // 2] for n in ("ready", "target"))
+        ready_ms, target_ms = (sorted(times[n])[len(times[n]) // 2] for n in ("ready", contender))
         self.timings[key] = (ready_ms, target_ms)
         return "compiled" if target_ms < ready_ms else "declined"
 

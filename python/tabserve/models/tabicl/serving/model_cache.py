@@ -34,7 +34,7 @@ from ..network.checkpoint import (
 )
 from ..network.model import TabICLv2
 from .background import READY_PRESET, CompilingTabICL
-from .options import resolve_options
+from .options import packs_options, resolve_options
 from .served import ServedTabICL
 
 #: Served models kept, each with its weights on its device and its graphs.
@@ -74,8 +74,12 @@ def served_model(path, device, options, grid=None, background: bool = False):
         return ServedTabICL(TabICLv2.from_checkpoint(path, device=device), options, grid)
 
     if background:  # the compiled one is built by its first warm-up, in the background
+        ready = resolve_options(READY_PRESET)
         served = CompilingTabICL(
-            build(resolve_options(READY_PRESET)), build_target=lambda: build(options), options=options
+            build(ready),
+            build_target=lambda: build(options),
+            options=options,
+            build_packs=lambda: build(packs_options(ready)),
         )
     else:
         served = build(options)

@@ -8,7 +8,9 @@ calls for hundreds of tables where a loop makes a few calls per table. The answe
 task's own estimator's: padding is exact (each table attends only to its own real rows and
 features, the counts per table in the batch), so the exact recipe agrees with a loop within
 1e-6; a reduced-precision recipe runs its packs on the engine's ready preset (``medium`` under
-the compiling default), within the driver's accuracy gate of the loop.
+the compiling default, then its fused-kernel form once a background warm-up has compiled and
+timed it: :meth:`~..serving.background.CompilingTabICL.padded_forward`), within the driver's
+accuracy gate of the loop.
 
 Packing (:func:`pack`): largest first, each normalisation group of a task (its shape: train
 rows, test rows, features) joins the pack it adds the fewest padded cells to, where the pack,
