@@ -352,6 +352,7 @@ def test_packs_move_to_the_fused_kernels_once_a_background_warm_up_has_built_the
     assert wait_for_compiles(timeout=120)
     ((thread, packs),) = built
     assert thread == "tabserve-compile" and packs.calls == ["padded_forward"]
+    assert tiered.packs_tier() == {"state": "compiled", "ready_ms": None, "packs_ms": None}
     second = tiered.padded_forward(*_pack(0))
     assert ready.calls == ["padded_forward"] and packs.calls == ["padded_forward"] * 2
     torch.testing.assert_close(first, expected, atol=0, rtol=0)
@@ -426,8 +427,9 @@ def test_packs_stay_on_the_ready_model_where_the_fused_kernels_fail_or_are_slowe
     _costing(tiered.ready, clock, 5.0, "padded_forward")
     tiered.padded_forward(*args)
     assert wait_for_compiles(timeout=120)
-    assert tiered._packs_state == "declined"
-    assert tiered.timings[("padded_forward",)] == pytest.approx((5.0, 9.0))
+    tier = tiered.packs_tier()
+    assert tier["state"] == "declined"
+    assert (tier["ready_ms"], tier["packs_ms"]) == pytest.approx((5.0, 9.0))
     ((_, packs),) = built
     assert len(packs.calls) == 4 and len(ready.calls) == 4  # the warm-up, 3 timed calls each
     tiered.padded_forward(*args)
@@ -453,6 +455,7 @@ def test_packs_keep_to_the_compile_policy(monkeypatch):
     for _ in range(4):
         tiered.padded_forward(*args)
     assert wait_for_compiles(timeout=60) and built == [] and len(ready.calls) == 4
+    assert tiered.packs_tier()["state"] == "off"
 
 
 def test_a_kind_of_call_is_compiled_once_it_recurs_and_a_cache_build_at_once(monkeypatch):

@@ -204,6 +204,8 @@ def run(job: Job) -> None:
             job.result["compile_wait"] = wait_for_compiles(job)
         answers, figures = timed_pass(answerer, tasks, by_kind, device)
         figures.update(number=number, name=name)
+        if name == "compiled":
+            figures["packs"] = packs_tiers()
         if first is None:
             first = answers
             save_outputs(job, answers)
@@ -220,6 +222,15 @@ def run(job: Job) -> None:
         job.save()
         return
     job.finish()
+
+
+def packs_tiers() -> list:
+    """Where each cached compiling served model sent packed calls by now
+    (:meth:`~tabserve.models.tabicl.serving.background.CompilingTabICL.packs_tier`)."""
+    from tabserve.models.tabicl.serving.background import CompilingTabICL
+    from tabserve.models.tabicl.serving.model_cache import served_models
+
+    return [m.packs_tier() for m in served_models() if isinstance(m, CompilingTabICL)]
 
 
 def wait_for_compiles(job: Job) -> dict:

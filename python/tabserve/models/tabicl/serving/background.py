@@ -550,6 +550,15 @@ class CompilingTabICL:
             with self._lock:
                 self._state[key] = "failed"
 
+    def packs_tier(self) -> dict:
+        """Where packed calls go: ``state`` (packed calls seen, ``"queued"``, ``"compiled"``:
+        the fused kernels answer, ``"declined"``: ``ready`` was faster, ``"failed"``,
+        ``"off"``: no packs model) and the judging pack's ``ready_ms`` / ``packs_ms``."""
+        with self._lock:
+            state = self._packs_state if self._build_packs is not None else "off"
+        ready_ms, packs_ms = self.timings.get(("padded_forward",), (None, None))
+        return {"state": state, "ready_ms": ready_ms, "packs_ms": packs_ms}
+
     def _queue_packs(self, args: tuple, judge: bool) -> None:
         """Queues a warm-up of ``packs`` on copies of a packed call's ``args``: it compiles the
         call's Triton kernels and, where ``judge``, decides whether ``packs`` answers packs from

@@ -93,6 +93,12 @@ def served_model(path, device, options, grid=None, background: bool = False):
     return served
 
 
+def served_models() -> list:
+    """The cached served models, least recently used first."""
+    with _lock:
+        return list(_served.values())
+
+
 def clear_model_cache() -> None:
     """Forgets every cached served model and read checkpoint (their memory is freed once no
     estimator holds them)."""
