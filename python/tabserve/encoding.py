@@ -127,16 +127,36 @@ class TabICLEncoder(nn.Module):
 
     def fit(self, frame) -> "TabICLEncoder":
         """Fits on a pandas DataFrame (the training features). Returns self."""
+        self._fit(frame, numerical=False)
+        return self
+
+    def fit_transform(self, frame, device: Device = None) -> Tensor:
+        """``fit(frame)``, then ``transform(frame)`` (the same numbers), the frame's columns
+        encoded once: a DataFrame's encoding is most of its host time (a 400-row frame of 4
+        string and 26 numeric columns: 3.6 ms a pass, 2.3 of it the string columns).
+        ``device``: the encoder moves there once fitted, and encodes there (default: where it
+        is)."""
+        table = self._fit(frame, numerical=True)
+        if device is not None:
+            self.to(device)
+        return self(table.to(self.numerical_fill.device))
+
+    def _fit(self, frame, numerical: bool) -> Table:
+        """Fits on ``frame``; its table (on the host), with the numerical columns where asked."""
         if not hasattr(frame, "columns"):
             raise TypeError(f"frame must be a pandas DataFrame, got {type(frame).__name__}")
-        self.categorical_names, self.numerical_names = tabicl_columns(frame)
-        self.align.fit(tabicl_table(frame, self.categorical_names, ()))
+        categorical_names, numerical_names = tabicl_columns(frame)
+        table = tabicl_table(frame, categorical_names, numerical_names if numerical else ())
         fill = np.zeros(0)
-        if self.numerical_names:
+        if numerical_names:
             names = list(map(str, frame.columns))  # once: a frame's column index may be Arrow's
-            fill = _training_means(frame.iloc[:, [names.index(n) for n in self.numerical_names]])
+            # From the frame, not the table: the imputer's mean keeps each column's own dtype
+            # (a float32 column's mean is float32's) and its own summation order.
+            fill = _training_means(frame.iloc[:, [names.index(n) for n in numerical_names]])
+        self.align.fit(table)
+        self.categorical_names, self.numerical_names = categorical_names, numerical_names
         self.numerical_fill = torch.tensor(fill, dtype=torch.float64).to(self.numerical_fill.device)
-        return self
+        return table
 
     def to_table(self, frame, device: Device = None) -> Table:
         """The fitted columns of ``frame`` as the Table :meth:`forward` takes (default device:
@@ -195,10 +215,8 @@ def encode_categoricals(
     Returns:
         (train features [n_train, n_cat + n_num], test features or None, the fitted encoder).
     """
-    encoder = TabICLEncoder(dtype=dtype).fit(train)
-    if device is not None:
-        encoder = encoder.to(device)
-    train_features = encoder.transform(train)
+    encoder = TabICLEncoder(dtype=dtype)
+    train_features = encoder.fit_transform(train, device)
     test_features = None if test is None else encoder.transform(test)
     return train_features, test_features, encoder
 

@@ -164,3 +164,62 @@ def test_an_infinite_training_value_is_refused_like_simple_imputer():
     with pytest.raises(ValueError, match="infinity") as got:
         encoder.fit(frame)
     assert str(got.value) == str(want.value)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_fit_transform_is_tabicls_fit_then_transform(seed):
+    """The frame encoded once: tabicl's numbers for the training frame, the state of ``fit``."""
+    def with_float32(frame):  # the fill keeps float32's mean
+        rows = np.arange(len(frame))
+        frame["f32"] = np.where(rows % 3 == 0, np.nan, 0.1 * rows).astype(np.float32)
+        return frame
+
+    train = with_float32(tabicl_frame(60 + 10 * seed, seed))
+    (want,) = reference(train, [train])
+    encoder = TabICLEncoder()
+    got = encoder.fit_transform(train)
+    np.testing.assert_array_equal(got.numpy(), want)
+    fitted = TabICLEncoder().fit(train)
+    state, fitted_state = encoder.state_dict(), fitted.state_dict()
+    assert state.keys() == fitted_state.keys()
+    for key, value in fitted_state.items():
+        assert torch.equal(state[key], value) if isinstance(value, torch.Tensor) else state[key] == value
+    test = with_float32(tabicl_frame(30, seed + 7, unseen=True))
+    assert torch.equal(encoder.transform(test), fitted.transform(test))
+
+
+def test_a_failed_fit_transform_leaves_the_encoder_as_it_was():
+    train = tabicl_frame(40, 5)
+    encoder = TabICLEncoder().fit(train)
+    before = {k: v.clone() for k, v in encoder.state_dict().items() if isinstance(v, torch.Tensor)}
+    names = (encoder.categorical_names, encoder.numerical_names)
+    bad = pd.DataFrame({"s": ["a", "b", "c"], "x": [1.0, np.inf, 2.0]})
+    with pytest.raises(ValueError, match="infinity"):
+        encoder.fit_transform(bad)
+    assert (encoder.categorical_names, encoder.numerical_names) == names
+    for key, value in before.items():
+        assert torch.equal(encoder.state_dict()[key], value)
+    torch.testing.assert_close(encoder.transform(train), TabICLEncoder().fit(train).transform(train))
+
+
+@pytest.mark.parametrize("kind", ["frame", "array"])
+def test_the_estimators_table_encoder_fit_transform_is_fit_then_transform(kind):
+    """What an estimator's fit encodes: the same tensor as ``fit(X).transform(X)``, bit for bit
+    (a frame with a Python-ordered column among the rest; an array with NaN)."""
+    import datetime
+
+    from tabserve.models.tabicl.sklearn.preprocessing import TableEncoder
+
+    rng = np.random.default_rng(11)
+    if kind == "frame":
+        X = tabicl_frame(70, 11)
+        X["dates"] = pd.Series(
+            [datetime.date(2020, 1, 1 + int(d)) for d in rng.integers(0, 9, len(X))], dtype=object
+        )
+    else:
+        X = np.where(rng.random((70, 6)) < 0.2, np.nan, rng.normal(size=(70, 6))).astype(np.float32)
+    encoder = TableEncoder("cpu")
+    got = encoder.fit_transform(X)
+    want = TableEncoder("cpu").fit(X).transform(X)
+    assert got.dtype == want.dtype == torch.float64 and torch.equal(got, want)
+    assert torch.equal(encoder.transform(X), want)

@@ -554,8 +554,8 @@ class _TabICLBase(BaseEstimator):
     def _fit_members(self, X, y: Tensor, n_classes: int) -> None:
         norm_methods = self.norm_methods or DEFAULT_NORM_METHODS
         norm_methods = [norm_methods] if isinstance(norm_methods, str) else list(norm_methods)
-        self.encoder_ = TableEncoder(self.device_).fit(X)
-        table = self.encoder_.transform(X)
+        self.encoder_ = TableEncoder(self.device_)
+        table = self.encoder_.fit_transform(X)
         self.filter_ = ConstantFeatureFilter().fit(table)
         table = self.filter_.transform(table)
         self.plan_ = ensemble_plan(

@@ -50,23 +50,37 @@ class TableEncoder:
         self.device = torch.device(device)
 
     def fit(self, X) -> TableEncoder:
-        self.is_frame_ = hasattr(X, "columns")
-        if self.is_frame_:
+        self._fit(X)
+        return self
+
+    def fit_transform(self, X) -> Tensor:
+        """``fit(X)``, then ``transform(X)`` (the same numbers), ``X`` read once."""
+        return self._fit(X, transform=True)
+
+    def _fit(self, X, transform: bool = False) -> Tensor | None:
+        if hasattr(X, "columns"):
             # DataFrames go through the device encoder (AlignCategories: one string-lookup call
             # for all categorical columns), which reproduces tabicl's TransformToNumerical, its
             # error for infinities included.
             from tabserve.encoding import TabICLEncoder
 
-            self.ranks_ = python_ordered_ranks(X)
+            ranks = python_ordered_ranks(X)
             # Fitted on the host, then moved: its vocabularies must live where the tables'
-            # codes do (the string lookup takes all of its operands on one device).
-            self.frame_encoder_ = TabICLEncoder().fit(ranked(X, self.ranks_)).to(self.device)
+            # codes do (the string lookup takes all of its operands on one device). Its fit
+            # refuses infinities, as the transform's check does.
+            encoder, encoded = TabICLEncoder(), None
+            if transform:
+                encoded = encoder.fit_transform(ranked(X, ranks), self.device)
+            else:
+                encoder.fit(ranked(X, ranks)).to(self.device)
+            self.is_frame_, self.ranks_, self.frame_encoder_ = True, ranks, encoder
             self.columns_ = [str(name) for name in X.columns]
-            return self
+            return encoded
         numeric = self._numeric(X)
         means = numeric.nanmean(dim=0)
+        self.is_frame_ = False
         self.fill_ = torch.where(torch.isnan(means), torch.zeros_like(means), means)
-        return self
+        return torch.where(torch.isnan(numeric), self.fill_, numeric) if transform else None
 
     def _numeric(self, X) -> Tensor:
         """Float64 tensor of a NumPy ``X``; ValueError for infinities or non-numeric data."""
