@@ -199,6 +199,28 @@ def test_no_triton_compiles_refuses_a_compile_in_its_own_thread_only(monkeypatch
     assert knobs.runtime.jit_cache_hook is hook  # installed once, kept
 
 
+def test_a_hook_installed_after_ours_that_chains_to_ours_is_called_once(monkeypatch):
+    knobs = pytest.importorskip("triton.knobs")
+    from tabserve.kernels import _common
+
+    monkeypatch.setattr(knobs.runtime, "jit_cache_hook", None)
+    monkeypatch.setattr(_common, "_chained_hook", [None])
+    with _common.no_triton_compiles():
+        pass
+    ours, calls = knobs.runtime.jit_cache_hook, []
+
+    def theirs(**kw):  # a user's hook, chaining to the one it found (ours)
+        calls.append(kw["repr"])
+        return ours(**kw)
+
+    knobs.runtime.jit_cache_hook = theirs
+    with _common.no_triton_compiles(), pytest.raises(_common.WouldCompile):  # ours, chaining theirs
+        knobs.runtime.jit_cache_hook(repr="k[1]")
+    assert knobs.runtime.jit_cache_hook is ours
+    assert ours(repr="k[2]") is None  # what Triton calls: ours, theirs once, no recursion
+    assert calls == ["k[2]"]
+
+
 def test_no_triton_compiles_needs_the_runtime_hooks(monkeypatch):
     from tabserve.kernels import _common
 

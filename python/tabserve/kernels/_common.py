@@ -220,7 +220,14 @@ def _refuse_compiles(**kwargs):
     if getattr(_REFUSING, "depth", 0):
         raise WouldCompile(f"{kwargs.get('repr', 'a Triton kernel')} is not compiled yet")
     chained = _chained_hook[0]
-    return None if chained is None else chained(**kwargs)
+    # A hook installed after ours may chain to ours, and ours (reinstalled) to it: call it once
+    if chained is None or getattr(_REFUSING, "chaining", False):
+        return None
+    _REFUSING.chaining = True
+    try:
+        return chained(**kwargs)
+    finally:
+        _REFUSING.chaining = False
 
 
 def guards_compiles() -> bool:
