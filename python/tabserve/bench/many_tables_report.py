@@ -57,13 +57,32 @@ def _peak(memory: dict | None) -> str:
     return format_mib(memory.get("peak_allocated_bytes", memory.get("peak_rss_bytes")))
 
 
+def _packs(tier: dict) -> str:
+    """Where one served model's packed calls went (``CompilingTabICL.packs_tier``)."""
+    state, ready, fused = tier.get("state"), tier.get("ready_ms"), tier.get("packs_ms")
+    timed = f": {fused:.0f} against {ready:.0f} ms" if ready is not None and fused is not None else ""
+    named = {
+        "compiled": "fused kernels",
+        "declined": "ready preset, fused slower",
+        "failed": "ready preset, fused kernels failed",
+        "queued": "ready preset, fused kernels compiling",
+    }
+    if state in named:
+        return named[state] + timed
+    return f"ready preset (packed calls: {state})"  # too few yet to compile for
+
+
 def _pass_label(result: dict, figures: dict) -> str:
     label = f"{figures['number']} {figures['name']}"
     wait = result.get("compile_wait") if figures["name"] == "compiled" else None
+    notes = []
     if wait:
         unfinished = "" if wait.get("finished") else ", unfinished"
-        label += f" (waited {wait['ms'] / 1e3:.1f} s{unfinished})"
-    return label
+        notes.append(f"waited {wait['ms'] / 1e3:.1f} s{unfinished}")
+    tiers = [t for t in figures.get("packs") or [] if t.get("state") not in (None, 0, "off")]
+    if tiers:
+        notes.append("packs on " + "; ".join(_packs(t) for t in tiers))
+    return label + (f" ({'; '.join(notes)})" if notes else "")
 
 
 def throughput_rows(document: dict) -> list:
