@@ -103,6 +103,9 @@ MAX_QUEUED = 4
 #: Timed calls of each served model that decide whether ``target`` takes a call over (0: it
 #: does whenever its warm-up succeeded).
 PAY_RUNS = 3
+#: The signature of every packed call (one kind, whatever its shapes: see
+#: :meth:`CompilingTabICL.padded_forward`).
+PACKED = ("padded_forward",)
 #: Seconds the interpreter's exit waits for an interrupted warm-up to unwind.
 EXIT_WAIT_S = 5.0
 #: A warm-up runs once no estimator call has run for this many seconds (a quiet moment) ...
@@ -421,7 +424,6 @@ class CompilingTabICL:
         which ``ready`` answers while a warm-up compiles it."""
         if self._build_packs is None:
             return self.ready.padded_forward(*args)
-        key = ("padded_forward",)  # one kind: packs of every shape
         with self._lock:
             state = self._packs_state
             queue = compile_now = False
@@ -431,7 +433,7 @@ class CompilingTabICL:
                 seen = state + 1
                 queue = (
                     seen >= COMPILE_AFTER_CALLS
-                    and self._spent.ms(key) >= COMPILE_AFTER_MS
+                    and self._spent.ms(PACKED) >= COMPILE_AFTER_MS
                     and _worker.pending() < MAX_QUEUED
                 )
                 self._packs_state = "queued" if queue else seen
@@ -446,8 +448,8 @@ class CompilingTabICL:
                     compile_now = not self._compiling and _worker.pending() < MAX_QUEUED
                     self._compiling = self._compiling or compile_now
         if queue or compile_now:
-            self._queue_packs(args, judge=queue)
-        with self._spent.clock(key if isinstance(state, int) and not queue else None):
+            self._queue_packs(args, judged=queue)
+        with self._spent.clock(PACKED if isinstance(state, int) and not queue else None):
             return self.ready.padded_forward(*args)
 
     def build_cache(self, *args, mode: str = "kv", **kwargs):
@@ -512,6 +514,27 @@ class CompilingTabICL:
         return self.ready, key if counting else None
 
     def _queue(self, key, entry: str, args: tuple, kwargs: dict, keep=None, mark=True) -> None:
+        def judge(args, kwargs, built, stream) -> str:
+            if keep is not None:
+                keep.target = built
+                return "compiled"  # the predictions on the cache decide for themselves
+            return self._pays(key, entry, args, kwargs, stream)
+
+        def settle(state: str) -> None:
+            if mark:
+                with self._lock:
+                    self._state[key] = state
+
+        failure = f"compiling {entry} for {describe(self.options)} failed; serving it with"
+        if not self._submit("target", entry, args, kwargs, judge, settle, failure) and mark:
+            with self._lock:
+                self._state[key] = "failed"
+
+    def _submit(self, contender: str, entry: str, args, kwargs, judge, settle, failure) -> bool:
+        """Queues a warm-up on the worker (False where it refused it): ``entry`` of
+        ``contender`` (``target`` or ``packs``) on private copies of the call's inputs, then
+        ``settle(judge(args, kwargs, what it built, its stream))``, or ``settle("failed")``
+        with a warning starting with ``failure`` where either raised."""
         # Private copies: the caller may overwrite its tensors before the warm-up runs. On CUDA
         # the worker's stream waits for the copies.
         args, kwargs = tree_map(_copy, (args, kwargs))
@@ -522,33 +545,24 @@ class CompilingTabICL:
         def warm_up() -> None:
             try:
                 stream = torch.cuda.Stream(self.ready.device) if copied is not None else None
-                with exclusive_captures(), without_captures():
-                    if stream is None:
-                        built = getattr(self.target, entry)(*args, **kwargs)
-                    else:
-                        with torch.cuda.stream(stream):
-                            stream.wait_event(copied)
-                            built = getattr(self.target, entry)(*args, **kwargs)
+                with exclusive_captures(), without_captures(), (
+                    torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+                ):
+                    if stream is not None:
+                        stream.wait_event(copied)
+                    built = getattr(getattr(self, contender), entry)(*args, **kwargs)
+                    if stream is not None:
                         stream.synchronize()
-                if keep is not None:
-                    keep.target = built
-                    state = "compiled"  # the predictions on the cache decide for themselves
-                else:
-                    state = self._pays(key, entry, args, kwargs, stream)
+                state = judge(args, kwargs, built, stream)
             except Exception as error:  # the call stays on the ready model
                 warnings.warn(
-                    f"compiling {entry} for {describe(self.options)} failed; serving it with "
-                    f"{describe(self.ready.options)}: {type(error).__name__}: {error}",
+                    f"{failure} {describe(self.ready.options)}: {type(error).__name__}: {error}",
                     stacklevel=1,
                 )
                 state = "failed"
-            if mark:
-                with self._lock:
-                    self._state[key] = state
+            settle(state)
 
-        if not _worker.submit(warm_up) and mark:
-            with self._lock:
-                self._state[key] = "failed"
+        return _worker.submit(warm_up)
 
     def packs_tier(self) -> dict:
         """Where packed calls go: ``state`` (packed calls seen, ``"queued"``, ``"compiled"``:
@@ -556,12 +570,12 @@ class CompilingTabICL:
         ``"off"``: no packs model) and the judging pack's ``ready_ms`` / ``packs_ms``."""
         with self._lock:
             state = self._packs_state if self._build_packs is not None else "off"
-        ready_ms, packs_ms = self.timings.get(("padded_forward",), (None, None))
+        ready_ms, packs_ms = self.timings.get(PACKED, (None, None))
         return {"state": state, "ready_ms": ready_ms, "packs_ms": packs_ms}
 
-    def _queue_packs(self, args: tuple, judge: bool) -> None:
+    def _queue_packs(self, args: tuple, judged: bool) -> None:
         """Queues a warm-up of ``packs`` on copies of a packed call's ``args``: it compiles the
-        call's Triton kernels and, where ``judge``, decides whether ``packs`` answers packs from
+        call's Triton kernels and, where ``judged``, decides whether ``packs`` answers packs from
         now on (else it only compiled what a pack served by ``packs`` lacked).
 
         Triton compiles in this process, in Python and in native passes that keep the
@@ -569,42 +583,23 @@ class CompilingTabICL:
         21.5-21.7 s, and a thread beside it ran Python at 0.53x its speed alone, its longest
         wait 153-181 ms. The warm-up's pauses (:func:`_pause_for_callers`) take the first
         away from estimator calls, not the second: a call may wait one native pass."""
-        args = tree_map(_copy, args)
-        copied = torch.cuda.Event() if self.ready.device.type == "cuda" else None
-        if copied is not None:
-            copied.record()
-        key = ("padded_forward",)
 
-        def warm_up() -> None:
-            state = "compiled"
-            try:
-                stream = torch.cuda.Stream(self.ready.device) if copied is not None else None
-                with exclusive_captures(), without_captures(), (
-                    torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
-                ):
-                    if stream is not None:
-                        stream.wait_event(copied)
-                    self.packs.padded_forward(*args)
-                    if stream is not None:
-                        stream.synchronize()
-                if judge:
-                    state = self._pays(key, "padded_forward", args, {}, stream, "packs")
-            except Exception as error:  # packs stay on (or go back to) the ready model
-                warnings.warn(
-                    f"tabserve's fused kernels for packed calls failed; serving them with "
-                    f"{describe(self.ready.options)}: {type(error).__name__}: {error}",
-                    stacklevel=1,
-                )
-                state = "failed"
+        def judge(args, kwargs, built, stream) -> str:
+            if not judged:
+                return "compiled"
+            return self._pays(PACKED, "padded_forward", args, kwargs, stream, "packs")
+
+        def settle(state: str) -> None:
             with self._lock:
                 self._compiling = False
-                if judge or state == "failed":
+                if judged or state == "failed":
                     self._packs_state = state
 
-        if not _worker.submit(warm_up):
+        failure = "tabserve's fused kernels for packed calls failed; serving them with"
+        if not self._submit("packs", "padded_forward", args, {}, judge, settle, failure):
             with self._lock:
                 self._compiling = False
-                if judge:
+                if judged:
                     self._packs_state = "failed"
 
     def _pays(self, key, entry: str, args: tuple, kwargs: dict, stream, contender="target") -> str:

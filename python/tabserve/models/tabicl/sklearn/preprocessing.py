@@ -68,11 +68,11 @@ class TableEncoder:
             # Fitted on the host, then moved: its vocabularies must live where the tables'
             # codes do (the string lookup takes all of its operands on one device). Its fit
             # refuses infinities, as the transform's check does.
-            encoder, encoded = TabICLEncoder(), None
+            encoder, frame, encoded = TabICLEncoder(), ranked(X, ranks), None
             if transform:
-                encoded = encoder.fit_transform(ranked(X, ranks), self.device)
+                encoded = encoder.fit_transform(frame, self.device)
             else:
-                encoder.fit(ranked(X, ranks)).to(self.device)
+                encoder.fit(frame).to(self.device)
             self.is_frame_, self.ranks_, self.frame_encoder_ = True, ranks, encoder
             self.columns_ = [str(name) for name in X.columns]
             return encoded
