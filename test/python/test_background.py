@@ -352,7 +352,9 @@ def test_packs_move_to_the_fused_kernels_once_a_background_warm_up_has_built_the
     assert wait_for_compiles(timeout=120)
     ((thread, packs),) = built
     assert thread == "tabserve-compile" and packs.calls == ["padded_forward"]
-    assert tiered.packs_tier() == {"state": "compiled", "ready_ms": None, "packs_ms": None}
+    assert tiered.packs_tier() == {
+        "state": "compiled", "ready_ms": None, "packs_ms": None, "precompiled": 0
+    }  # the CPU runs the fused operators' composites: no Triton kernel to compile
     second = tiered.padded_forward(*_pack(0))
     assert ready.calls == ["padded_forward"] and packs.calls == ["padded_forward"] * 2
     torch.testing.assert_close(first, expected, atol=0, rtol=0)
@@ -361,6 +363,54 @@ def test_packs_move_to_the_fused_kernels_once_a_background_warm_up_has_built_the
     # every later pack, whatever its shapes: one kind of call, no further warm-up
     tiered.padded_forward(*_pack(5)[:2], None, None)
     assert packs.calls == ["padded_forward"] * 3 and background_compiles() == 0
+
+
+@pytest.mark.parametrize("children", ["compile", "fail"])
+def test_a_packs_warm_up_lists_its_kernels_and_has_children_compile_them_first(
+    monkeypatch, children
+):
+    """On a device where the fused operators launch Triton kernels, the packs' warm-up first
+    runs the pack listing what it would compile (:func:`collect_compiles`), has child processes
+    compile that (:func:`compile_elsewhere`), then runs the pack it times; where the children
+    fail it compiles in its own call, with a warning. (The CPU stands in for that device here:
+    the listing is the hook's, tested with a real kernel in test_precompile.)"""
+    pytest.importorskip("triton.knobs")
+    from tabserve.kernels import _common, precompile
+
+    monkeypatch.setattr(background, "TRITON_DEVICE_TYPES", ("cpu",))
+    kernel = _common.Specialization("tabserve.kernels.feed_forward", "_feed_forward_kernel", "{}")
+    events = []
+    collect = precompile.collect_compiles
+
+    @contextlib.contextmanager
+    def listing():
+        with collect() as found:
+            events.append(("listing", threading.current_thread().name))
+            found.append(kernel)
+            yield found
+
+    def compile_elsewhere(found):
+        events.append(("children", list(found)))
+        if children == "fail":
+            raise RuntimeError("a child compiling Triton kernels exited with 1")
+
+    monkeypatch.setattr(precompile, "collect_compiles", listing)
+    monkeypatch.setattr(precompile, "compile_elsewhere", compile_elsewhere)
+    tiered, _, built = _packed_tiers()
+    args = _pack(0)
+    expected = ServedTabICL(_model(), PACKS_READY).padded_forward(*args)
+    with contextlib.ExitStack() as stack:
+        if children == "fail":
+            stack.enter_context(pytest.warns(UserWarning, match="in child processes failed"))
+        tiered.padded_forward(*args)
+        assert wait_for_compiles(timeout=120)
+    ((_, packs),) = built
+    assert events == [("listing", "tabserve-compile"), ("children", [kernel])]
+    assert packs.calls == ["padded_forward"] * 2  # the listing pass, then the warm-up's own
+    assert tiered.packs_tier()["state"] == "compiled"
+    assert tiered.packs_tier()["precompiled"] == (1 if children == "compile" else 0)
+    answer = tiered.padded_forward(*_pack(0))
+    torch.testing.assert_close(answer, expected, atol=2e-2, rtol=0)
 
 
 def test_a_pack_that_would_compile_in_the_callers_thread_is_answered_by_the_ready_model():

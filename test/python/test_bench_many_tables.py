@@ -290,14 +290,15 @@ def test_the_driver_offers_the_many_tables_suite(capsys):
 def test_the_compiled_pass_says_where_the_packs_went():
     result = {"compile_wait": {"ms": 12345.0, "finished": True}}
     tiers = [
-        {"state": "compiled", "ready_ms": 912.4, "packs_ms": 371.0},
+        {"state": "compiled", "ready_ms": 912.4, "packs_ms": 371.0, "precompiled": 6},
         {"state": "declined", "ready_ms": 50.0, "packs_ms": 61.0},
         {"state": 1, "ready_ms": None, "packs_ms": None},
         {"state": "off", "ready_ms": None, "packs_ms": None},
     ]
     label = many_report._pass_label(result, {"number": 3, "name": "compiled", "packs": tiers})
     assert label == (
-        "3 compiled (waited 12.3 s; packs on fused kernels: 371 against 912 ms; "
+        "3 compiled (waited 12.3 s; packs on fused kernels: 371 against 912 ms, 6 kernels "
+        "compiled in children; "
         "ready preset, fused slower: 61 against 50 ms; ready preset (packed calls: 1))"
     )
     loop = many_report._pass_label(result, {"number": 3, "name": "compiled", "packs": tiers[3:]})

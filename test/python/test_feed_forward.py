@@ -650,6 +650,32 @@ def test_cuda_launch_that_would_compile_is_refused_inside_no_triton_compiles():
 
 @requires_cuda
 @requires_triton
+def test_cuda_kernel_compiled_in_a_child_launches_here_without_compiling(monkeypatch):
+    """The packs' warm-up path on a real launch: listed inside collect_compiles (not compiled
+    nor launched), compiled by a child, then launched here from Triton's cache with compiling
+    made impossible in this process, answering as the kernel does."""
+    from triton.backends.nvidia.compiler import CUDABackend
+
+    from tabserve.kernels.precompile import collect_compiles, compile_elsewhere
+
+    _, leading, dim, hidden, x_dtype, norm_bias, update = KERNEL_CASES[0]
+    args = make_inputs(leading, dim, hidden, x_dtype, norm_bias, update, device="cuda")
+    eps = 2.3456e-5  # used by no other test: its kernel is compiled here first
+    with collect_compiles() as found:
+        torch.ops.tabserve.feed_forward(*args, eps, torch.float16)
+    assert [s.qualname for s in found] == ["_feed_forward_kernel"]
+    compile_elsewhere(found)
+
+    def no_compiling_here(*args, **kwargs):
+        raise AssertionError("compiled in this process")
+
+    monkeypatch.setattr(CUDABackend, "add_stages", no_compiling_here)
+    got = torch.ops.tabserve.feed_forward(*args, eps, torch.float16)
+    assert_agrees(got, ff.feed_forward_composite(*args, eps, torch.float16), stream(args), "child")
+
+
+@requires_cuda
+@requires_triton
 @pytest.mark.parametrize("compute", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("case", KERNEL_CASES, ids=lambda c: f"{c[0]}x{c[2]}-{c[3]}")
 def test_cuda_kernel_agrees_with_the_composite(case, compute):

@@ -24,8 +24,11 @@ pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("triton") is None, reason="Triton is not installed"
 )
 
-#: Every module of the package, each walked for its jit functions (``_resident`` and ``layout`` have none).
-KERNEL_MODULES = ("feed_forward", "norm_linear", "flash_attention", "_common", "_resident", "layout")
+#: Every module of the package, each walked for its jit functions (``_resident``, ``layout`` and
+#: ``precompile`` have none).
+KERNEL_MODULES = (
+    "feed_forward", "norm_linear", "flash_attention", "_common", "_resident", "layout", "precompile"
+)
 #: The jit helpers each operator's kernel reaches (Inductor's copy must define them).
 KERNEL_HELPERS = {
     "feed_forward._feed_forward_kernel": {"round_to", "layer_norm_rows"},

@@ -68,7 +68,9 @@ def _packs(tier: dict) -> str:
         "queued": "ready preset, fused kernels compiling",
     }
     if state in named:
-        return named[state] + timed
+        children = tier.get("precompiled")
+        built = f", {children} kernels compiled in children" if children else ""
+        return named[state] + timed + built
     return f"ready preset (packed calls: {state})"  # too few yet to compile for
 
 

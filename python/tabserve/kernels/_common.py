@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -209,34 +210,79 @@ class WouldCompile(RuntimeError):
     compiled yet: nothing was compiled or launched."""
 
 
-_REFUSING = threading.local()  # per thread: depth of no_triton_compiles
+@dataclass(frozen=True)
+class Specialization:
+    """A Triton kernel specialization that a launch would have compiled: the kernel (its
+    module and qualified name) and Triton's serialized form of the specialization, what
+    ``JITFunction.preload`` compiles (:mod:`tabserve.kernels.precompile`)."""
+
+    module: str
+    qualname: str
+    data: str
+
+
+_GUARD = threading.local()  # per thread: the open guards, innermost last
+_REFUSE = object()  # the guard of no_triton_compiles (a collect_compiles guard is its list)
 _hook_lock = threading.Lock()
 _chained_hook: list = [None]  # the jit_cache_hook found when ours was installed
 
 
-def _refuse_compiles(**kwargs):
+def _on_compile(**kwargs):
     """Triton's ``jit_cache_hook``: called before a JIT function compiles a specialization
-    absent from the process's kernel cache (returning True skips it; raising stops the launch)."""
-    if getattr(_REFUSING, "depth", 0):
-        raise WouldCompile(f"{kwargs.get('repr', 'a Triton kernel')} is not compiled yet")
+    absent from the process's kernel cache (returning True skips the compile and the launch;
+    raising stops the launch). The innermost guard of this thread decides."""
+    guards = getattr(_GUARD, "open", None)
+    if guards:
+        if guards[-1] is _REFUSE:
+            raise WouldCompile(f"{kwargs.get('repr', 'a Triton kernel')} is not compiled yet")
+        found = _specialization(kwargs)
+        if found is not None:
+            if found not in guards[-1]:
+                guards[-1].append(found)
+            return True
+        return None  # nothing to compile elsewhere: this launch compiles here
     chained = _chained_hook[0]
     # A hook installed after ours may chain to ours, and ours (reinstalled) to it: call it once
-    if chained is None or getattr(_REFUSING, "chaining", False):
+    if chained is None or getattr(_GUARD, "chaining", False):
         return None
-    _REFUSING.chaining = True
+    _GUARD.chaining = True
     try:
         return chained(**kwargs)
     finally:
-        _REFUSING.chaining = False
+        _GUARD.chaining = False
+
+
+def _specialization(kwargs: dict) -> Specialization | None:
+    fn, data = kwargs.get("fn"), (kwargs.get("compile") or {}).get("specialization_data")
+    module, qualname = getattr(fn, "module", None), getattr(fn, "name", None)
+    if not (isinstance(data, str) and isinstance(module, str) and isinstance(qualname, str)):
+        return None
+    return Specialization(module, qualname, data)
 
 
 def guards_compiles() -> bool:
-    """Whether :func:`no_triton_compiles` can refuse compiles: Triton with its runtime hooks
-    (``triton.knobs``, Triton 3.4 and later)."""
+    """Whether :func:`no_triton_compiles` and :func:`collect_compiles` work: Triton with its
+    runtime hooks (``triton.knobs``, Triton 3.4 and later)."""
     return triton is not None and hasattr(getattr(triton, "knobs", None), "runtime")
 
 
 @contextlib.contextmanager
+def _guarded(guard, name: str):
+    if not guards_compiles():
+        raise RuntimeError(f"{name} needs Triton 3.4 or later (triton.knobs)")
+    runtime = triton.knobs.runtime
+    with _hook_lock:
+        if runtime.jit_cache_hook is not _on_compile:  # installed once, chaining another
+            _chained_hook[0] = runtime.jit_cache_hook
+            runtime.jit_cache_hook = _on_compile
+    guards = _GUARD.__dict__.setdefault("open", [])
+    guards.append(guard)
+    try:
+        yield guard
+    finally:
+        guards.pop()
+
+
 def no_triton_compiles():
     """Inside, in this thread only, a Triton kernel launch that would first compile its
     specialization (a shape class, dtype or constant not launched yet in this process, or read
@@ -245,18 +291,18 @@ def no_triton_compiles():
     (ptxas and Triton's passes), which a serving call must not pay: the caller answers with
     another model and leaves the compile to a background thread. Raises RuntimeError where
     :func:`guards_compiles` is False."""
-    if not guards_compiles():
-        raise RuntimeError("no_triton_compiles needs Triton 3.4 or later (triton.knobs)")
-    runtime = triton.knobs.runtime
-    with _hook_lock:
-        if runtime.jit_cache_hook is not _refuse_compiles:  # installed once, chaining another
-            _chained_hook[0] = runtime.jit_cache_hook
-            runtime.jit_cache_hook = _refuse_compiles
-    _REFUSING.depth = getattr(_REFUSING, "depth", 0) + 1
-    try:
-        yield
-    finally:
-        _REFUSING.depth -= 1
+    return _guarded(_REFUSE, "no_triton_compiles")
+
+
+def collect_compiles():
+    """Inside, in this thread only, a Triton kernel launch that would first compile its
+    specialization skips the compile and the launch and adds the :class:`Specialization` to
+    the list the context yields (once each); compiled kernels launch as usual. So a call run
+    inside lists what it would compile, for :func:`.precompile.compile_elsewhere`, and its
+    outputs are not its answer. (A launch whose Triton gives no serialized specialization
+    compiles and launches as usual.) Raises RuntimeError where :func:`guards_compiles` is
+    False."""
+    return _guarded([], "collect_compiles")
 
 
 def define_operator(name: str, fn):

@@ -22,8 +22,10 @@ pay: the answer is never lost to a compile.
 Packed calls (many tables padded together: :meth:`CompilingTabICL.padded_forward`) are one kind
 of call whatever their shapes: nothing is compiled for them, but once they have recurred and
 taken their time a warm-up builds ``packs``, ``ready``'s options with tabserve's fused Triton
-kernels (:func:`~.options.packs_options`), and it answers them if it was faster; a pack that would
-compile a kernel in the caller's thread is refused before launching and answered by ``ready``.
+kernels (:func:`~.options.packs_options`), its kernels compiled in child processes (a compile in
+this process holds the interpreter lock for up to 0.18 s at a time), and it answers them if it was
+faster; a pack that would compile a kernel in the caller's thread is refused before launching and
+answered by ``ready``.
 
 A KV cache (:class:`TieredCache`) is built by ``ready`` at once and by ``target`` in the
 background (its warm-up keeps what it built); a prediction against it runs on ``target`` once
@@ -89,6 +91,9 @@ from .served import (  # noqa: F401  (foreground: the estimators' import)
 #: What serves while a compiled preset compiles: fp16 on padded buckets replayed from CUDA
 #: graphs, nothing compiled (its captures take milliseconds per bucket).
 READY_PRESET = "medium"
+#: Device types where the fused operators launch Triton kernels (elsewhere they run their
+#: composites: nothing to compile).
+TRITON_DEVICE_TYPES = ("cuda",)
 #: The call of a kind (entry point and shapes) at which its warm-up may be queued at the
 #: earliest ...
 COMPILE_AFTER_CALLS = 2
@@ -370,6 +375,7 @@ class CompilingTabICL:
         # compiled a kernel in its caller's thread is queued
         self._packs_state: int | str = 0
         self._compiling = False
+        self._precompiled = 0  # kernel specializations the packs' warm-ups compiled in children
 
     @property
     def target(self):
@@ -530,11 +536,13 @@ class CompilingTabICL:
             with self._lock:
                 self._state[key] = "failed"
 
-    def _submit(self, contender: str, entry: str, args, kwargs, judge, settle, failure) -> bool:
-        """Queues a warm-up on the worker (False where it refused it): ``entry`` of
-        ``contender`` (``target`` or ``packs``) on private copies of the call's inputs, then
-        ``settle(judge(args, kwargs, what it built, its stream))``, or ``settle("failed")``
-        with a warning starting with ``failure`` where either raised."""
+    def _submit(
+        self, contender: str, entry: str, args, kwargs, judge, settle, failure, before=None
+    ) -> bool:
+        """Queues a warm-up on the worker (False where it refused it): ``before(args, kwargs)``
+        where given, then ``entry`` of ``contender`` (``target`` or ``packs``) on private copies
+        of the call's inputs, then ``settle(judge(args, kwargs, what it built, its stream))``,
+        or ``settle("failed")`` with a warning starting with ``failure`` where one raised."""
         # Private copies: the caller may overwrite its tensors before the warm-up runs. On CUDA
         # the worker's stream waits for the copies.
         args, kwargs = tree_map(_copy, (args, kwargs))
@@ -550,6 +558,8 @@ class CompilingTabICL:
                 ):
                     if stream is not None:
                         stream.wait_event(copied)
+                    if before is not None:
+                        before(args, kwargs)
                     built = getattr(getattr(self, contender), entry)(*args, **kwargs)
                     if stream is not None:
                         stream.synchronize()
@@ -567,22 +577,25 @@ class CompilingTabICL:
     def packs_tier(self) -> dict:
         """Where packed calls go: ``state`` (packed calls seen, ``"queued"``, ``"compiled"``:
         the fused kernels answer, ``"declined"``: ``ready`` was faster, ``"failed"``,
-        ``"off"``: no packs model) and the judging pack's ``ready_ms`` / ``packs_ms``."""
+        ``"off"``: no packs model), the judging pack's ``ready_ms`` / ``packs_ms``, and
+        ``precompiled``: the kernel specializations its warm-ups compiled in child processes."""
         with self._lock:
             state = self._packs_state if self._build_packs is not None else "off"
+            precompiled = self._precompiled
         ready_ms, packs_ms = self.timings.get(PACKED, (None, None))
-        return {"state": state, "ready_ms": ready_ms, "packs_ms": packs_ms}
+        return {
+            "state": state, "ready_ms": ready_ms, "packs_ms": packs_ms, "precompiled": precompiled
+        }
 
     def _queue_packs(self, args: tuple, judged: bool) -> None:
         """Queues a warm-up of ``packs`` on copies of a packed call's ``args``: it compiles the
         call's Triton kernels and, where ``judged``, decides whether ``packs`` answers packs from
         now on (else it only compiled what a pack served by ``packs`` lacked).
 
-        Triton compiles in this process, in Python and in native passes that keep the
-        interpreter lock: compiling the fused feed-forward kernel for sm_90 on a 2-core CPU took
-        21.5-21.7 s, and a thread beside it ran Python at 0.53x its speed alone, its longest
-        wait 153-181 ms. The warm-up's pauses (:func:`_pause_for_callers`) take the first
-        away from estimator calls, not the second: a call may wait one native pass."""
+        The kernels compile in child processes (:meth:`_precompile_packs`): in this process
+        Triton's native passes keep the interpreter lock, which the warm-up's pauses
+        (:func:`_pause_for_callers`) cannot take from them (see
+        :mod:`tabserve.kernels.precompile`)."""
 
         def judge(args, kwargs, built, stream) -> str:
             if not judged:
@@ -596,11 +609,37 @@ class CompilingTabICL:
                     self._packs_state = state
 
         failure = "tabserve's fused kernels for packed calls failed; serving them with"
-        if not self._submit("packs", "padded_forward", args, {}, judge, settle, failure):
+        before = lambda args, kwargs: self._precompile_packs(args)
+        if not self._submit("packs", "padded_forward", args, {}, judge, settle, failure, before):
             with self._lock:
                 self._compiling = False
                 if judged:
                     self._packs_state = "failed"
+
+    def _precompile_packs(self, args: tuple) -> None:
+        """Runs the pack on ``packs`` with each Triton launch that would compile skipped and
+        listed (its outputs are not an answer), then compiles what it listed in child processes
+        into Triton's cache (:mod:`tabserve.kernels.precompile`), so the warm-up's own call reads
+        the kernels back instead of compiling them beside the callers. Where that fails, the
+        warm-up compiles them itself, as before, with a warning."""
+        if self.ready.device.type not in TRITON_DEVICE_TYPES:
+            return
+        from tabserve.kernels.precompile import collect_compiles, compile_elsewhere
+
+        # The skipped launches' outputs are garbage: what was listed stands if the call fails
+        with collect_compiles() as found, contextlib.suppress(Exception):
+            self.packs.padded_forward(*args)
+        try:
+            compile_elsewhere(found)
+        except Exception as error:  # noqa: BLE001  (the warm-up compiles them here instead)
+            warnings.warn(
+                f"compiling tabserve's fused kernels in child processes failed, compiling them "
+                f"in this process: {type(error).__name__}: {error}",
+                stacklevel=1,
+            )
+            return
+        with self._lock:
+            self._precompiled += len(found)
 
     def _pays(self, key, entry: str, args: tuple, kwargs: dict, stream, contender="target") -> str:
         """``"compiled"`` if ``contender`` (``target`` or ``packs``) answers this call faster

@@ -1,0 +1,145 @@
+"""Triton kernels compiled in child processes.
+
+A Triton compile runs Python and native passes (MLIR, LLVM, ptxas) that keep the interpreter
+lock: compiling the fused feed-forward kernel for sm_90 in-process on a 2-core CPU took 21.5-21.7
+s, and a thread beside it ran Python at 0.53x its speed alone, waiting up to 153-181 ms at a time.
+Compiled in a child process, the kernel lands in Triton's on-disk cache, and the launch in this
+process that would have compiled it reads it back instead::
+
+    with collect_compiles() as found:   # launches that would compile are skipped and listed
+        call()
+    compile_elsewhere(found)            # children compile them into Triton's cache
+    call()                              # reads them back: nothing compiles here
+
+A child needs no GPU: it compiles for the target each specialization names (Triton's own
+``JITFunction.preload``), creates no CUDA context and loads nothing; it runs at a lower
+scheduling priority than this process, so the calls here keep their cores.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from ._common import Specialization, collect_compiles, triton
+
+#: Seconds the children may take in all before they are stopped.
+TIMEOUT_S = 900.0
+#: How much lower the children's scheduling priority is than this process's (``os.nice``).
+NICENESS = 10
+
+__all__ = ["TIMEOUT_S", "collect_compiles", "compile_elsewhere"]
+
+
+def compile_elsewhere(
+    found: Sequence[Specialization], *, workers: int | None = None, timeout: float = TIMEOUT_S
+) -> None:
+    """Compiles each specialization of ``found`` (from :func:`collect_compiles`) into Triton's
+    on-disk cache (this process's, ``triton.knobs.cache.dir``) in child processes, at most
+    ``workers`` at once (default: half of this machine's cores, at least one), and returns once
+    they have all finished. A specialization already in the cache costs its child a read.
+
+    Raises RuntimeError naming the kernel a child failed on, with the child's last words (what
+    it compiled before stays in the cache), and TimeoutError past ``timeout`` seconds, the
+    children stopped.
+    """
+    if triton is None:
+        raise RuntimeError("compile_elsewhere needs Triton")
+    found = list(dict.fromkeys(found))
+    if not found:
+        return
+    if workers is None:
+        workers = max(1, (os.cpu_count() or 2) // 2)
+    if workers < 1:
+        raise ValueError(f"workers must be at least 1, got {workers}")
+    shares = [found[i :: min(workers, len(found))] for i in range(min(workers, len(found)))]
+    env = dict(os.environ)
+    cache = getattr(getattr(triton.knobs, "cache", None), "dir", None)
+    if cache:  # this process's cache, wherever it was set
+        env["TRITON_CACHE_DIR"] = str(cache)
+    deadline = time.monotonic() + timeout
+    with tempfile.TemporaryDirectory(prefix="tabserve-precompile-") as folder:
+        children: list = []
+        try:
+            for i, share in enumerate(shares):
+                request, log = Path(folder, f"{i}.json"), Path(folder, f"{i}.log")
+                request.write_text(json.dumps([[s.module, s.qualname, s.data] for s in share]))
+                with request.open() as stdin, log.open("w") as stderr:
+                    child = subprocess.Popen(
+                        [sys.executable, "-m", __name__],
+                        stdin=stdin,
+                        stdout=subprocess.DEVNULL,
+                        stderr=stderr,
+                        env=env,
+                    )
+                children.append((child, log))
+            for child, _ in children:
+                child.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            raise TimeoutError(
+                f"compiling {len(found)} Triton kernel specializations in child processes took "
+                f"over {timeout} s; stopped"
+            ) from None
+        finally:
+            for child, _ in children:
+                if child.poll() is None:
+                    child.kill()
+                    child.wait()
+        failed = [(child, log) for child, log in children if child.returncode != 0]
+        if failed:
+            child, log = failed[0]
+            words = log.read_text(errors="replace").strip().splitlines()[-12:]
+            raise RuntimeError(
+                f"a child compiling Triton kernels exited with {child.returncode}:\n"
+                + "\n".join(words)
+            )
+
+
+class _TargetDriver:
+    """A child's active Triton driver: the target the specializations were made for, and no
+    device (the child only compiles: Triton loads a kernel at its first launch)."""
+
+    def __init__(self, target: dict):
+        from triton.backends.compiler import GPUTarget
+
+        self.target = GPUTarget(**target)
+
+    def get_current_device(self) -> int:
+        return 0
+
+    def get_current_target(self):
+        return self.target
+
+
+def _kernel(module: str, qualname: str):
+    kernel = importlib.import_module(module)
+    for name in qualname.split("."):
+        kernel = getattr(kernel, name)
+    return kernel
+
+
+def _child() -> int:
+    """A child's work: compiles the ``[module, qualname, specialization]`` list on stdin."""
+    if hasattr(os, "nice"):
+        os.nice(NICENESS)
+    from triton.runtime.driver import driver
+
+    for module, qualname, data in json.load(sys.stdin):
+        try:
+            driver.set_active(_TargetDriver(json.loads(data)["target"]))
+            _kernel(module, qualname).preload(data)
+        except Exception as error:  # noqa: BLE001  (reported to the parent, which raises)
+            print(f"{module}.{qualname}: {type(error).__name__}: {error}", file=sys.stderr)
+            return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_child())
