@@ -14,8 +14,21 @@ small workload's shape by default) three ways, a median of ``--repeats`` each:
   pause switched off;
 - ``paused``: the same job with the pause on (as the warm-ups run).
 
+With ``--triton``, two more: the calls while the worker (pause on) compiles tabserve's fused
+feed-forward kernel (the model's width, fp16; an empty Triton cache) the two ways a packs warm-up
+could, the median and the longest call of each (a native compile pass keeps the interpreter lock,
+which no pause takes back):
+
+- ``triton_here``: in this process (its first Triton compile, as in a fresh serving process);
+- ``triton_children``: listed by ``collect_compiles``, compiled by ``compile_elsewhere``'s child
+  processes and read back from the cache, as the packs' warm-ups do.
+
+On the CPU the kernel compiles for an H100 (sm_90) under a driver that names that target and
+loads nothing (the CPU's served model launches no Triton kernel).
+
     python benchmarks/compile_contention.py                 # CPU, tiny model
     python benchmarks/compile_contention.py --device cuda   # the full-size model on the GPU
+    python benchmarks/compile_contention.py --triton        # and beside a Triton compile
 
 Results: a line per way, and JSON (``--json``).
 """
@@ -24,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -81,6 +95,90 @@ def beside_a_busy_warm_up(call, repeats: int, device: torch.device, pause: bool)
         background._pause_for_callers = hook
 
 
+class _H100Target:
+    """The CPU's stand-in Triton driver: an H100 (sm_90) as the target; Triton's load of a
+    compiled kernel (at its launch) fails on it, after the compile."""
+
+    def get_current_device(self) -> int:
+        return 0
+
+    def get_current_stream(self, device=None) -> int:
+        return 0
+
+    def get_current_target(self):
+        from triton.backends.compiler import GPUTarget
+
+        return GPUTarget("cuda", 90, 32)
+
+
+def _launch_feed_forward(device: torch.device, eps: float) -> None:
+    """The fused feed-forward kernel at the model's width (128, hidden 256, fp16)."""
+    from tabserve.kernels import feed_forward
+
+    x = torch.randn(4096, 128, device=device)
+    w1, w2 = torch.randn(256, 128, device=device), torch.randn(128, 256, device=device)
+    ones, zeros = torch.ones(128, device=device), torch.zeros(256, device=device)
+    try:
+        feed_forward._launch(x, None, ones, ones, w1, zeros, w2, ones, eps, torch.float16, _same)
+    except AttributeError:  # the stand-in driver loads nothing: compiled, not launched
+        if device.type == "cuda":
+            raise
+
+
+def _same(kernel):
+    return kernel
+
+
+def _compile_feed_forward(where: str, device: torch.device, eps: float) -> None:
+    from tabserve.kernels.precompile import collect_compiles, compile_elsewhere
+
+    if where == "children":
+        with collect_compiles() as found:
+            _launch_feed_forward(device, eps)
+        compile_elsewhere(found)
+    _launch_feed_forward(device, eps)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def beside_a_triton_compile(call, device: torch.device, where: str) -> dict:
+    """The calls, each after a quiet moment, while the worker compiles the fused feed-forward
+    kernel ``where`` (``here`` or ``children``) into an empty cache, with an epsilon of its own
+    (a constant of the kernel): median and longest ms, and the compile's seconds."""
+    eps = {"here": 1.0101e-5, "children": 1.0202e-5}[where]
+    done, seconds, samples = threading.Event(), [], []
+
+    def compile_job() -> None:
+        start = time.perf_counter()
+        try:
+            _compile_feed_forward(where, device, eps)
+        finally:
+            seconds.append(time.perf_counter() - start)
+            done.set()
+
+    saved = os.environ.get("TRITON_CACHE_DIR")
+    with tempfile.TemporaryDirectory(prefix=f"tabserve-contention-{where}-") as cache:
+        os.environ["TRITON_CACHE_DIR"] = cache
+        try:
+            assert background._worker.submit(compile_job)
+            # The job runs in the quiet moments between calls (as after the callers' own
+            # Python) and pauses while one is in progress: a call waits only for a native pass.
+            while not done.wait(background.QUIET_S * 1.5):
+                samples.append(measure(call, 1, device))
+            background.wait_for_compiles(600)
+        finally:
+            if saved is None:
+                os.environ.pop("TRITON_CACHE_DIR", None)
+            else:
+                os.environ["TRITON_CACHE_DIR"] = saved
+    return {
+        "median_ms": statistics.median(samples) if samples else None,
+        "longest_ms": max(samples) if samples else None,
+        "calls": len(samples),
+        "compile_s": seconds[0] if seconds else None,
+    }
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
@@ -89,6 +187,8 @@ def main(argv=None) -> int:
                         help="model size (default: tiny on the CPU, full on CUDA)")  # fmt: skip
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--triton", action="store_true",
+                        help="also beside a Triton compile, here and in children")  # fmt: skip
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     size = args.size or ("full" if device.type == "cuda" else "tiny")
@@ -112,6 +212,17 @@ def main(argv=None) -> int:
     }
     for name, ms in figures.items():
         print(f"{name[:-3]:>7}: {ms:9.1f} ms")
+    if args.triton:
+        if device.type == "cpu":
+            from triton.runtime.driver import driver
+
+            driver.set_active(_H100Target())
+        for where in ("here", "children"):  # here first: the process's first Triton compile
+            figures[f"triton_{where}"] = found = beside_a_triton_compile(call, device, where)
+            print(
+                f"triton {where}: compile {found['compile_s']:.1f} s, {found['calls']} calls, "
+                f"median {found['median_ms']:.1f} ms, longest {found['longest_ms']:.1f} ms"
+            )
     if args.json:
         document = {
             "benchmark": "compile_contention",

@@ -498,6 +498,25 @@ def render_contention(path: Path, document: dict) -> str:
             rows,
         ),
     ]
+    compiles = [
+        [name, f"{found['compile_s']:.1f}", str(found["calls"]),
+         format_ms(found.get("median_ms")), format_ms(found.get("longest_ms"))]
+        for name, found in (
+            ("in this process", document.get("triton_here")),
+            ("in child processes", document.get("triton_children")),
+        )
+        if found
+    ]  # fmt: skip
+    if compiles:
+        lines += [
+            "",
+            "Served calls, each after a quiet moment, while the worker compiled tabserve's fused "
+            "feed-forward kernel into an empty Triton cache:",
+            "",
+            markdown_table(
+                ("compiled", ">compile s", ">calls", ">median ms", ">longest ms"), compiles
+            ),
+        ]
     return "\n".join(lines)
 
 

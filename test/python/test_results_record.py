@@ -183,6 +183,17 @@ def test_a_compile_contention_record_renders_its_three_medians(tmp_path):
     text = record.render_results([path])
     assert "## Compile contention: Some CPU (CPU)" in text
     assert "| 8 members | 64.4 | 1637 | 65.6 |" in text
+    assert "compiled tabserve's fused" not in text  # no --triton: no such table
+    document["triton_here"] = {
+        "compile_s": 17.3, "calls": 40, "median_ms": 26.5, "longest_ms": 169.5
+    }  # fmt: skip
+    document["triton_children"] = {
+        "compile_s": 9.3, "calls": 21, "median_ms": 19.8, "longest_ms": 194.5
+    }  # fmt: skip
+    path.write_text(json.dumps(document))
+    text = record.render_results([path])
+    assert "| in this process | 17.3 | 40 | 26.5 | 169.5 |" in text
+    assert "| in child processes | 9.3 | 21 | 19.8 | 194.5 |" in text
 
 
 def test_a_kernel_record_renders_a_row_per_case_and_method(tmp_path):

@@ -22,9 +22,9 @@ pay: the answer is never lost to a compile.
 Packed calls (many tables padded together: :meth:`CompilingTabICL.padded_forward`) are one kind
 of call whatever their shapes: nothing is compiled for them, but once they have recurred and
 taken their time a warm-up builds ``packs``, ``ready``'s options with tabserve's fused Triton
-kernels (:func:`~.options.packs_options`), its kernels compiled in child processes (a compile in
-this process holds the interpreter lock for up to 0.18 s at a time), and it answers them if it was
-faster; a pack that would compile a kernel in the caller's thread is refused before launching and
+kernels (:func:`~.options.packs_options`), its kernels compiled in child processes (in this
+process Triton's native passes keep the interpreter lock, and its Python pauses for the calls: a
+compile took twice as long there), and it answers them if it was faster; a pack that would compile a kernel in the caller's thread is refused before launching and
 answered by ``ready``.
 
 A KV cache (:class:`TieredCache`) is built by ``ready`` at once and by ``target`` in the
