@@ -13,6 +13,7 @@ import importlib
 import os
 import signal
 import subprocess
+import sys
 import threading
 
 import pytest
@@ -175,3 +176,6 @@ def test_a_child_that_fails_names_the_kernel_and_one_past_the_deadline_is_stoppe
     with pytest.raises(ValueError, match="workers must be at least 1, got 0"):
         compile_elsewhere([wrong], workers=0)
     compile_elsewhere([])  # nothing to do: no child
+    monkeypatch.setattr(sys, "executable", "")
+    with pytest.raises(RuntimeError, match="needs sys.executable"):
+        compile_elsewhere([wrong])

@@ -53,6 +53,8 @@ def compile_elsewhere(
     """
     if triton is None:
         raise RuntimeError("compile_elsewhere needs Triton")
+    if not sys.executable:  # an embedding host: no interpreter to start
+        raise RuntimeError("compile_elsewhere needs sys.executable to start its children")
     found = list(dict.fromkeys(found))
     if not found:
         return
