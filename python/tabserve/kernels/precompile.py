@@ -42,10 +42,10 @@ def compile_elsewhere(
     found: Sequence[Specialization], *, workers: int | None = None, timeout: float = TIMEOUT_S
 ) -> None:
     """Compiles each specialization of ``found`` (from :func:`collect_compiles`) into Triton's
-    on-disk cache (this process's, ``triton.knobs.cache.dir``) in child processes, idle-
-    scheduled, at most ``workers`` at once (default: half of this machine's cores, at least
-    one), and returns once they have all finished. A specialization already in the cache costs
-    its child a read.
+    on-disk cache (this process's, ``triton.knobs.cache.dir``) in idle-scheduled child
+    processes, at most ``workers`` at once (default: half of the cores this process may use, at
+    least one), and returns once they have all finished. A specialization already in the cache
+    costs its child a read.
 
     Raises RuntimeError naming the kernel a child failed on, with the child's last words (what
     it compiled before stays in the cache), and TimeoutError past ``timeout`` seconds, the
@@ -59,7 +59,7 @@ def compile_elsewhere(
     if not found:
         return
     if workers is None:
-        workers = max(1, (os.cpu_count() or 2) // 2)
+        workers = max(1, _cores() // 2)
     if workers < 1:
         raise ValueError(f"workers must be at least 1, got {workers}")
     shares = [found[i :: min(workers, len(found))] for i in range(min(workers, len(found)))]
@@ -103,6 +103,15 @@ def compile_elsewhere(
                 f"a child compiling Triton kernels exited with {child.returncode}:\n"
                 + "\n".join(words)
             )
+
+
+def _cores() -> int:
+    """The cores this process may run on (its affinity where the system says, as a container's
+    CPU set does), else the machine's."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
 
 
 class _TargetDriver:
