@@ -23,7 +23,8 @@
 #             run) with ESTIMATOR_ARGS (default: every kind, recipe auto, 3 repeats), in $OUT/estimators
 #   many-tables  the many-tables suite with MANY_ARGS (default: 60 tables), in $OUT/many-tables
 #   contention  benchmarks/compile_contention.py: a served call alone, beside a Python-busy warm-up,
-#             and beside one that pauses for the calls (as the background compiles do)
+#             beside one that pauses for the calls (as the background compiles do), and beside a
+#             Triton compile in this process and in child processes (--triton)
 #   offload   benchmarks/offload_capacity.py: the widest table tabicl and tabserve fit in each
 #             offload_mode (OFFLOAD_ARGS, e.g. "--engines tabserve --modes cpu")
 #   pytest    PYTEST_ARGS (default: the CUDA tests, -m cuda test/python)
@@ -122,9 +123,9 @@ for part in "$@"; do
         ${MANY_ARGS:---tables 60} --out "$OUT/many-tables" >"$LOG/many-tables.log" 2>&1
       echo "many-tables rc=$?"; tail -30 "$LOG/many-tables.log" | cut -c1-220 ;;
     contention)
-      timeout "$(left "$LIMIT")" python3 benchmarks/compile_contention.py --device cuda \
+      timeout "$(left "$LIMIT")" python3 benchmarks/compile_contention.py --device cuda --triton \
         --json "$OUT/compile-contention-cuda.json" >"$LOG/contention.log" 2>&1
-      echo "contention rc=$?"; tail -4 "$LOG/contention.log" ;;
+      echo "contention rc=$?"; tail -6 "$LOG/contention.log" ;;
     offload)
       # shellcheck disable=SC2086  # OFFLOAD_ARGS is a word list
       timeout "$(left "$LIMIT")" python3 benchmarks/offload_capacity.py --device cuda \
