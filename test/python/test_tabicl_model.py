@@ -708,3 +708,30 @@ def test_offloaded_call_equals_the_call_on_the_device(task, classes, tmp_path):
     assert [tuple(b.shape[:3]) for b in blocks] == [(9, 2, 15), (9, 2, 35)]
     assert all(b.is_contiguous() for b in blocks)
     assert blocks[1].data_ptr() == blocks[0].data_ptr() + blocks[0].nbytes
+
+
+@pytest.mark.parametrize(
+    "values, dtype",
+    [([[0, 2, 1], [1, 0, 2]], torch.int64), ([30, 30, 12], torch.float64), (7, torch.int64)],
+)
+def test_device_values_hold_what_torch_tensor_makes(values, dtype):
+    from tabserve.models.tabicl.network.transfer import device_values
+
+    got = device_values(values, dtype, "cpu")
+    assert got.dtype == dtype and torch.equal(got, torch.tensor(values, dtype=dtype))
+
+
+@requires_cuda
+def test_device_values_queue_behind_the_stream_where_torch_tensor_waits_for_it():
+    """The host goes on while the GPU works: the copy is queued behind a busy stream; a
+    ``torch.tensor(..., device="cuda")`` returns only once the stream has finished."""
+    from tabserve.models.tabicl.network.transfer import device_values
+
+    stream = torch.cuda.current_stream()
+    torch.cuda._sleep(2_000_000_000)  # about a second of the GPU
+    got = device_values([[0, 2, 1], [1, 0, 2]], torch.int64, "cuda")
+    assert not stream.query()
+    assert torch.equal(got.cpu(), torch.tensor([[0, 2, 1], [1, 0, 2]]))
+    torch.cuda._sleep(2_000_000_000)
+    torch.tensor([[0, 2, 1]], device="cuda")
+    assert stream.query()  # what device_values spares the callers

@@ -30,6 +30,7 @@ from .interaction import RowInteraction
 from .layers import KeyValue, chunk_slices, extension_ops
 from .learning import HIERARCHY_LOG_EPS, InContextLearner
 from .quantiles import quantile_stats
+from .transfer import device_values
 
 
 def _not_finite(name: str) -> str:
@@ -56,8 +57,8 @@ def padded_counts(device: torch.device, n_train: int, n_features: int) -> tuple[
     """The real train-row and feature counts of a padded table as 0-d int64 tensors on
     ``device`` (what the padded entry points read instead of shapes)."""
     return (
-        torch.tensor(n_train, dtype=torch.int64, device=device),
-        torch.tensor(n_features, dtype=torch.int64, device=device),
+        device_values(n_train, torch.int64, device),
+        device_values(n_features, torch.int64, device),
     )
 
 

@@ -66,6 +66,7 @@ from tabserve.buckets import BucketGrid
 from ..network.checkpoint import read_checkpoint
 from ..network.engine import Engine
 from ..network.quantiles import quantile_stats
+from ..network.transfer import device_values
 from ..serving.background import foreground
 from ..serving.model_cache import served_model
 from ..serving.options import auto_options, describe, resolve_options, user_cache_dir
@@ -981,8 +982,8 @@ class TabICLClassifier(ClassifierMixin, _TabICLBase):
         """The ensemble's probabilities ``(rows, n_classes)`` from the members' outputs
         ``(members, rows, n_classes)`` in plan order (logits with ``average_logits``, else
         probabilities)."""
-        patterns = torch.tensor(
-            [p for members in self.plan_.values() for _, p in members], device=outputs.device
+        patterns = device_values(
+            [p for members in self.plan_.values() for _, p in members], torch.int64, outputs.device
         )
         # Member i saw original class c as label pattern_i[c]: read its column back.
         aligned = outputs.gather(2, patterns[:, None, :].expand(-1, outputs.shape[1], -1))

@@ -54,6 +54,7 @@ from torch import Tensor
 from tabserve import ops
 from tabserve.buckets import Bucket, BucketGrid
 
+from ..network.transfer import device_values
 from ..serving.background import foreground
 from ..serving.served import SKIP_VALUE
 from .preprocessing import BATCHED_METHODS, MemberPreprocessor, preprocess_many
@@ -199,8 +200,8 @@ def _run_pack(engine, device: torch.device, pack: Pack) -> list:
         raw = engine.padded_forward(
             torch.cat(tables),
             torch.cat(labels),
-            torch.tensor(n_train, dtype=torch.int64, device=device),
-            torch.tensor(n_features, dtype=torch.int64, device=device),
+            device_values(n_train, torch.int64, device),
+            device_values(n_features, torch.int64, device),
         )
     return _split_outputs(pack, raw)
 

@@ -33,6 +33,8 @@ from torch import Tensor
 
 from tabserve.ops import yeo_johnson_lambdas
 
+from ..network.transfer import device_values
+
 #: Above this many features Latin squares are replaced by random permutations (reference rule).
 MAX_FEATURES_FOR_LATIN = 4000
 SHUFFLE_METHODS = ("none", "shift", "random", "latin")
@@ -460,9 +462,10 @@ def preprocess_many(
     train = _side_by_side([t for t, _ in tables])  # (max rows, all columns)
     test = _side_by_side([t for _, t in tables])
     # per column: its table's train rows, and the outlier statistics' ddof (0 for one row)
-    n = torch.tensor([t.shape[0] for t, _ in tables], dtype=train.dtype).repeat_interleave(
-        torch.tensor(widths)
-    ).to(train.device)
+    n = device_values(
+        [t.shape[0] for t, width in zip(tables, widths) for _ in range(width)], train.dtype,
+        train.device,
+    )  # fmt: skip
     mean, std = _mean_std(train, n)
     scale = std + _SCALE_EPS
 
@@ -484,7 +487,9 @@ def preprocess_many(
         y_test = yeo_johnson(z_test, lambdas)
         clipped = yeo_johnson(torch.minimum(torch.maximum(z_test, z_min), z_max), lambdas)
         overflow = (~torch.isfinite(y_test) & ~torch.isnan(z_test)).any(dim=0)
-        table_of = torch.arange(len(tables)).repeat_interleave(torch.tensor(widths)).to(z.device)
+        table_of = device_values(
+            [i for i, width in enumerate(widths) for _ in range(width)], torch.int64, z.device
+        )
         per_table = torch.zeros(len(tables), dtype=z.dtype, device=z.device).index_add_(
             0, table_of, overflow.to(z.dtype)
         )
@@ -593,7 +598,7 @@ def ensemble_plan(
 
 def member_tables(X: Tensor, members: Sequence[Member]) -> Tensor:
     """Stack the feature permutations of a preprocessed table: ``(rows, H) -> (members, rows, H)``."""
-    perms = torch.tensor([perm for perm, _ in members], device=X.device)
+    perms = device_values([perm for perm, _ in members], torch.int64, X.device)
     return X[:, perms].permute(1, 0, 2)
 
 
@@ -601,7 +606,7 @@ def member_labels(y: Tensor, members: Sequence[Member]) -> Tensor:
     """Class-shifted labels ``(members, rows)``; plain copies for regression (pattern ``None``)."""
     if members[0][1] is None:
         return y.expand(len(members), -1)
-    patterns = torch.tensor([pattern for _, pattern in members], device=y.device)
+    patterns = device_values([pattern for _, pattern in members], torch.int64, y.device)
     return patterns[:, y.long()].to(y.dtype)
 
 
