@@ -159,13 +159,15 @@ def test_every_normalisation_preprocessed_together_or_alone_answers_as_each_task
     ones task by task; a batch that fails is preprocessed task by task instead."""
     from tabserve.models.tabicl.sklearn.preprocessing import preprocess_many
 
-    calls = []
+    calls, answered = [], []
 
     def counted(tables, method, threshold):
         calls.append((len(tables), method))
         if not batched:
             raise RuntimeError("a batch that fails")
-        return preprocess_many(tables, method, threshold)
+        done = preprocess_many(tables, method, threshold)
+        answered.append(method)
+        return done
 
     monkeypatch.setattr(many, "preprocess_many", counted)
     tasks = classification_tasks(6, seed=3)
@@ -180,6 +182,8 @@ def test_every_normalisation_preprocessed_together_or_alone_answers_as_each_task
         sizes = [count for count, m in calls if m == method]
         assert sizes and all(size > 1 for size in sizes) and sum(sizes) <= 5
     assert {m for _, m in calls} == {"none", "power"}
+    # batched: every batch answered together (a failed one falls back to task by task unseen)
+    assert len(answered) == (len(calls) if batched else 0)
 
 
 def test_preprocessing_batches_hold_every_task_once_within_their_bounds():

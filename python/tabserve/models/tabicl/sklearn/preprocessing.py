@@ -463,7 +463,7 @@ def preprocess_many(
     test = _side_by_side([t for _, t in tables])
     # per column: its table's train rows, and the outlier statistics' ddof (0 for one row)
     n = device_values(
-        [t.shape[0] for t, width in zip(tables, widths) for _ in range(width)], train.dtype,
+        [t.shape[0] for (t, _), width in zip(tables, widths) for _ in range(width)], train.dtype,
         train.device,
     )  # fmt: skip
     mean, std = _mean_std(train, n)
