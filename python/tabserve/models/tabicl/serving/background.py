@@ -24,8 +24,8 @@ of call whatever their shapes: nothing is compiled for them, but once they have 
 taken their time a warm-up builds ``packs``, ``ready``'s options with tabserve's fused Triton
 kernels (:func:`~.options.packs_options`), its kernels compiled in child processes (in this
 process Triton's native passes keep the interpreter lock, and its Python pauses for the calls: a
-compile took twice as long there), and it answers them if it was faster; a pack that would compile a kernel in the caller's thread is refused before launching and
-answered by ``ready``.
+compile took twice as long there), and it answers them if it was faster; a pack that would
+compile a kernel in the caller's thread is refused before launching and answered by ``ready``.
 
 A KV cache (:class:`TieredCache`) is built by ``ready`` at once and by ``target`` in the
 background (its warm-up keeps what it built); a prediction against it runs on ``target`` once
