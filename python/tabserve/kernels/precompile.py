@@ -13,9 +13,10 @@ cache, and the launch here that would have compiled it reads it back instead::
 Beside the tiny model's calls on a 2-core AMD EPYC (``benchmarks/compile_contention.py
 --triton``, torch on both cores), the fused feed-forward kernel compiled here in 17.3-19.5 s
 (pausing for the calls; 6 runs) and in children in 9.3-9.7 s (3 runs), the calls' median
-23-28 ms against 20-27 ms, the longest 154-486 ms against 189-195 ms. A child needs no GPU: it compiles for the
-target each specialization names (Triton's own ``JITFunction.preload``), creates no CUDA context
-and loads nothing, and it runs only on cores nothing else wants (:func:`_yield_the_cpu`).
+23-28 ms against 20-27 ms, the longest 154-486 ms against 189-195 ms. A child needs no GPU:
+it compiles for the target each specialization names (Triton's own ``JITFunction.preload``),
+creates no CUDA context and loads nothing, and it runs only on cores nothing else wants
+(:func:`_yield_the_cpu`).
 """
 
 from __future__ import annotations
