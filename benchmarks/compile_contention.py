@@ -46,7 +46,6 @@ import time
 from pathlib import Path
 
 import torch
-
 from tabserve.bench import report
 from tabserve.bench.workloads import make_checkpoint, model_tables, workload_by_name
 from tabserve.models.tabicl import TabICLv2
@@ -93,22 +92,6 @@ def beside_a_busy_warm_up(call, repeats: int, device: torch.device, pause: bool)
         stop.set()
         background.wait_for_compiles(60)
         background._pause_for_callers = hook
-
-
-class _H100Target:
-    """The CPU's stand-in Triton driver: an H100 (sm_90) as the target; Triton's load of a
-    compiled kernel (at its launch) fails on it, after the compile."""
-
-    def get_current_device(self) -> int:
-        return 0
-
-    def get_current_stream(self, device=None) -> int:
-        return 0
-
-    def get_current_target(self):
-        from triton.backends.compiler import GPUTarget
-
-        return GPUTarget("cuda", 90, 32)
 
 
 def _launch_feed_forward(device: torch.device, eps: float) -> None:
@@ -214,9 +197,10 @@ def main(argv=None) -> int:
         print(f"{name[:-3]:>7}: {ms:9.1f} ms")
     if args.triton:
         if device.type == "cpu":
+            from tabserve.kernels.precompile import SM90, TargetDriver
             from triton.runtime.driver import driver
 
-            driver.set_active(_H100Target())
+            driver.set_active(TargetDriver(SM90))
         for where in ("here", "children"):  # here first: the process's first Triton compile
             figures[f"triton_{where}"] = found = beside_a_triton_compile(call, device, where)
             print(

@@ -34,25 +34,11 @@ def add_kernel(x, y, out, n, BLOCK: tl.constexpr):
 '''
 
 
-class _H100:
-    """Triton's active driver here: an H100 as the target, device 0, no CUDA."""
-
-    def get_current_device(self):
-        return 0
-
-    def get_current_stream(self, device=None):
-        return 0
-
-    def get_current_target(self):
-        from triton.backends.compiler import GPUTarget
-
-        return GPUTarget("cuda", 90, 32)
-
-
 @pytest.fixture
 def probe(tmp_path, monkeypatch):
     """A fresh kernel module (importable by the children too), an empty Triton cache, and
     the H100 driver active."""
+    from tabserve.kernels.precompile import SM90, TargetDriver
     from triton.runtime.driver import driver
 
     name = f"tabserve_probe_{os.getpid()}_{len(os.listdir(tmp_path))}"
@@ -62,7 +48,7 @@ def probe(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(code))
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(code), os.environ.get("PYTHONPATH", "")]))
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(driver, "_active", _H100())
+    monkeypatch.setattr(driver, "_active", TargetDriver(SM90))
     return importlib.import_module(name), tmp_path / "cache"
 
 

@@ -36,7 +36,10 @@ from ._common import Specialization, collect_compiles, triton
 #: Seconds the children may take in all before they are stopped.
 TIMEOUT_S = 900.0
 
-__all__ = ["TIMEOUT_S", "collect_compiles", "compile_elsewhere"]
+#: The target of an H100 or H200 (sm_90), for :class:`TargetDriver`.
+SM90 = {"backend": "cuda", "arch": 90, "warp_size": 32}
+
+__all__ = ["SM90", "TIMEOUT_S", "TargetDriver", "collect_compiles", "compile_elsewhere"]
 
 
 def compile_elsewhere(
@@ -115,9 +118,10 @@ def _cores() -> int:
         return os.cpu_count() or 1
 
 
-class _TargetDriver:
-    """A child's active Triton driver: the target the specializations were made for, and no
-    device (the child only compiles: Triton loads a kernel at its first launch)."""
+class TargetDriver:
+    """A Triton driver that names a target and has no device: active in a child, which only
+    compiles (Triton loads a kernel at its first launch), and where a compile for a GPU is
+    wanted on a machine without one (a launch then fails at the load, after the compile)."""
 
     def __init__(self, target: dict):
         from triton.backends.compiler import GPUTarget
@@ -125,6 +129,9 @@ class _TargetDriver:
         self.target = GPUTarget(**target)
 
     def get_current_device(self) -> int:
+        return 0
+
+    def get_current_stream(self, device=None) -> int:
         return 0
 
     def get_current_target(self):
@@ -157,7 +164,7 @@ def _child() -> int:
 
     for module, qualname, data in json.load(sys.stdin):
         try:
-            driver.set_active(_TargetDriver(json.loads(data)["target"]))
+            driver.set_active(TargetDriver(json.loads(data)["target"]))
             _kernel(module, qualname).preload(data)
         except Exception as error:  # noqa: BLE001  (reported to the parent, which raises)
             print(f"{module}.{qualname}: {type(error).__name__}: {error}", file=sys.stderr)

@@ -461,11 +461,11 @@ def preprocess_many(
     widths = [train.shape[1] for train, _ in tables]
     train = _side_by_side([t for t, _ in tables])  # (max rows, all columns)
     test = _side_by_side([t for _, t in tables])
-    # per column: its table's train rows, and the outlier statistics' ddof (0 for one row)
-    n = device_values(
-        [t.shape[0] for (t, _), width in zip(tables, widths) for _ in range(width)], train.dtype,
-        train.device,
-    )  # fmt: skip
+    # per column: its table, its table's train rows (the outlier statistics' ddof: 0 for one row)
+    table_of = device_values(
+        [i for i, width in enumerate(widths) for _ in range(width)], torch.int64, train.device
+    )
+    n = device_values([t.shape[0] for t, _ in tables], train.dtype, train.device)[table_of]
     mean, std = _mean_std(train, n)
     scale = std + _SCALE_EPS
 
@@ -487,9 +487,6 @@ def preprocess_many(
         y_test = yeo_johnson(z_test, lambdas)
         clipped = yeo_johnson(torch.minimum(torch.maximum(z_test, z_min), z_max), lambdas)
         overflow = (~torch.isfinite(y_test) & ~torch.isnan(z_test)).any(dim=0)
-        table_of = device_values(
-            [i for i, width in enumerate(widths) for _ in range(width)], torch.int64, z.device
-        )
         per_table = torch.zeros(len(tables), dtype=z.dtype, device=z.device).index_add_(
             0, table_of, overflow.to(z.dtype)
         )
